@@ -1,0 +1,16 @@
+"""flexgemma: a fast Gemma-4 generation engine on flex_attention, and the experiment framework around it.
+
+    from flexgemma import compose, build_engine, SamplingParams
+    cfg = compose(["+model=tiny", "quant=bf16"])
+    engine = build_engine(cfg)
+    outs = engine.generate([[2, 818, 5279], [2, 651]], SamplingParams(max_new_tokens=32, temperature=0.0))
+"""
+
+from flexgemma.builder import build_engine
+from flexgemma.compose import compose
+from flexgemma.config import ConfigError
+from flexgemma.engine.engine import Engine, RequestError
+from flexgemma.engine.sequence import RequestOutput, SamplingParams
+
+__all__ = ["compose", "build_engine", "SamplingParams", "RequestOutput", "Engine", "ConfigError", "RequestError"]
+__version__ = "0.1.0"

@@ -1,0 +1,93 @@
+"""build_engine(cfg): model -> ModelSpec -> KV pool -> masks -> runner (+ CUDA graphs) -> Engine."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from omegaconf import DictConfig
+
+from flexgemma.config import ConfigError, validate_kernels
+from flexgemma.engine.block_mask import MaskBuilder
+from flexgemma.engine.engine import Engine
+from flexgemma.engine.kv_cache import KVCache
+from flexgemma.engine.runner import ModelRunner
+from flexgemma.engine.scheduler import Scheduler
+from flexgemma.model.forward import GemmaForward
+from flexgemma.model.load import build_model
+from flexgemma.model.spec import ModelSpec
+
+log = logging.getLogger("flexgemma")
+
+# Room left beside the KV pool for activations of the largest prefill step and the sampler.
+_ACTIVATION_RESERVE = 2 << 30
+
+
+def resolve_device(name) -> torch.device:
+    name = str(getattr(name, "value", name))
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but torch sees no GPU: use device=cpu (or device=auto)")
+    return torch.device(name)
+
+
+def _num_pages(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_len: int) -> int:
+    page = cfg.kv.page_size
+    need = -(-max_len // page) + 1  # one sequence of max_model_len, plus the sink page
+    if cfg.kv.max_pages is not None:
+        n = int(cfg.kv.max_pages)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * cfg.kv.memory_fraction - _ACTIVATION_RESERVE
+        n = int(budget // KVCache.page_bytes(spec, page, dtype))
+    else:
+        n = int(cfg.kv.cpu_pages)
+    if n < need:
+        raise ConfigError(
+            f"the KV pool of {n} pages of {page} tokens cannot hold one sequence of engine.max_model_len={max_len} "
+            f"tokens ({need} pages with the sink page): raise kv.max_pages / kv.memory_fraction or lower "
+            "engine.max_model_len"
+        )
+    return n
+
+
+def build_engine(cfg: DictConfig) -> Engine:
+    """Builds the engine a composed config describes (see flexgemma.compose)."""
+    from flexgemma.compose import ensure_model
+
+    cfg = ensure_model(cfg)
+    t0 = time.perf_counter()
+    device = resolve_device(cfg.device)
+    if cfg.quant.method != "none":
+        raise ConfigError(f"quant={cfg.quant.name} is not available in this build yet: use quant=bf16")
+    if cfg.lora.name != "none":
+        raise ConfigError(f"lora={cfg.lora.name} is not available in this build yet: use lora=none")
+    model, tokenizer, info = build_model(cfg.model, device)
+    spec = ModelSpec.from_hf_config(model.config)
+    dtype = model.model.embed_tokens.weight.dtype
+    max_len = min(int(cfg.engine.max_model_len), spec.max_position)
+    num_pages = _num_pages(cfg, spec, dtype, device, max_len)
+    cache = KVCache(spec, num_pages, cfg.kv.page_size, dtype, device)
+    backend = str(getattr(cfg.attn.backend, "value", cfg.attn.backend))
+    if backend == "auto":
+        backend = "flex" if device.type == "cuda" else "dense"
+    if backend == "flex":
+        validate_kernels(cfg)
+    forward = GemmaForward(model, spec, cache, cfg.attn, max_len, backend)
+    masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len)
+    runner = ModelRunner(forward, cache, masks, cfg.engine.max_batch_size, cfg.attn.q_block_size)
+    scheduler = Scheduler(cache, cfg.engine.max_batch_size, cfg.engine.max_prefill_tokens)
+    info.update(
+        device=str(device), kv_pages=num_pages, page_size=cfg.kv.page_size, kv_pool_bytes=cache.nbytes,
+        max_model_len=max_len, attention_backend=backend,
+    )
+    engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info)
+    info["build_seconds"] = time.perf_counter() - t0
+    log.info(
+        "engine: %s (%s, %.2fB params, %s) on %s; KV pool %d pages x %d tokens = %.2f GiB",
+        info["name"], info["weights"], info["params"] / 1e9, info["dtype"], device, num_pages,
+        cfg.kv.page_size, cache.nbytes / 2**30,
+    )
+    return engine

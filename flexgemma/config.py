@@ -1,0 +1,269 @@
+"""Structured config schemas, their ConfigStore registration and the checks that run at composition.
+
+Every key a user can set lives here once, with its type and default. Types and enum choices are
+checked by OmegaConf when Hydra composes; value rules that a type cannot express (powers of two, a
+KV block equal to the page size, a ladder without holes) are checked by `validate`, which raises a
+`ConfigError` naming the key and what it accepts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+DEFAULT_MODEL = "tiny"
+
+
+class ConfigError(ValueError):
+    """A configuration value that composes but cannot run; the message names the key."""
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(str, Enum):
+    auto = "auto"  # bfloat16 on a GPU, float32 on the CPU
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class AttnBackend(str, Enum):
+    auto = "auto"  # flex on a GPU, dense on the CPU
+    flex = "flex"  # compiled flex_attention kernels
+    flex_eager = "flex_eager"  # torch's unfused flex reference
+    dense = "dense"  # the same mask_mod + SDPA (fast on the CPU)
+
+
+class LoggerKind(str, Enum):
+    none = "none"
+    wandb_offline = "wandb_offline"
+    wandb_online = "wandb_online"
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # a variant under conf/model/, or any name when `path` is set
+    hf_config: Any = None  # Gemma4TextConfig keyword arguments (the architecture)
+    path: Optional[str] = None  # local Hugging Face checkpoint directory
+    dtype: DType = DType.auto
+    seed: int = 0  # random init when there are no weights
+    allow_pickle: bool = False  # accept pickled *.bin weights (they can run code)
+
+
+@dataclass
+class QuantConfig:
+    name: str = "bf16"
+    method: str = "none"  # none | bnb4
+    quant_type: str = "nf4"
+    double_quant: bool = False
+    block_size: int = 64
+
+
+@dataclass
+class LoraConfig:
+    name: str = "none"
+    rank: int = 0  # 0 = no adapter
+    alpha: float = 16.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    seed: int = 0
+    path: Optional[str] = None
+
+
+@dataclass
+class FlexKernel:
+    """flex_attention kernel options for one phase; null leaves torch's choice."""
+
+    block_m: Optional[int] = None
+    block_n: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+    extra: dict[str, Any] = field(default_factory=dict)  # any other torch kernel option, verbatim
+
+
+@dataclass
+class PhaseKernels(FlexKernel):
+    # overrides for the head_dim-512 full-attention layers, merged over the phase's options
+    full_attention: FlexKernel = field(default_factory=FlexKernel)
+
+
+@dataclass
+class AttnConfig:
+    name: str = "default"
+    q_block_size: int = 128  # BlockMask query block for prefill
+    kv_block_size: int = 64  # BlockMask KV block; must equal kv.page_size
+    backend: AttnBackend = AttnBackend.auto
+    prefill: PhaseKernels = field(default_factory=PhaseKernels)
+    decode: PhaseKernels = field(default_factory=PhaseKernels)
+
+
+@dataclass
+class KVConfig:
+    page_size: int = 64
+    memory_fraction: float = 0.9  # of the GPU memory left after weights; GPU only
+    max_pages: Optional[int] = None  # fixes the pool size; default on the CPU: cpu_pages
+    cpu_pages: int = 128
+
+
+@dataclass
+class CudaGraphConfig:
+    name: str = "ladder8"
+    enabled: bool = True
+    buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64])
+
+
+@dataclass
+class EngineConfig:
+    max_batch_size: int = 64
+    max_model_len: int = 4096
+    max_prefill_tokens: int = 8192  # token budget of one packed prefill step; long prompts are chunked
+    compile: Optional[bool] = None  # torch.compile the decode step; null = on the GPU only
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = "synthetic"
+    num_prompts: int = 16
+    min_prompt_len: int = 8
+    max_prompt_len: int = 48
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    ignore_eos: bool = True
+    seed: int = 1234
+    rounds: int = 3
+    warmup_rounds: int = 1
+    path: Optional[str] = None  # prompts file for workload=jsonl
+
+
+@dataclass
+class TaskConfig:
+    name: str = "bench"
+
+
+@dataclass
+class LoggerConfig:
+    kind: LoggerKind = LoggerKind.none
+    project: str = "flexgemma"
+    group: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    attn: AttnConfig = field(default_factory=AttnConfig)
+    kv: KVConfig = field(default_factory=KVConfig)
+    cudagraph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    device: Device = Device.auto
+    seed: int = 0  # engine seed for requests that bring none
+
+
+GROUP_SCHEMAS = {
+    "model": ModelConfig,
+    "quant": QuantConfig,
+    "lora": LoraConfig,
+    "attn": AttnConfig,
+    "kv": KVConfig,
+    "cudagraph": CudaGraphConfig,
+    "engine": EngineConfig,
+    "workload": WorkloadConfig,
+    "task": TaskConfig,
+    "logger": LoggerConfig,
+}
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="flexgemma_schema", node=Config)
+    for group, schema in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"{group}_schema", node=schema)
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def _check_pow2(key: str, value: Optional[int], lo: int = 1, hi: int = 1 << 16) -> None:
+    if value is not None and not (_is_pow2(value) and lo <= value <= hi):
+        raise ConfigError(f"{key}={value} is invalid: it must be a power of two between {lo} and {hi}")
+
+
+def _check_kernel(prefix: str, k: Any) -> None:
+    _check_pow2(f"{prefix}.block_m", k.block_m, 16, 256)
+    _check_pow2(f"{prefix}.block_n", k.block_n, 16, 256)
+    _check_pow2(f"{prefix}.num_warps", k.num_warps, 1, 16)
+    if k.num_stages is not None and not 1 <= k.num_stages <= 6:
+        raise ConfigError(f"{prefix}.num_stages={k.num_stages} is invalid: allowed 1..6")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Value rules that a type cannot express. Raises ConfigError naming the key."""
+    a, kv, eng, cg, lora = cfg.attn, cfg.kv, cfg.engine, cfg.cudagraph, cfg.lora
+    _check_pow2("attn.q_block_size", a.q_block_size, 16, 1024)
+    _check_pow2("attn.kv_block_size", a.kv_block_size, 8, 1024)
+    _check_pow2("kv.page_size", kv.page_size, 8, 1024)
+    if a.kv_block_size != kv.page_size:
+        raise ConfigError(
+            f"attn.kv_block_size={a.kv_block_size} must equal kv.page_size={kv.page_size}: a KV block of the "
+            f"BlockMask is one page of the cache (set both, e.g. kv.page_size={a.kv_block_size})"
+        )
+    for phase in ("prefill", "decode"):
+        _check_kernel(f"attn.{phase}", a[phase])
+        _check_kernel(f"attn.{phase}.full_attention", a[phase].full_attention)
+    if not 0.0 < kv.memory_fraction <= 1.0:
+        raise ConfigError(f"kv.memory_fraction={kv.memory_fraction} is invalid: allowed (0, 1]")
+    if kv.max_pages is not None and kv.max_pages < 2:
+        raise ConfigError(f"kv.max_pages={kv.max_pages} is invalid: at least 2 (page 0 is the padding sink)")
+    if eng.max_batch_size < 1:
+        raise ConfigError(f"engine.max_batch_size={eng.max_batch_size} is invalid: at least 1")
+    if eng.max_model_len < 2:
+        raise ConfigError(f"engine.max_model_len={eng.max_model_len} is invalid: at least 2")
+    if eng.max_prefill_tokens < 16:
+        raise ConfigError(f"engine.max_prefill_tokens={eng.max_prefill_tokens} is invalid: at least 16")
+    if cg.enabled:
+        b = list(cg.buckets)
+        if not b or any(x < 1 for x in b) or b != sorted(set(b)):
+            raise ConfigError(f"cudagraph.buckets={b} is invalid: a strictly increasing list of positive batch sizes")
+        if b[-1] < eng.max_batch_size:
+            raise ConfigError(
+                f"cudagraph.buckets={b} has a hole: batches of {b[-1] + 1}..{eng.max_batch_size} "
+                f"(engine.max_batch_size) find no bucket; add {eng.max_batch_size} or lower engine.max_batch_size"
+            )
+    if lora.name != "none" and lora.rank < 1:
+        raise ConfigError(f"lora.rank={lora.rank} is invalid: a LoRA rank is at least 1 (or use lora=none)")
+    w = cfg.workload
+    if w.num_prompts < 1 or w.max_new_tokens < 1:
+        raise ConfigError("workload.num_prompts and workload.max_new_tokens must be at least 1")
+    if not 1 <= w.min_prompt_len <= w.max_prompt_len:
+        raise ConfigError(
+            f"workload.min_prompt_len={w.min_prompt_len} / max_prompt_len={w.max_prompt_len}: need 1 <= min <= max"
+        )
+    if not math.isfinite(w.temperature) or w.temperature < 0:
+        raise ConfigError(f"workload.temperature={w.temperature} is invalid: allowed >= 0")
+
+
+def validate_kernels(cfg: DictConfig) -> None:
+    """Tile rules of the compiled flex kernels (the eager CPU path has no tiles): a kernel walks a
+    page in BLOCK_N tiles and a prefill query block in BLOCK_M tiles."""
+    a, page = cfg.attn, cfg.kv.page_size
+    for phase in ("prefill", "decode"):
+        for prefix, k in ((f"attn.{phase}", a[phase]), (f"attn.{phase}.full_attention", a[phase].full_attention)):
+            if k.block_n is not None and page % k.block_n != 0:
+                raise ConfigError(f"{prefix}.block_n={k.block_n} must divide kv.page_size={page}")
+            if phase == "prefill" and k.block_m is not None and a.q_block_size % k.block_m != 0:
+                raise ConfigError(f"{prefix}.block_m={k.block_m} must divide attn.q_block_size={a.q_block_size}")

@@ -1,0 +1,157 @@
+"""Logical attention masks (causal, sliding window, document) over physical KV pages.
+
+flex_attention sees the whole pool as one KV sequence of num_pages * page_size slots. A query
+may read a slot when the slot's page belongs to the query's sequence (document mask), the slot's
+logical position is not after the query's (causal) and, on sliding layers, is less than `window`
+positions behind it. The BlockMask lists, per query block, only the pages that can pass, so the
+kernel never touches the rest; the mask_mod decides inside those pages (and everywhere, in eager
+mode, which ignores the sparsity).
+
+All tensors a mask reads are persistent buffers of `MaskBuffers`, so a captured CUDA graph
+replays with new values copied in and no new BlockMask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexgemma.engine.kv_cache import KVCache
+from flexgemma.engine.sequence import Sequence
+from flexgemma.model.spec import ModelSpec
+
+NO_SEQ = -2  # the document id of padding queries: matches no page owner (free pages are -1)
+
+
+def make_mask_mod(cache: KVCache, q_seq: torch.Tensor, q_pos: torch.Tensor, window: Optional[int]):
+    page_size = cache.page_size
+    owner, base = cache.page_owner, cache.page_pos
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        page = kv_idx // page_size
+        kv_pos = base[page] + kv_idx % page_size
+        qp, qs = q_pos[b, q_idx], q_seq[b, q_idx]
+        ok = (owner[page] == qs) & (kv_pos <= qp)
+        if window is not None:
+            ok = ok & (kv_pos > qp - window)
+        # a padding query sees the sink slot, so no row is empty (dense softmax would give NaN)
+        return ok | ((qs == NO_SEQ) & (kv_idx == 0))
+
+    return mask_mod
+
+
+def page_span(seq: Sequence, first_pos: int, last_pos: int, window: Optional[int], page_size: int) -> list[int]:
+    """Physical pages a query at positions [first_pos, last_pos] of `seq` may read."""
+    lo = 0 if window is None else max(0, first_pos - window + 1)
+    return seq.pages[lo // page_size: last_pos // page_size + 1]
+
+
+@dataclass
+class MaskBuffers:
+    """Device buffers one family of masks reads: per layer type the page lists, plus the queries."""
+
+    q_seq: torch.Tensor  # [B, Q] int32 document id (sequence id) of each query
+    q_pos: torch.Tensor  # [B, Q] int32 logical position of each query
+    kv_num_blocks: dict[str, torch.Tensor]  # layer type -> [B, 1, n_q_blocks] int32
+    kv_indices: dict[str, torch.Tensor]  # layer type -> [B, 1, n_q_blocks, width] int32
+
+
+class MaskBuilder:
+    def __init__(self, spec: ModelSpec, cache: KVCache, q_block_size: int, max_model_len: int):
+        self.spec, self.cache = spec, cache
+        self.page_size = cache.page_size
+        self.q_block = q_block_size
+        self.windows = {t: next(s.window for s in spec.layers if s.layer_type == t) for t in spec.layer_types}
+        self.max_pages_per_seq = -(-max_model_len // self.page_size)
+        self.kv_len = cache.num_pages * self.page_size
+        self.device = cache.page_owner.device
+
+    # -- decode: batch B, one query each; persistent buffers sized for the largest batch -----------
+    def decode_buffers(self, batch: int) -> MaskBuffers:
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=self.device)  # noqa: E731
+        w = self.max_pages_per_seq
+        return MaskBuffers(
+            q_seq=torch.full((batch, 1), NO_SEQ, dtype=torch.int32, device=self.device),
+            q_pos=z(batch, 1),
+            kv_num_blocks={t: z(batch, 1, 1) for t in self.windows},
+            kv_indices={t: z(batch, 1, 1, w) for t in self.windows},
+        )
+
+    def block_masks(self, buf: MaskBuffers, rows: Optional[int] = None, q_block: int = 1) -> dict[str, BlockMask]:
+        """BlockMasks over (a leading slice of) the buffers; built once per CUDA-graph bucket."""
+        r = slice(None) if rows is None else slice(0, rows)
+        q_seq, q_pos = buf.q_seq[r], buf.q_pos[r]
+        q_len = q_seq.shape[1]
+        return {
+            t: BlockMask.from_kv_blocks(
+                buf.kv_num_blocks[t][r],
+                buf.kv_indices[t][r],
+                BLOCK_SIZE=(q_block, self.page_size),
+                mask_mod=make_mask_mod(self.cache, q_seq, q_pos, self.windows[t]),
+                seq_lengths=(q_len, self.kv_len),
+                compute_q_blocks=False,
+            )
+            for t in self.windows
+        }
+
+    def fill_decode(self, buf: MaskBuffers, seqs: list[Sequence], rows: int) -> None:
+        """Write the decode masks of `seqs` into rows [0, rows) of `buf` (rows past len(seqs) are padding)."""
+        q_seq = np.full((rows, 1), NO_SEQ, dtype=np.int32)
+        q_pos = np.zeros((rows, 1), dtype=np.int32)
+        w = buf.kv_indices[next(iter(self.windows))].shape[-1]
+        for t, window in self.windows.items():
+            nb = np.zeros((rows, 1, 1), dtype=np.int32)
+            idx = np.zeros((rows, 1, 1, w), dtype=np.int32)
+            for i, s in enumerate(seqs):
+                pos = s.num_tokens - 1
+                pages = page_span(s, pos, pos, window, self.page_size)
+                nb[i, 0, 0] = len(pages)
+                idx[i, 0, 0, : len(pages)] = pages
+            buf.kv_num_blocks[t][:rows].copy_(torch.from_numpy(nb), non_blocking=True)
+            buf.kv_indices[t][:rows].copy_(torch.from_numpy(idx), non_blocking=True)
+        for i, s in enumerate(seqs):
+            q_seq[i, 0] = s.seq_id
+            q_pos[i, 0] = s.num_tokens - 1
+        buf.q_seq[:rows].copy_(torch.from_numpy(q_seq), non_blocking=True)
+        buf.q_pos[:rows].copy_(torch.from_numpy(q_pos), non_blocking=True)
+
+    # -- prefill: every chunk packed into one query sequence ------------------------------------
+    def prefill(self, seqs: list[Sequence], chunk_lens: list[int], padded_len: int) -> dict[str, BlockMask]:
+        qb = self.q_block
+        n_blocks = padded_len // qb
+        q_seq = np.full((1, padded_len), NO_SEQ, dtype=np.int32)
+        q_pos = np.zeros((1, padded_len), dtype=np.int32)
+        segments: list[list[tuple[Sequence, int, int]]] = [[] for _ in range(n_blocks)]
+        t0 = 0
+        for s, n in zip(seqs, chunk_lens):
+            p0 = s.num_computed
+            q_seq[0, t0: t0 + n] = s.seq_id
+            q_pos[0, t0: t0 + n] = np.arange(p0, p0 + n)
+            for j in range(t0 // qb, (t0 + n - 1) // qb + 1):
+                a, b = max(t0, j * qb), min(t0 + n, (j + 1) * qb)
+                segments[j].append((s, p0 + a - t0, p0 + b - 1 - t0))
+            t0 += n
+        q_seq_t = torch.from_numpy(q_seq).to(self.device)
+        q_pos_t = torch.from_numpy(q_pos).to(self.device)
+        masks = {}
+        for t, window in self.windows.items():
+            lists = [[p for s, a, b in seg for p in page_span(s, a, b, window, self.page_size)] for seg in segments]
+            width = 1 << max(1, max(len(x) for x in lists) - 1).bit_length()  # few distinct widths: few recompiles
+            nb = np.zeros((1, 1, n_blocks), dtype=np.int32)
+            idx = np.zeros((1, 1, n_blocks, width), dtype=np.int32)
+            for j, x in enumerate(lists):
+                nb[0, 0, j] = len(x)
+                idx[0, 0, j, : len(x)] = x
+            masks[t] = BlockMask.from_kv_blocks(
+                torch.from_numpy(nb).to(self.device),
+                torch.from_numpy(idx).to(self.device),
+                BLOCK_SIZE=(qb, self.page_size),
+                mask_mod=make_mask_mod(self.cache, q_seq_t, q_pos_t, window),
+                seq_lengths=(padded_len, self.kv_len),
+                compute_q_blocks=False,
+            )
+        return masks

@@ -1,0 +1,165 @@
+"""Engine.generate(): validate requests, run the step loop, collect outputs and timings."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence as Seq, Union
+
+from tqdm.auto import tqdm
+
+from flexgemma.engine.runner import ModelRunner
+from flexgemma.engine.scheduler import Scheduler
+from flexgemma.engine.sequence import RequestOutput, SamplingParams, Sequence
+from flexgemma.model.spec import ModelSpec
+
+log = logging.getLogger("flexgemma")
+
+
+class RequestError(ValueError):
+    """Raised by generate(strict=True) when a request is invalid; lists every bad request."""
+
+
+@dataclass
+class StepStats:
+    """Counters of the last generate() call (reset at each call)."""
+
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    preemptions: int = 0
+    decode_batch_sizes: list[int] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, model, spec: ModelSpec, runner: ModelRunner, scheduler: Scheduler, max_model_len: int,
+                 seed: int = 0, tokenizer=None, info: Optional[dict] = None):
+        self.model = model  # the transformers Gemma4ForCausalLM whose weights the engine runs
+        self.spec, self.runner, self.scheduler = spec, runner, scheduler
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.tokenizer = tokenizer
+        self.info = info or {}
+        self.stats = StepStats()
+        self._next_id = 0
+
+    # -- validation --------------------------------------------------------------------------
+    def request_problems(self, prompt, params: SamplingParams) -> list[str]:
+        out = list(params.problems()) if isinstance(params, SamplingParams) else [f"not a SamplingParams: {params!r}"]
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            return out + ["prompt must be a list of token ids (ints)"]
+        if len(prompt) == 0:
+            out.append("empty prompt: give at least one token (e.g. BOS)")
+        bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            out.append(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            out.append(
+                f"prompt of {len(prompt)} tokens leaves no room to generate: the maximum length is "
+                f"{self.max_model_len} (engine.max_model_len), so prompts may have at most {self.max_model_len - 1}"
+            )
+        return out
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Seq[Seq[int]],
+        params: Union[SamplingParams, Seq[SamplingParams], None] = None,
+        use_tqdm: bool = False,
+        strict: bool = False,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns one RequestOutput per prompt, in order.
+
+        An invalid request (empty prompt, unknown token id, too long, bad sampling values) does not
+        stop the others: its output has finish_reason "error" and `error` says what is wrong.
+        With strict=True the call raises RequestError before generating anything instead.
+        """
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        outputs: list[Optional[RequestOutput]] = [None] * len(prompts)
+        seqs, problems = [], []
+        for i, (prompt, sp) in enumerate(zip(prompts, plist)):
+            errs = self.request_problems(prompt, sp)
+            if errs:
+                msg = f"request {i}: " + "; ".join(errs)
+                problems.append(msg)
+                outputs[i] = RequestOutput(i, list(prompt) if isinstance(prompt, (list, tuple)) else [], [], [],
+                                           "error", error=msg)
+                continue
+            seed = sp.seed if sp.seed is not None else (self.seed * 1_000_003 + self._next_id) & 0x7FFFFFFF
+            seqs.append(Sequence(self._next_id, i, list(prompt), sp, seed))
+            self._next_id += 1
+        if problems:
+            if strict:
+                raise RequestError("invalid requests (nothing was generated):\n  " + "\n  ".join(problems))
+            for p in problems:
+                log.warning("skipped %s", p)
+        self.stats = StepStats()
+        start = time.perf_counter()
+        for s in seqs:
+            self.scheduler.add(s)
+        bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm, leave=False)
+        generated = 0
+        while self.scheduler.has_work:
+            plan = self.scheduler.schedule()
+            t0 = time.perf_counter()
+            tokens, logprobs = self.runner.run(plan)
+            dt = time.perf_counter() - t0
+            now = t0 + dt - start
+            self._account(plan, dt)
+            k = 0
+            for i, s in enumerate(list(plan.seqs)):
+                if plan.kind == "prefill":
+                    samples = plan.samples(i)
+                    s.num_computed += plan.chunk_lens[i]
+                    if not samples:
+                        continue  # a chunk of a longer prompt
+                else:
+                    s.num_computed += 1
+                tok, lp = tokens[k], logprobs[k]
+                k += 1
+                s.generated.append(tok)
+                s.logprobs.append(lp)
+                generated += 1
+                if s.first_token_time is None:
+                    s.first_token_time = now
+                reason = self._finish_reason(s, tok)
+                if reason:
+                    s.finish_time = now
+                    self.scheduler.finish(s, reason)
+                    outputs[s.index] = s.to_output()
+                    bar.update(1)
+            if use_tqdm and dt > 0:
+                bar.set_postfix(tok_s=f"{generated / max(now, 1e-9):.0f}", refresh=False)
+        bar.close()
+        self.stats.preemptions = sum(s.num_preemptions for s in seqs)
+        return outputs  # type: ignore[return-value]
+
+    def _account(self, plan, dt: float) -> None:
+        st = self.stats
+        if plan.kind == "prefill":
+            st.prefill_steps += 1
+            st.prefill_tokens += plan.num_tokens
+            st.prefill_time += dt
+        else:
+            st.decode_steps += 1
+            st.decode_tokens += len(plan.seqs)
+            st.decode_time += dt
+            st.decode_batch_sizes.append(len(plan.seqs))
+
+    def _finish_reason(self, s: Sequence, tok: int) -> Optional[str]:
+        if (not s.params.ignore_eos and tok in self.spec.eos_token_ids) or tok in s.params.stop_token_ids:
+            return "stop"
+        if len(s.generated) >= s.params.max_new_tokens:
+            return "length"
+        if s.num_tokens >= self.max_model_len:
+            return "max_model_len"
+        return None

@@ -1,0 +1,73 @@
+"""Sampling on the device: greedy, temperature, top-k, top-p, with per-request seeds.
+
+The random draw of a request at position p is Gumbel-max over noise that is a hash of
+(seed, p, token id): it depends on nothing else in the batch, needs no generator state (so it
+replays inside a CUDA graph), and a preempted request that is recomputed draws the same tokens.
+Logprobs are those of the chosen token under the model's distribution (temperature 1, no filter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK31 = 0x7FFFFFFF
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    # 31-bit values times 31-bit odd constants stay below 2**62: no int64 overflow on any device
+    h = ((h >> 16) ^ h) * 0x45D9F3B & _MASK31
+    h = ((h >> 16) ^ h) * 0x2C1B3C6D & _MASK31
+    h = ((h >> 15) ^ h) * 0x297A2D39 & _MASK31
+    return (h >> 16) ^ h
+
+
+def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32 in (0, 1), a pure function of (seed, position, token id)."""
+    key = _mix((seeds.long() & _MASK31) ^ _mix((positions.long() * 0x27D4EB2F) & _MASK31))
+    tok = torch.arange(vocab, device=seeds.device, dtype=torch.long)
+    h = _mix(key[:, None] ^ ((tok[None, :] * 0x165667B1) & _MASK31))
+    h = _mix(h ^ key[:, None])
+    return ((h & _MASK31).float() + 0.5) * (1.0 / 2147483648.0)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as device tensors."""
+
+    temperature: torch.Tensor  # [B] float32; 0 = greedy
+    top_k: torch.Tensor  # [B] int64; 0 = off
+    top_p: torch.Tensor  # [B] float32; 1 = off
+    seed: torch.Tensor  # [B] int64
+    position: torch.Tensor  # [B] int64: position of the token being drawn
+    needs_filter: bool  # some row uses top-k or top-p (sorting the vocabulary is skipped otherwise)
+
+
+def sample(logits: torch.Tensor, p: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] float32 -> (tokens [B] int64, logprobs [B] float32)."""
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    temp = p.temperature.clamp_min(1e-5)[:, None]
+    scaled = logits / temp
+    if p.needs_filter:
+        scaled = _filter_top_k_top_p(scaled, p.top_k, p.top_p)
+    u = hash_uniform(p.seed, p.position, logits.shape[-1])
+    gumbel = -torch.log(-torch.log(u))
+    drawn = (scaled + gumbel).argmax(dim=-1)
+    tokens = torch.where(p.temperature > 0, drawn, greedy)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    return tokens, logprobs
+
+
+def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    vocab = scaled.shape[-1]
+    sorted_vals, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scaled.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    drop = rank >= k
+    probs = torch.softmax(sorted_vals.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each candidate
+    drop = drop | (before > top_p[:, None])  # the first candidate always stays
+    sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_vals)

@@ -1,0 +1,122 @@
+"""Continuous batching: admission, chunked prefill, preemption. Decides; holds no tensors.
+
+Each step is either a packed prefill (chunks of requests whose prompt lacks KV, at most
+`max_prefill_tokens` tokens in all) or a decode (one token for every running request). Prefill
+comes first whenever a request can be admitted or continued, so the batch refills as soon as
+pages free up. When decode needs a page and none is free, the most recently admitted request is
+preempted: its pages are freed and it waits at the head of the queue to be recomputed from
+prompt + generated tokens, which it keeps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from flexgemma.engine.kv_cache import KVCache
+from flexgemma.engine.sequence import Sequence, Status
+
+
+@dataclass
+class StepPlan:
+    kind: str  # "prefill" | "decode"
+    seqs: list[Sequence]
+    chunk_lens: list[int] = field(default_factory=list)  # prefill: tokens computed per sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.chunk_lens) if self.kind == "prefill" else len(self.seqs)
+
+    def samples(self, i: int) -> bool:
+        """Does sequence i get a new token from this step?"""
+        s = self.seqs[i]
+        return self.kind == "decode" or s.num_computed + self.chunk_lens[i] == s.num_tokens
+
+
+class Scheduler:
+    def __init__(self, cache: KVCache, max_batch_size: int, max_prefill_tokens: int):
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _grow(self, seq: Sequence, upto_tokens: int) -> bool:
+        n = seq.pages_needed(upto_tokens, self.page_size)
+        if n > self.cache.allocator.num_free:
+            return False
+        if n:
+            pages = self.cache.allocator.allocate(n)
+            self.cache.assign_pages(pages, seq.seq_id, len(seq.pages))
+            seq.pages.extend(pages)
+        return True
+
+    def schedule(self) -> StepPlan:
+        budget = self.max_prefill_tokens
+        seqs, lens = [], []
+        for seq in self.running:  # chunked prompts continue first
+            if budget and seq.needs_prefill:
+                n = min(seq.num_tokens - seq.num_computed, budget)
+                if self._grow(seq, seq.num_computed + n):
+                    seqs.append(seq)
+                    lens.append(n)
+                    budget -= n
+        while self.waiting and budget and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            lens.append(n)
+            budget -= n
+        if seqs:
+            return StepPlan("prefill", seqs, lens)
+        batch = self._decode_batch()
+        if not batch and len(self.running) > 1:
+            # every running request is a stalled chunked prefill: free the newest one's pages
+            self.preempt(self.running[-1])
+            return self.schedule()
+        return StepPlan("decode", batch)
+
+    def _decode_batch(self) -> list[Sequence]:
+        batch = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or seq.needs_prefill:
+                continue  # preempted while making room for an earlier one, or waiting for prefill budget
+            while not self._grow(seq, seq.num_tokens):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.append(seq)
+        return batch
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.release_pages(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.status = Status.FINISHED
+        self.running.remove(seq)
+        self.cache.release_pages(seq.pages)
+        seq.pages = []
