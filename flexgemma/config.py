@@ -144,9 +144,17 @@ class WorkloadConfig:
     path: Optional[str] = None  # prompts file for workload=jsonl
 
 
+class TaskName(str, Enum):
+    bench = "bench"
+    parity = "parity"
+    determinism = "determinism"
+    all = "all"
+
+
 @dataclass
 class TaskConfig:
-    name: str = "bench"
+    name: TaskName = TaskName.bench
+    max_prompts: int = 8  # parity: prompts compared against transformers generate (one at a time)
 
 
 @dataclass
@@ -214,9 +222,9 @@ def _check_kernel(prefix: str, k: Any) -> None:
 def validate(cfg: DictConfig) -> None:
     """Value rules that a type cannot express. Raises ConfigError naming the key."""
     a, kv, eng, cg, lora = cfg.attn, cfg.kv, cfg.engine, cfg.cudagraph, cfg.lora
+    _check_pow2("kv.page_size", kv.page_size, 8, 1024)
     _check_pow2("attn.q_block_size", a.q_block_size, 16, 1024)
     _check_pow2("attn.kv_block_size", a.kv_block_size, 8, 1024)
-    _check_pow2("kv.page_size", kv.page_size, 8, 1024)
     if a.kv_block_size != kv.page_size:
         raise ConfigError(
             f"attn.kv_block_size={a.kv_block_size} must equal kv.page_size={kv.page_size}: a KV block of the "

@@ -93,19 +93,24 @@ class PagedAttention:
 def dense_attention(q, k, v, block_mask: BlockMask, scale: float, enable_gqa: bool, kernel_options=None):
     """The CPU path: the same mask_mod evaluated on broadcast index tensors, then SDPA.
 
-    Eager flex_attention computes the same thing through vmap at ~25 ms a call; this is exact
-    and fast enough for tests. It reads every slot of the pool, so keep CPU pools small.
+    Only the pages the BlockMask lists (plus the sink page) are gathered, so the cost follows the
+    live KV, not the pool. Eager flex_attention computes the same thing through vmap over the
+    whole pool at ~25 ms a call.
     """
     b, _, q_len, _ = q.shape
-    kv_len = k.shape[2]
     dev = q.device
+    page = block_mask.BLOCK_SIZE[1]
+    listed = torch.arange(block_mask.kv_indices.shape[-1], device=dev) < block_mask.kv_num_blocks[..., None]
+    pages = torch.unique(torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), block_mask.kv_indices[listed]]))
+    slots = (pages[:, None].long() * page + torch.arange(page, device=dev)).reshape(-1)
     mask = block_mask.mask_mod(
         torch.arange(b, device=dev)[:, None, None, None],
         torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev),
         torch.arange(q_len, device=dev)[None, None, :, None],
-        torch.arange(kv_len, device=dev)[None, None, None, :],
+        slots[None, None, None, :],
     )
-    k, v = k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1)
+    k = k[:, :, slots].expand(b, -1, -1, -1)
+    v = v[:, :, slots].expand(b, -1, -1, -1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 

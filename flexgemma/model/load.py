@@ -40,7 +40,7 @@ def _plain(obj: Any) -> Any:
 def text_config_from_dict(d: dict):
     from transformers import Gemma4TextConfig
 
-    d = dict(d)
+    d = {k: _plain(v) for k, v in _plain(d).items()}
     n = d.get("num_hidden_layers")
     types = d.get("layer_types")
     if n is not None and types is not None and len(types) > n:

@@ -1,0 +1,48 @@
+"""task=parity: flexgemma's greedy tokens against transformers `generate` on the same weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    dev = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=dev)
+    # EOS neither stops nor is forbidden (min_new_tokens would mask it): the same as ignore_eos
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+    return out[0, len(prompt):].tolist()
+
+
+def compare(ours: list[list[int]], ref: list[list[int]]) -> dict:
+    match = total = exact = 0
+    first_div = []
+    for a, b in zip(ours, ref):
+        n = min(len(a), len(b))
+        d = next((i for i in range(n) if a[i] != b[i]), None)
+        first_div.append(d)
+        match += d if d is not None else n  # tokens agree up to the first divergence
+        total += n
+        exact += d is None and len(a) == len(b)
+    diverged = [d for d in first_div if d is not None]
+    return {
+        "parity/token_match_pct": 100.0 * match / max(total, 1),
+        "parity/exact_prompts": exact,
+        "parity/prompts": len(ours),
+        "parity/first_divergence": min(diverged) if diverged else -1,
+    }
+
+
+def run(engine, workload, cfg, recorder) -> dict:
+    n = min(len(workload.prompts), int(cfg.task.get("max_prompts", 8)))
+    prompts = workload.prompts[:n]
+    params = [dataclasses.replace(p, temperature=0.0, ignore_eos=True) for p in workload.params[:n]]
+    ours = [o.token_ids for o in engine.generate(prompts, params)]
+    ref = [hf_greedy(engine.model, p, sp.max_new_tokens) for p, sp in tqdm(list(zip(prompts, params)), desc="transformers", leave=False)]
+    summary = compare(ours, ref)
+    recorder.log_round(summary)
+    return summary

@@ -1,0 +1,119 @@
+"""Run records: summary.json, metrics.jsonl, the resolved config, the environment, the end table.
+
+Metric names are flat "group/name" keys, the same in summary.json, metrics.jsonl and W&B.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+
+def environment() -> dict[str, Any]:
+    import transformers
+
+    env = {
+        "env/python": platform.python_version(),
+        "env/torch": torch.__version__,
+        "env/transformers": transformers.__version__,
+        "env/cuda": torch.version.cuda or "none",
+        "env/gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "env/git_sha": _git_sha(),
+    }
+    try:
+        import triton
+
+        env["env/triton"] = triton.__version__
+    except ImportError:
+        env["env/triton"] = "none"
+    if torch.cuda.is_available():
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10)
+            env["env/driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else "unknown"
+        except (OSError, subprocess.SubprocessError, IndexError):
+            env["env/driver"] = "unknown"
+    return env
+
+
+def _git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return str(v)
+
+
+class RunRecorder:
+    """Writes a job's files into its own directory (the Hydra run dir)."""
+
+    def __init__(self, out_dir: str | Path, cfg: DictConfig):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg
+        (self.dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        self._metrics = open(self.dir / "metrics.jsonl", "a")
+
+    def log_round(self, row: dict[str, Any]) -> None:
+        self._metrics.write(json.dumps(_jsonable(row)) + "\n")
+        self._metrics.flush()
+
+    def write_summary(self, summary: dict[str, Any]) -> Path:
+        path = self.dir / "summary.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=True))
+        tmp.replace(path)  # a summary exists only once complete: sweeps resume on its presence
+        return path
+
+    def close(self) -> None:
+        self._metrics.close()
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The short table printed at the end of a run."""
+    rows = [
+        ("model", summary.get("model")),
+        ("device", summary.get("env/gpu") if summary.get("env/gpu") not in (None, "none") else "cpu"),
+        ("status", summary.get("status")),
+        ("total tok/s (median)", summary.get("throughput/total_tok_s_median")),
+        ("decode tok/s (median)", summary.get("throughput/decode_tok_s_median")),
+        ("prefill tok/s (median)", summary.get("throughput/prefill_tok_s_median")),
+        ("TTFT p50 / p99 ms", _pair(summary, "latency/ttft_p50_ms", "latency/ttft_p99_ms")),
+        ("TPOT p50 / p99 ms", _pair(summary, "latency/tpot_p50_ms", "latency/tpot_p99_ms")),
+        ("peak memory GiB", summary.get("memory/peak_allocated_gib")),
+        ("KV pool GiB", summary.get("memory/kv_pool_gib")),
+        ("build s", summary.get("build/seconds")),
+        ("deterministic (run-to-run)", summary.get("determinism/run_to_run")),
+        ("parity token match %", summary.get("parity/token_match_pct")),
+        ("error", summary.get("error")),
+    ]
+    rows = [(k, v) for k, v in rows if v is not None]
+    width = max(len(k) for k, _ in rows)
+    fmt = lambda v: f"{v:,.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+    return "\n".join(f"  {k:<{width}}  {fmt(v)}" for k, v in rows)
+
+
+def _pair(s: dict, a: str, b: str):
+    if s.get(a) is None:
+        return None
+    return f"{s[a]:.2f} / {s[b]:.2f}"
