@@ -125,6 +125,7 @@ class EngineConfig:
     max_model_len: int = 4096
     max_prefill_tokens: int = 8192  # token budget of one packed prefill step; long prompts are chunked
     compile: Optional[bool] = None  # torch.compile the decode step; null = on the GPU only
+    compile_dynamic_batch: bool = False  # one compile for all buckets (no flex decoding kernel)
 
 
 @dataclass

@@ -14,7 +14,7 @@ replays with new values copied in and no new BlockMask.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -52,12 +52,15 @@ def page_span(seq: Sequence, first_pos: int, last_pos: int, window: Optional[int
 
 @dataclass
 class MaskBuffers:
-    """Device buffers one family of masks reads: per layer type the page lists, plus the queries."""
+    """Device buffers a family of decode masks reads, sized for the largest batch. Every batch
+    size uses leading slices of them and the same mask_mod functions, so the decode step of every
+    CUDA-graph bucket reads the same tensors."""
 
-    q_seq: torch.Tensor  # [B, Q] int32 document id (sequence id) of each query
-    q_pos: torch.Tensor  # [B, Q] int32 logical position of each query
-    kv_num_blocks: dict[str, torch.Tensor]  # layer type -> [B, 1, n_q_blocks] int32
-    kv_indices: dict[str, torch.Tensor]  # layer type -> [B, 1, n_q_blocks, width] int32
+    q_seq: torch.Tensor  # [B, 1] int32 document id (sequence id) of each query
+    q_pos: torch.Tensor  # [B, 1] int32 logical position of each query
+    kv_num_blocks: dict[str, torch.Tensor]  # layer type -> [B, 1, 1] int32
+    kv_indices: dict[str, torch.Tensor]  # layer type -> [B, 1, 1, max_pages_per_seq] int32
+    mask_mods: dict[str, Callable]  # layer type -> mask_mod over q_seq / q_pos
 
 
 class MaskBuilder:
@@ -70,54 +73,55 @@ class MaskBuilder:
         self.kv_len = cache.num_pages * self.page_size
         self.device = cache.page_owner.device
 
-    # -- decode: batch B, one query each; persistent buffers sized for the largest batch -----------
+    # -- decode: one query per sequence ----------------------------------------------------------
     def decode_buffers(self, batch: int) -> MaskBuffers:
         z = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=self.device)  # noqa: E731
-        w = self.max_pages_per_seq
+        q_seq = torch.full((batch, 1), NO_SEQ, dtype=torch.int32, device=self.device)
+        q_pos = z(batch, 1)
         return MaskBuffers(
-            q_seq=torch.full((batch, 1), NO_SEQ, dtype=torch.int32, device=self.device),
-            q_pos=z(batch, 1),
+            q_seq=q_seq,
+            q_pos=q_pos,
             kv_num_blocks={t: z(batch, 1, 1) for t in self.windows},
-            kv_indices={t: z(batch, 1, 1, w) for t in self.windows},
+            kv_indices={t: z(batch, 1, 1, self.max_pages_per_seq) for t in self.windows},
+            mask_mods={t: make_mask_mod(self.cache, q_seq, q_pos, w) for t, w in self.windows.items()},
         )
 
-    def block_masks(self, buf: MaskBuffers, rows: Optional[int] = None, q_block: int = 1) -> dict[str, BlockMask]:
-        """BlockMasks over (a leading slice of) the buffers; built once per CUDA-graph bucket."""
-        r = slice(None) if rows is None else slice(0, rows)
-        q_seq, q_pos = buf.q_seq[r], buf.q_pos[r]
-        q_len = q_seq.shape[1]
+    def block_masks(self, buf: MaskBuffers, rows: int) -> dict[str, BlockMask]:
+        """BlockMasks over the first `rows` rows of the buffers; built once per batch size."""
         return {
             t: BlockMask.from_kv_blocks(
-                buf.kv_num_blocks[t][r],
-                buf.kv_indices[t][r],
-                BLOCK_SIZE=(q_block, self.page_size),
-                mask_mod=make_mask_mod(self.cache, q_seq, q_pos, self.windows[t]),
-                seq_lengths=(q_len, self.kv_len),
+                buf.kv_num_blocks[t][:rows],
+                buf.kv_indices[t][:rows],
+                BLOCK_SIZE=(1, self.page_size),
+                mask_mod=buf.mask_mods[t],
+                seq_lengths=(1, self.kv_len),
                 compute_q_blocks=False,
             )
             for t in self.windows
         }
 
     def fill_decode(self, buf: MaskBuffers, seqs: list[Sequence], rows: int) -> None:
-        """Write the decode masks of `seqs` into rows [0, rows) of `buf` (rows past len(seqs) are padding)."""
+        """Writes the decode masks of `seqs` into rows [0, rows) of `buf` (rows past len(seqs) pad)."""
+        n, width, page = len(seqs), self.max_pages_per_seq, self.page_size
+        table = np.zeros((rows, width), dtype=np.int32)
+        pos = np.zeros(rows, dtype=np.int64)
         q_seq = np.full((rows, 1), NO_SEQ, dtype=np.int32)
-        q_pos = np.zeros((rows, 1), dtype=np.int32)
-        w = buf.kv_indices[next(iter(self.windows))].shape[-1]
-        for t, window in self.windows.items():
-            nb = np.zeros((rows, 1, 1), dtype=np.int32)
-            idx = np.zeros((rows, 1, 1, w), dtype=np.int32)
-            for i, s in enumerate(seqs):
-                pos = s.num_tokens - 1
-                pages = page_span(s, pos, pos, window, self.page_size)
-                nb[i, 0, 0] = len(pages)
-                idx[i, 0, 0, : len(pages)] = pages
-            buf.kv_num_blocks[t][:rows].copy_(torch.from_numpy(nb), non_blocking=True)
-            buf.kv_indices[t][:rows].copy_(torch.from_numpy(idx), non_blocking=True)
         for i, s in enumerate(seqs):
+            table[i, : len(s.pages)] = s.pages
+            pos[i] = s.num_tokens - 1
             q_seq[i, 0] = s.seq_id
-            q_pos[i, 0] = s.num_tokens - 1
+        hi = pos // page
+        cols = np.arange(width)[None, :]
+        for t, window in self.windows.items():
+            lo = np.zeros(rows, dtype=np.int64) if window is None else np.maximum(pos - window + 1, 0) // page
+            count = np.where(np.arange(rows) < n, hi - lo + 1, 0)
+            idx = np.take_along_axis(table, np.minimum(lo[:, None] + cols, width - 1), axis=1)
+            idx = np.where(cols < count[:, None], idx, 0).astype(np.int32)
+            buf.kv_num_blocks[t][:rows].copy_(torch.from_numpy(count.astype(np.int32)).view(rows, 1, 1),
+                                              non_blocking=True)
+            buf.kv_indices[t][:rows].copy_(torch.from_numpy(idx).view(rows, 1, 1, width), non_blocking=True)
         buf.q_seq[:rows].copy_(torch.from_numpy(q_seq), non_blocking=True)
-        buf.q_pos[:rows].copy_(torch.from_numpy(q_pos), non_blocking=True)
+        buf.q_pos[:rows].copy_(torch.from_numpy(pos.astype(np.int32)).view(rows, 1), non_blocking=True)
 
     # -- prefill: every chunk packed into one query sequence ------------------------------------
     def prefill(self, seqs: list[Sequence], chunk_lens: list[int], padded_len: int) -> dict[str, BlockMask]:

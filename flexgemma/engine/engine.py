@@ -36,6 +36,8 @@ class StepStats:
 
 
 class Engine:
+    compile_counter = None  # a compiled.CompileCounter when the decode step is compiled
+
     def __init__(self, model, spec: ModelSpec, runner: ModelRunner, scheduler: Scheduler, max_model_len: int,
                  seed: int = 0, tokenizer=None, info: Optional[dict] = None):
         self.model = model  # the transformers Gemma4ForCausalLM whose weights the engine runs

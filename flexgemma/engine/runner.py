@@ -1,10 +1,14 @@
-"""Step plan -> input tensors -> forward (eager, or a captured CUDA graph for decode) -> sampled tokens.
+"""Step plan -> input tensors -> forward -> sampled tokens.
 
-The runner computes; the scheduler decides. Decode inputs live in persistent buffers sized for
-the largest batch, so eager decode and graph replay read the same tensors.
+Decode reads persistent buffers sized for the largest batch (`DecodeInputs`); a step of n rows
+uses their leading slices. The same decode step function runs eagerly, compiled, or captured in
+a CUDA graph per batch bucket (cuda_graphs.py), so all three read the same tensors. The runner
+computes; the scheduler decides.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -32,26 +36,38 @@ class DecodeInputs:
         self.mask_buffers = masks.decode_buffers(max_batch)
 
 
-def _sampling_rows(seqs: list[Sequence], rows: int):
+def sampling_arrays(seqs: list[Sequence], rows: int):
+    """Per-row sampling parameters (padding rows are greedy) and whether any row filters."""
     temp = np.zeros(rows, dtype=np.float32)
     top_k = np.zeros(rows, dtype=np.int64)
     top_p = np.ones(rows, dtype=np.float32)
     seed = np.zeros(rows, dtype=np.int64)
     for i, s in enumerate(seqs):
         temp[i], top_k[i], top_p[i], seed[i] = s.params.temperature, s.params.top_k, s.params.top_p, s.seed
-    needs_filter = any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
+    needs_filter = bool(((temp > 0) & ((top_k > 0) | (top_p < 1))).any())
     return temp, top_k, top_p, seed, needs_filter
 
 
+def decode_step(forward: GemmaForward, input_ids, positions, slots, masks, temperature, top_k, top_p, seed):
+    """One decode step of B rows: logits and the (unfiltered) sample, all on the device."""
+    logits = forward(input_ids, positions, slots, masks, None, decode=True)
+    batch = SamplingBatch(temperature, top_k, top_p, seed, positions + 1, needs_filter=False)
+    tokens, logprobs = sample(logits, batch)
+    return logits, tokens, logprobs
+
+
 class ModelRunner:
-    def __init__(self, forward: GemmaForward, cache: KVCache, masks: MaskBuilder, max_batch: int, q_block: int):
+    def __init__(self, forward: GemmaForward, cache: KVCache, masks: MaskBuilder, max_batch: int, q_block: int,
+                 step_fn: Optional[Callable] = None):
         self.forward, self.cache, self.masks = forward, cache, masks
         self.device = cache.page_owner.device
         self.q_block = q_block
         self.page_size = cache.page_size
+        self.max_batch = max_batch
         self.decode_in = DecodeInputs(masks, max_batch, self.device)
         self._decode_masks: dict[int, dict] = {}  # rows -> BlockMasks over the persistent buffers
-        self.graphs = None  # set by cuda_graphs.attach()
+        self.step_fn = step_fn or decode_step  # decode_step, or its torch.compile'd version
+        self.graphs = None  # a cuda_graphs.DecodeGraphs once captured
 
     def _slot(self, s: Sequence, pos: int) -> int:
         return s.pages[pos // self.page_size] * self.page_size + pos % self.page_size
@@ -62,23 +78,17 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[list[int], list[float]]:
         """Runs one step; returns the sampled token and logprob of each sequence that samples."""
-        if plan.kind == "prefill":
-            logits, sampled = self._prefill(plan)
-            seqs = [s for i, s in enumerate(plan.seqs) if sampled[i]]
-            positions = [s.num_computed + n for s, n, smp in zip(plan.seqs, plan.chunk_lens, sampled) if smp]
-        else:
-            logits = self._decode(plan.seqs)
-            seqs = plan.seqs
-            positions = [s.num_tokens for s in seqs]
+        if plan.kind == "decode":
+            tokens, logprobs = self._decode(plan.seqs)
+            return tokens.tolist(), logprobs.tolist()
+        logits, sampled, positions = self._prefill(plan)
+        seqs = [s for s, smp in zip(plan.seqs, sampled) if smp]
         if not seqs:
             return [], []
-        temp, top_k, top_p, seed, needs_filter = _sampling_rows(seqs, len(seqs))
-        batch = SamplingBatch(
-            temperature=self._to_dev(temp), top_k=self._to_dev(top_k), top_p=self._to_dev(top_p),
-            seed=self._to_dev(seed), position=self._to_dev(np.asarray(positions, dtype=np.int64)),
-            needs_filter=needs_filter,
-        )
-        tokens, logprobs = sample(logits[: len(seqs)], batch)
+        temp, top_k, top_p, seed, needs_filter = sampling_arrays(seqs, len(seqs))
+        batch = SamplingBatch(self._to_dev(temp), self._to_dev(top_k), self._to_dev(top_p), self._to_dev(seed),
+                              self._to_dev(np.asarray(positions, dtype=np.int64)), needs_filter)
+        tokens, logprobs = sample(logits, batch)
         return tokens.tolist(), logprobs.tolist()
 
     def _prefill(self, plan: StepPlan):
@@ -87,26 +97,28 @@ class ModelRunner:
         ids = np.zeros(padded, dtype=np.int64)
         pos = np.zeros(padded, dtype=np.int64)
         slots = np.full(padded, SINK_PAGE * self.page_size, dtype=np.int64)
-        last, sampled = [], []
+        last, sampled, draw_pos = [], [], []
         t = 0
         for s, n in zip(plan.seqs, plan.chunk_lens):
-            toks = s.tokens
             p0 = s.num_computed
-            ids[t: t + n] = toks[p0: p0 + n]
+            ids[t: t + n] = s.tokens[p0: p0 + n]
             pos[t: t + n] = np.arange(p0, p0 + n)
             slots[t: t + n] = [self._slot(s, p) for p in range(p0, p0 + n)]
             smp = p0 + n == s.num_tokens
             sampled.append(smp)
             if smp:
                 last.append(t + n - 1)
+                draw_pos.append(p0 + n)
             t += n
         masks = self.masks.prefill(plan.seqs, plan.chunk_lens, padded)
         index = self._to_dev(np.asarray(last, dtype=np.int64))
         logits = self.forward(self._to_dev(ids), self._to_dev(pos), self._to_dev(slots), masks, index, decode=False)
-        return logits, sampled
+        return logits, sampled, draw_pos
 
-    def fill_decode(self, seqs: list[Sequence], rows: int) -> None:
-        """Copies the step's values into the persistent decode buffers (rows past len(seqs) pad)."""
+    # -- decode -----------------------------------------------------------------------------------
+    def fill_decode(self, seqs: list[Sequence], rows: int) -> bool:
+        """Copies the step's values into the persistent decode buffers (rows past len(seqs) pad).
+        Returns whether some row needs top-k / top-p filtering."""
         d = self.decode_in
         ids = np.zeros(rows, dtype=np.int64)
         pos = np.zeros(rows, dtype=np.int64)
@@ -114,24 +126,36 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             p = s.num_tokens - 1
             ids[i], pos[i], slots[i] = s.tokens[p], p, self._slot(s, p)
-        d.input_ids[:rows].copy_(torch.from_numpy(ids), non_blocking=True)
-        d.positions[:rows].copy_(torch.from_numpy(pos), non_blocking=True)
-        d.slots[:rows].copy_(torch.from_numpy(slots), non_blocking=True)
+        temp, top_k, top_p, seed, needs_filter = sampling_arrays(seqs, rows)
+        for buf, arr in ((d.input_ids, ids), (d.positions, pos), (d.slots, slots), (d.temperature, temp),
+                         (d.top_k, top_k), (d.top_p, top_p), (d.seed, seed)):
+            buf[:rows].copy_(torch.from_numpy(arr), non_blocking=True)
         self.masks.fill_decode(d.mask_buffers, seqs, rows)
+        return needs_filter
 
     def decode_masks(self, rows: int) -> dict:
         if rows not in self._decode_masks:
             self._decode_masks[rows] = self.masks.block_masks(self.decode_in.mask_buffers, rows)
         return self._decode_masks[rows]
 
-    def decode_forward(self, rows: int) -> torch.Tensor:
+    def decode_step(self, rows: int):
         d = self.decode_in
-        return self.forward(
-            d.input_ids[:rows], d.positions[:rows], d.slots[:rows], self.decode_masks(rows), None, decode=True
+        return self.step_fn(
+            self.forward, d.input_ids[:rows], d.positions[:rows], d.slots[:rows], self.decode_masks(rows),
+            d.temperature[:rows], d.top_k[:rows], d.top_p[:rows], d.seed[:rows],
         )
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(seqs)
+        rows = self.graphs.bucket_for(n) if self.graphs is not None else n
+        needs_filter = self.fill_decode(seqs, rows)
         if self.graphs is not None:
-            return self.graphs.run(seqs)
-        self.fill_decode(seqs, len(seqs))
-        return self.decode_forward(len(seqs))
+            logits, tokens, logprobs = self.graphs.replay(rows, n)
+        else:
+            logits, tokens, logprobs = self.decode_step(rows)
+        if needs_filter:  # top-k / top-p sort the vocabulary: only for batches that ask for it
+            d = self.decode_in
+            batch = SamplingBatch(d.temperature[:n], d.top_k[:n], d.top_p[:n], d.seed[:n], d.positions[:n] + 1,
+                                  needs_filter=True)
+            return sample(logits[:n], batch)
+        return tokens[:n], logprobs[:n]

@@ -121,7 +121,11 @@ def attention_fn(backend: str) -> Callable:
     """flex: compiled flex_attention (the GPU path); flex_eager: torch's unfused reference;
     dense: mask_mod + SDPA (the CPU path)."""
     if backend == "flex":
-        return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+        from flexgemma.engine.compiled import configure_dynamo
+
+        configure_dynamo()
+        # default dynamic: a prefill length that changes becomes a dynamic dim after one recompile
+        return torch.compile(flex_attention, fullgraph=True)
     if backend == "flex_eager":
         import warnings
 

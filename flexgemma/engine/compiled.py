@@ -1,0 +1,45 @@
+"""torch.compile for the decode step, with every compilation counted.
+
+Dynamo silently falls back to eager past its recompile limit (~20-40x slower for flex_attention);
+here the limit is raised, hitting it is an error, and the number of compiled graphs is reported.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CompileCounter:
+    """A torch.compile backend: inductor, counting each graph it compiles."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.count += 1
+        return compile_fx(gm, example_inputs)
+
+
+def configure_dynamo(recompile_limit: int = 64) -> None:
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), recompile_limit))
+    if hasattr(cfg, "accumulated_recompile_limit"):
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * recompile_limit)
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        cfg.fail_on_recompile_limit_hit = True  # an error, never a silent eager fallback
+
+
+def compile_step(fn, counter: CompileCounter, dynamic_batch: bool = False):
+    """The whole decode step (forward + sampling) as one graph.
+
+    Static (default): one compilation per CUDA-graph bucket, each with torch's flex *decoding*
+    kernel, which needs a static batch to choose its KV split. Dynamic: the batch dimension turns
+    symbolic after the second bucket, so a ladder costs ~3 compilations, but flex_attention then
+    uses its general kernel for decode.
+    """
+    configure_dynamo()
+    return torch.compile(fn, backend=counter, fullgraph=True, dynamic=None if dynamic_batch else False)

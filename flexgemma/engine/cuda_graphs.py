@@ -1,0 +1,74 @@
+"""CUDA graphs for decode: one graph per batch bucket of a ladder, sharing one memory pool.
+
+A batch of n runs in the smallest bucket >= n; its padding rows read token 0, write their KV to
+the sink page and see no page. Every graph reads the runner's persistent DecodeInputs and the
+BlockMasks built over them, so a replay only needs new values copied into those buffers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import Counter
+
+import torch
+
+
+class DecodeGraphs:
+    def __init__(self, runner, buckets: list[int]):
+        self.runner = runner
+        self.buckets = sorted(int(b) for b in buckets if b <= runner.max_batch)
+        if not self.buckets or self.buckets[-1] < runner.max_batch:
+            self.buckets.append(runner.max_batch)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple] = {}
+        self.pool = None
+        self.hits: Counter = Counter()
+        self.padded_rows = 0
+        self.real_rows = 0
+        self.capture_seconds = 0.0
+        self.pool_bytes = 0
+
+    def bucket_for(self, n: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, n)]
+
+    @torch.inference_mode()
+    def capture(self, warmup: int = 2) -> None:
+        r = self.runner
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_reserved()
+        for rows in reversed(self.buckets):  # largest first: the shared pool is sized by it
+            r.fill_decode([], rows)  # all padding: a harmless step to record
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(warmup):  # compiles (first bucket of each shape) and settles allocations
+                    r.decode_step(rows)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = r.decode_step(rows)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[rows], self.outputs[rows] = graph, out
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        self.pool_bytes = torch.cuda.memory_reserved() - before
+
+    def replay(self, rows: int, n: int):
+        self.graphs[rows].replay()
+        self.hits[rows] += 1
+        self.padded_rows += rows - n
+        self.real_rows += n
+        return self.outputs[rows]
+
+    def metrics(self) -> dict:
+        total = self.padded_rows + self.real_rows
+        return {
+            "cudagraph/num_graphs": len(self.graphs),
+            "cudagraph/buckets": list(self.buckets),
+            "cudagraph/capture_seconds": self.capture_seconds,
+            "cudagraph/bucket_hits": {str(k): v for k, v in sorted(self.hits.items())},
+            "cudagraph/padding_waste": self.padded_rows / total if total else 0.0,
+            "memory/graph_pool_gib": self.pool_bytes / 2**30,
+        }
