@@ -24,6 +24,7 @@ from flexgemma.engine.kv_cache import KVCache
 from flexgemma.engine.sequence import Sequence
 from flexgemma.model.spec import ModelSpec
 
+DECODE_Q_BLOCK = 128
 NO_SEQ = -2  # the document id of padding queries: matches no page owner (free pages are -1)
 
 
@@ -92,7 +93,8 @@ class MaskBuilder:
             t: BlockMask.from_kv_blocks(
                 buf.kv_num_blocks[t][:rows],
                 buf.kv_indices[t][:rows],
-                BLOCK_SIZE=(1, self.page_size),
+                # one query row, but the Q block must be a multiple of the kernel's BLOCK_M (>= 16)
+                BLOCK_SIZE=(DECODE_Q_BLOCK, self.page_size),
                 mask_mod=buf.mask_mods[t],
                 seq_lengths=(1, self.kv_len),
                 compute_q_blocks=False,
