@@ -36,9 +36,7 @@ def test_e2b_eager_generates_and_fp32_matches_transformers(dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
 def test_graphs_equal_no_graphs(model, dtype):
-    engine = engine_for(f"+model={model}", f"model.dtype={dtype}", "cudagraph.buckets=[1,2,4,8]",
-                        "kv.page_size=16", "attn.decode.full_attention.block_n=16",
-                        "attn.prefill.full_attention.block_n=16")
+    engine = engine_for(f"+model={model}", f"model.dtype={dtype}", "cudagraph.buckets=[1,2,4,8]")
     assert engine.runner.graphs is not None
     ps = prompts(engine.spec.vocab_size, lengths=(3, 20, 45, 70, 9))
     sp = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)

@@ -1,0 +1,144 @@
+"""Where a decode step's time goes: host preparation vs GPU replay, the top kernels, and flex
+decode kernel options timed alone on the real paged layout.
+
+    python experiments/profile_decode.py +model=e2b +experiment=speed_e2b cudagraph.buckets=[64] \
+        --batch 64 --context 544 --sweep
+
+Sequences are placed in the real pool (pages from the allocator) with `--context` tokens each;
+the KV contents are whatever the pool holds, which does not change the timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flexgemma import SamplingParams, build_engine, compose  # noqa: E402
+from flexgemma.engine.sequence import Sequence, Status  # noqa: E402
+
+
+def cuda_time_ms(fn, iters: int = 50, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def place_batch(engine, batch: int, context: int) -> list[Sequence]:
+    seqs = []
+    for i in range(batch):
+        s = Sequence(10_000 + i, i, [2] * context, SamplingParams(max_new_tokens=8, temperature=0.0), seed=i)
+        assert engine.scheduler._grow(s, context + 1)
+        s.num_computed = context - 1
+        s.status = Status.RUNNING
+        seqs.append(s)
+    return seqs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=544)
+    ap.add_argument("--sweep", action="store_true", help="time flex decode kernel options per layer type")
+    ap.add_argument("--out", default=None)
+    args, overrides = ap.parse_known_args()
+    engine = build_engine(compose(overrides))
+    runner = engine.runner
+    seqs = place_batch(engine, args.batch, args.context)
+    rows = runner.graphs.bucket_for(len(seqs)) if runner.graphs else len(seqs)
+    res: dict = {"batch": args.batch, "context": args.context, "overrides": overrides}
+
+    t0 = time.perf_counter()
+    for _ in range(50):
+        runner.fill_decode(seqs, rows)
+    torch.cuda.synchronize()
+    res["host_fill_ms"] = (time.perf_counter() - t0) / 50 * 1e3
+    t0 = time.perf_counter()
+    for _ in range(50):
+        engine.scheduler.schedule()
+    res["host_schedule_ms"] = (time.perf_counter() - t0) / 50 * 1e3
+
+    if runner.graphs:
+        res["replay_ms"] = cuda_time_ms(lambda: runner.graphs.graphs[rows].replay())
+    res["step_fn_ms"] = cuda_time_ms(lambda: runner.decode_step(rows), iters=20)
+    # a whole engine step as generate() runs it: schedule + fill + replay + sync
+    plan = engine.scheduler.schedule()
+    t0 = time.perf_counter()
+    for _ in range(30):
+        runner.run(plan)
+    res["engine_step_ms"] = (time.perf_counter() - t0) / 30 * 1e3
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            if runner.graphs:
+                runner.graphs.graphs[rows].replay()
+            else:
+                runner.decode_step(rows)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
+    print(table)
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    res["top_kernels"] = [
+        {"name": e.key[:120], "ms_per_step": e.device_time_total / 1e3 / 5, "calls_per_step": e.count / 5}
+        for e in events[:30]
+    ]
+
+    if args.sweep:
+        res["flex_sweep"] = sweep_flex(engine, seqs, rows)
+    print(json.dumps({k: v for k, v in res.items() if k != "top_kernels"}, indent=1, default=str))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+
+
+def sweep_flex(engine, seqs, rows) -> list[dict]:
+    """Times compiled flex decode on each layer type's real pool and masks, per kernel option set."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    runner = engine.runner
+    runner.fill_decode(seqs, rows)
+    masks = runner.decode_masks(rows)
+    out = []
+    for layer_type in sorted(masks):
+        spec = next(s for s in engine.spec.layers if s.layer_type == layer_type and s.writes_kv)
+        k, v = engine.runner.cache.layer_kv(spec.index)
+        q = torch.randn(rows, spec.num_heads, 1, spec.head_dim, device=k.device, dtype=k.dtype)
+        grid = [None] + [
+            dict(BLOCK_N=bn, num_warps=w, num_stages=st)
+            for bn, w, st in itertools.product((32, 64), (4, 8), (1, 2, 3))
+        ]
+        for opts in grid:
+            fn = torch.compile(flex_attention, dynamic=False)
+            try:
+                ms = cuda_time_ms(lambda: fn(q, k, v, block_mask=masks[layer_type], scale=1.0, enable_gqa=True,
+                                             kernel_options=opts), iters=30)
+                out.append({"layer_type": layer_type, "head_dim": spec.head_dim, "options": opts, "ms": ms})
+            except Exception as e:  # noqa: BLE001 - record which options do not compile
+                out.append({"layer_type": layer_type, "head_dim": spec.head_dim, "options": opts,
+                            "error": f"{type(e).__name__}: {str(e)[:160]}"})
+            torch._dynamo.reset()
+        best = min((r for r in out if r["layer_type"] == layer_type and "ms" in r), key=lambda r: r["ms"])
+        print(f"best {layer_type}: {best}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
