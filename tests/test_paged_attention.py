@@ -102,5 +102,7 @@ def test_shared_layers_read_their_source_pool(spec):
         assert k.data_ptr() == src_k.data_ptr()
         if s.writes_kv:
             assert s.kv_source == s.index
-    # one pool per KV shape: sliding (1 head x 32) and full (1 head x 64)
-    assert sorted(cache.pools) == [(1, 32), (1, 64)]
+    # pools shaped per layer type: sliding (1 head x 32) and full (1 head x 64)
+    assert sorted(cache.groups) == [(1, 32), (1, 64)]
+    assert cache.layer_kv(3)[0].shape == (1, 1, 4 * P, 64) and cache.layer_kv(0)[0].shape == (1, 1, 4 * P, 32)
+    assert cache.nbytes == sum(2 * 4 * P * s.num_kv_heads * s.head_dim * 4 for s in spec.kv_layers)

@@ -1,9 +1,9 @@
 """Paged KV cache: a free list of physical pages (CPU) and the physical pools (device).
 
 One page table serves every layer: page p of a sequence holds that sequence's tokens
-[p*P, (p+1)*P) in every KV-writing layer. Layers of the same KV shape (heads, head_dim) share
-one pool tensor, so sliding (head_dim 256) and full-attention (head_dim 512) layers get pools of
-their own sizes. KV-shared layers own nothing: they read their source layer's pool.
+[p*P, (p+1)*P) in every KV-writing layer. Pools are shaped by their layer's KV (sliding layers
+head_dim 256, full-attention layers 512, with their own KV head counts). KV-shared layers own
+nothing: they read their source layer's pool.
 
 Page 0 is never handed out: padded rows (CUDA-graph buckets, prefill padding) write there.
 Two small device tensors describe every page for the attention masks: its owner (a sequence id,
@@ -49,18 +49,20 @@ class KVCache:
         self.spec, self.num_pages, self.page_size = spec, num_pages, page_size
         self.allocator = PageAllocator(num_pages)
         slots = num_pages * page_size
-        members: dict[tuple[int, int], list[int]] = {}
+        # groups: KV shape (heads, head_dim) -> the layers whose pools have that shape
+        self.groups: dict[tuple[int, int], list[int]] = {}
         for layer in spec.kv_layers:
-            members.setdefault(layer.cache_group, []).append(layer.index)
-        # pools[group]: [n_layers, 2 (k, v), 1, kv_heads, slots, head_dim]; the leading 1 is the
-        # batch dim flex_attention broadcasts over every query row.
-        self.pools = {
-            g: torch.zeros(len(idx), 2, 1, g[0], slots, g[1], dtype=dtype, device=device) for g, idx in members.items()
-        }
+            self.groups.setdefault(layer.cache_group, []).append(layer.index)
+        # Each writing layer owns separate K and V tensors [1, kv_heads, slots, head_dim] (the 1 is
+        # the batch dim flex_attention broadcasts). Separate allocations, not views of one group
+        # tensor: inductor turns a KV write into a view of a shared base into a copy of the base.
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for g, idx in members.items():
-            for j, i in enumerate(idx):
-                self._kv[i] = (self.pools[g][j, 0], self.pools[g][j, 1])
+        for layer in spec.kv_layers:
+            shape = (1, layer.num_kv_heads, slots, layer.head_dim)
+            self._kv[layer.index] = (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
         for layer in spec.layers:
             if not layer.writes_kv:
                 self._kv[layer.index] = self._kv[layer.kv_source]
@@ -73,7 +75,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.pools.values())
+        return sum(2 * k.numel() * k.element_size() for i, (k, _) in self._kv.items() if self.spec.layers[i].writes_kv)
 
     def layer_kv(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) as [1, kv_heads, slots, head_dim] views, for the layer's own or its source's pool."""
@@ -82,8 +84,8 @@ class KVCache:
     def write(self, layer_index: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v: [T, kv_heads, head_dim] written at flat slot indices `slots` [T]."""
         kc, vc = self._kv[layer_index]
-        kc[0].index_copy_(1, slots, k.transpose(0, 1))
-        vc[0].index_copy_(1, slots, v.transpose(0, 1))
+        kc.index_copy_(2, slots, k.transpose(0, 1)[None])
+        vc.index_copy_(2, slots, v.transpose(0, 1)[None])
 
     def assign_pages(self, pages: list[int], owner: int, first_logical_page: int) -> None:
         """Record ownership and logical positions of freshly allocated pages (masks read these)."""

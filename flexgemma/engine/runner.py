@@ -125,7 +125,7 @@ class ModelRunner:
         slots = np.full(rows, SINK_PAGE * self.page_size, dtype=np.int64)
         for i, s in enumerate(seqs):
             p = s.num_tokens - 1
-            ids[i], pos[i], slots[i] = s.tokens[p], p, self._slot(s, p)
+            ids[i], pos[i], slots[i] = s.last_token, p, self._slot(s, p)
         temp, top_k, top_p, seed, needs_filter = sampling_arrays(seqs, rows)
         for buf, arr in ((d.input_ids, ids), (d.positions, pos), (d.slots, slots), (d.temperature, temp),
                          (d.top_k, top_k), (d.top_p, top_p), (d.seed, seed)):

@@ -79,6 +79,10 @@ class Sequence:
         return self.prompt + self.generated
 
     @property
+    def last_token(self) -> int:
+        return self.generated[-1] if self.generated else self.prompt[-1]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.generated)
 
