@@ -1,9 +1,9 @@
 """Step plan -> input tensors -> forward -> sampled tokens.
 
 Decode reads persistent buffers sized for the largest batch (`DecodeInputs`); a step of n rows
-uses their leading slices. The same decode step function runs eagerly, compiled, or captured in
-a CUDA graph per batch bucket (cuda_graphs.py), so all three read the same tensors. The runner
-computes; the scheduler decides.
+uses their leading slices. The same decode step runs eagerly or captured in a CUDA graph per
+batch bucket (cuda_graphs.py), so both read the same tensors. The runner computes; the scheduler
+decides.
 """
 
 from __future__ import annotations
@@ -48,17 +48,18 @@ def sampling_arrays(seqs: list[Sequence], rows: int):
     return temp, top_k, top_p, seed, needs_filter
 
 
-def decode_step(forward: GemmaForward, input_ids, positions, slots, masks, temperature, top_k, top_p, seed):
+def decode_step(forward: GemmaForward, sample_fn, input_ids, positions, slots, masks, temperature, top_k, top_p,
+                seed):
     """One decode step of B rows: logits and the (unfiltered) sample, all on the device."""
     logits = forward(input_ids, positions, slots, masks, None, decode=True)
     batch = SamplingBatch(temperature, top_k, top_p, seed, positions + 1, needs_filter=False)
-    tokens, logprobs = sample(logits, batch)
+    tokens, logprobs = sample_fn(logits, batch)
     return logits, tokens, logprobs
 
 
 class ModelRunner:
     def __init__(self, forward: GemmaForward, cache: KVCache, masks: MaskBuilder, max_batch: int, q_block: int,
-                 step_fn: Optional[Callable] = None):
+                 sample_fn: Optional[Callable] = None):
         self.forward, self.cache, self.masks = forward, cache, masks
         self.device = cache.page_owner.device
         self.q_block = q_block
@@ -66,7 +67,9 @@ class ModelRunner:
         self.max_batch = max_batch
         self.decode_in = DecodeInputs(masks, max_batch, self.device)
         self._decode_masks: dict[int, dict] = {}  # rows -> BlockMasks over the persistent buffers
-        self.step_fn = step_fn or decode_step  # decode_step, or its torch.compile'd version
+        self.sample_fn = sample_fn or sample  # the sampler, compiled on the GPU
+        # decode attention runs at a fixed row count when the kernel is compiled for one
+        self.attn_rows = forward.kernels.decode_rows
         self.graphs = None  # a cuda_graphs.DecodeGraphs once captured
 
     def _slot(self, s: Sequence, pos: int) -> int:
@@ -88,7 +91,7 @@ class ModelRunner:
         temp, top_k, top_p, seed, needs_filter = sampling_arrays(seqs, len(seqs))
         batch = SamplingBatch(self._to_dev(temp), self._to_dev(top_k), self._to_dev(top_p), self._to_dev(seed),
                               self._to_dev(np.asarray(positions, dtype=np.int64)), needs_filter)
-        tokens, logprobs = sample(logits, batch)
+        tokens, logprobs = self.sample_fn(logits, batch)
         return tokens.tolist(), logprobs.tolist()
 
     def _prefill(self, plan: StepPlan):
@@ -130,7 +133,8 @@ class ModelRunner:
         for buf, arr in ((d.input_ids, ids), (d.positions, pos), (d.slots, slots), (d.temperature, temp),
                          (d.top_k, top_k), (d.top_p, top_p), (d.seed, seed)):
             buf[:rows].copy_(torch.from_numpy(arr), non_blocking=True)
-        self.masks.fill_decode(d.mask_buffers, seqs, rows)
+        # masks cover the rows attention runs at (all of them when it is padded to a fixed count)
+        self.masks.fill_decode(d.mask_buffers, seqs, self.attn_rows or rows)
         return needs_filter
 
     def decode_masks(self, rows: int) -> dict:
@@ -140,9 +144,10 @@ class ModelRunner:
 
     def decode_step(self, rows: int):
         d = self.decode_in
-        return self.step_fn(
-            self.forward, d.input_ids[:rows], d.positions[:rows], d.slots[:rows], self.decode_masks(rows),
-            d.temperature[:rows], d.top_k[:rows], d.top_p[:rows], d.seed[:rows],
+        return decode_step(
+            self.forward, self.sample_fn, d.input_ids[:rows], d.positions[:rows], d.slots[:rows],
+            self.decode_masks(self.attn_rows or rows), d.temperature[:rows], d.top_k[:rows], d.top_p[:rows],
+            d.seed[:rows],
         )
 
     def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,5 +162,5 @@ class ModelRunner:
             d = self.decode_in
             batch = SamplingBatch(d.temperature[:n], d.top_k[:n], d.top_p[:n], d.seed[:n], d.positions[:n] + 1,
                                   needs_filter=True)
-            return sample(logits[:n], batch)
+            return self.sample_fn(logits[:n], batch)
         return tokens[:n], logprobs[:n]
