@@ -27,8 +27,12 @@ def rope_tables(hf_model, max_len: int, dtype: torch.dtype, device: torch.device
     return tables
 
 
-def kernel_options(phase_cfg: Any, head_dim: int) -> Optional[dict]:
-    """torch flex kernel options for one phase, with the head_dim-512 overrides on those layers."""
+def kernel_options(phase_cfg: Any, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> Optional[dict]:
+    """torch flex kernel options for one phase, with the head_dim-512 overrides on those layers.
+
+    float32 tiles take twice the shared memory: on head_dim-512 layers the tiles are halved and
+    single-staged so they fit the H200's 227 KiB (the bf16 options need 325 KiB in float32).
+    """
 
     def opts(k) -> dict:
         out = {name.upper(): getattr(k, name) for name in ("block_m", "block_n", "num_warps", "num_stages")}
@@ -39,6 +43,10 @@ def kernel_options(phase_cfg: Any, head_dim: int) -> Optional[dict]:
     merged = opts(phase_cfg)
     if head_dim >= 512:
         merged.update(opts(phase_cfg.full_attention))
+        if dtype == torch.float32:
+            for key in ("BLOCK_M", "BLOCK_N"):
+                merged[key] = min(merged.get(key, 16), 16)
+            merged["num_stages"] = 1
     return merged or None
 
 
