@@ -27,7 +27,7 @@ def rope_tables(hf_model, max_len: int, dtype: torch.dtype, device: torch.device
     return tables
 
 
-def kernel_options(phase_cfg: Any, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> Optional[dict]:
+def kernel_options(phase_cfg: Any, head_dim: int, page_size: int, dtype: torch.dtype = torch.bfloat16) -> Optional[dict]:
     """torch flex kernel options for one phase, with the head_dim-512 overrides on those layers.
 
     float32 tiles take twice the shared memory: on head_dim-512 layers the tiles are halved and
@@ -41,6 +41,9 @@ def kernel_options(phase_cfg: Any, head_dim: int, dtype: torch.dtype = torch.bfl
         return out
 
     merged = opts(phase_cfg)
+    # a kernel tile never spans two pages: torch's default BLOCK_N (128 for some head dims and
+    # dtypes) would not divide a 64-token page and fails at lowering
+    merged.setdefault("BLOCK_N", min(page_size, 64))
     if head_dim >= 512:
         merged.update(opts(phase_cfg.full_attention))
         if dtype == torch.float32:

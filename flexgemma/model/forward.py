@@ -30,7 +30,7 @@ class GemmaForward(torch.nn.Module):
         self.attn = [
             PagedAttention(
                 s, layer.self_attn, cache, kernels, ops, self.eps,
-                {ph: kernel_options(attn_cfg[ph], s.head_dim, hf_model.model.embed_tokens.weight.dtype)
+                {ph: kernel_options(attn_cfg[ph], s.head_dim, cache.page_size, hf_model.model.embed_tokens.weight.dtype)
                  for ph in ("prefill", "decode")},
             )
             for s, layer in zip(spec.layers, self.layers)

@@ -40,7 +40,8 @@ def experts_grouped(
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // k
-    counts = torch.bincount(flat, minlength=n_exp)
+    # scatter_add, not bincount: bincount syncs with the host to size its output (no graph capture)
+    counts = torch.zeros(n_exp, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     offsets = torch.cumsum(counts, 0).to(torch.int32)
     rows = x[token]
     h = _segment_mm(rows, gate_up.transpose(1, 2), offsets)
