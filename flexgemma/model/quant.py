@@ -83,26 +83,21 @@ def require_bitsandbytes(device: torch.device):
 
 
 # -- linear layers -----------------------------------------------------------------------------
-# bitsandbytes' AVX512-BF16 CPU kernel repacks a weight on its first forward and needs the output
-# features in multiples of this and whole blocks per row (Gemma's 16-wide per-layer-input gate and
-# projection have neither).
-_CPU_PACK_BLOCK_N = 32
+def generic_cpu_kernel(q) -> None:
+    """Keeps a Linear4bit off bitsandbytes' AVX512-BF16 CPU kernel, which repacks the weight in
+    place at the first forward (it then no longer matches the checkpoint layout), asserts on
+    shapes Gemma has (the 16-wide per-layer-input gate) and gives a one-row input other numerics
+    than a batch. The generic path dequantises and multiplies: the same maths for any batch."""
+    q.support_avx512bf16_for_cpu = False
 
 
-def guard_cpu_kernel(q) -> None:
-    """Sends a Linear4bit whose shape bitsandbytes' AVX512 CPU kernel cannot take to the generic
-    dequantise + matmul path instead of an assertion error at the first forward."""
-    if q.out_features % _CPU_PACK_BLOCK_N or q.in_features % q.weight.blocksize:
-        q.support_avx512bf16_for_cpu = False
-
-
-def guard_cpu_kernels(model: nn.Module) -> nn.Module:
-    """guard_cpu_kernel on every Linear4bit of `model` (e.g. a model transformers quantised)."""
+def generic_cpu_kernels(model: nn.Module) -> nn.Module:
+    """generic_cpu_kernel on every Linear4bit of `model` (e.g. a model transformers quantised)."""
     from bitsandbytes.nn import Linear4bit
 
     for m in model.modules():
         if isinstance(m, Linear4bit):
-            guard_cpu_kernel(m)
+            generic_cpu_kernel(m)
     return model
 
 
@@ -122,7 +117,7 @@ def linear4bit_from(linear: nn.Linear, s: Bnb4Settings, device: torch.device) ->
     q.weight = w.to(device)  # quantises (bitsandbytes' own kernel on `device`)
     if linear.bias is not None:
         q.bias = nn.Parameter(linear.bias.data.to(device), requires_grad=False)
-    guard_cpu_kernel(q)
+    generic_cpu_kernel(q)
     return q
 
 
@@ -143,7 +138,7 @@ def linear4bit_prequantized(weight: torch.Tensor, stats: dict[str, torch.Tensor]
     q.quant_state = w.quant_state
     if bias is not None:
         q.bias = nn.Parameter(bias.to(device=device, dtype=compute_dtype), requires_grad=False)
-    guard_cpu_kernel(q)
+    generic_cpu_kernel(q)
     return q
 
 
@@ -180,24 +175,31 @@ class PackedExpertWeight(nn.Module):
             )
         out = cls(w.shape, s.block_size, s.quant_type, w.dtype if w.dtype.is_floating_point else s.compute_dtype,
                   s.double_quant)
-        packed, absmax, nested, offset, code = [], [], [], [], None
-        for i in range(e):  # one expert at a time: its own blocks (and its own nested scale)
-            q, st = bf.quantize_4bit(
-                w[i].to(device).contiguous(), blocksize=s.block_size, compress_statistics=s.double_quant,
-                quant_type=s.quant_type, quant_storage=torch.uint8,
-            )
-            packed.append(q.reshape(-1))
-            absmax.append(st.absmax.reshape(-1))
-            if s.double_quant:
-                nested.append(st.state2.absmax.reshape(-1))
-                offset.append(st.offset.reshape(()).float())
-                code = st.state2.code
-        out.register_buffer("packed", torch.stack(packed))
-        out.register_buffer("absmax", torch.stack(absmax))
-        if s.double_quant:
-            out.register_buffer("nested_absmax", torch.stack(nested).float())
-            out.register_buffer("nested_offset", torch.stack(offset))
-            out.register_buffer("nested_code", code.float())
+        # One 4-bit quantisation of all experts: with R*C a multiple of the block, every block lies in
+        # one expert, so row e of the reshaped result is expert e's own packing.
+        q, st = bf.quantize_4bit(
+            w.to(device).reshape(e * r, c).contiguous(), blocksize=s.block_size, compress_statistics=False,
+            quant_type=s.quant_type, quant_storage=torch.uint8,
+        )
+        out.register_buffer("packed", q.reshape(e, r * c // 2))
+        absmax = st.absmax.reshape(e, r * c // s.block_size)
+        if not s.double_quant:
+            out.register_buffer("absmax", absmax)
+            return out
+        # Double quantisation as bitsandbytes does it for one tensor (absmax minus its mean, 8-bit
+        # blockwise), here per expert so a step decodes the scales of its experts only.
+        codes, nested, offsets, code = [], [], [], None
+        for i in range(e):
+            offset = absmax[i].mean()
+            qa, st2 = bf.quantize_blockwise(absmax[i] - offset, blocksize=cls.NESTED_BLOCK)
+            codes.append(qa)
+            nested.append(st2.absmax.float())
+            offsets.append(offset.float())
+            code = st2.code
+        out.register_buffer("absmax", torch.stack(codes))
+        out.register_buffer("nested_absmax", torch.stack(nested))
+        out.register_buffer("nested_offset", torch.stack(offsets))
+        out.register_buffer("nested_code", code.float())
         return out
 
     def expert_absmax(self, experts: Optional[torch.Tensor]) -> torch.Tensor:
@@ -217,10 +219,13 @@ class PackedExpertWeight(nn.Module):
         `self.dtype`. A gather and bitsandbytes' registered dequantize op: capturable, compilable."""
         packed = self.packed if experts is None else self.packed.index_select(0, experts)
         absmax = self.expert_absmax(experts)
-        shape = (packed.shape[0], self.shape[1], self.shape[2])
-        return torch.ops.bitsandbytes.dequantize_4bit(
-            packed.reshape(-1, 1), absmax.reshape(-1), self.block_size, self.quant_type, shape, self.dtype,
+        n = packed.shape[0] * self.shape[1] * self.shape[2]
+        # rows of exactly one block: bitsandbytes 0.50's CPU kernel misreads rows shorter than a block
+        flat = torch.ops.bitsandbytes.dequantize_4bit(
+            packed.reshape(-1, 1), absmax.reshape(-1), self.block_size, self.quant_type,
+            (n // self.block_size, self.block_size), self.dtype,
         )
+        return flat.view(packed.shape[0], self.shape[1], self.shape[2])
 
     def storage_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
