@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -70,6 +71,9 @@ def require_bitsandbytes(device: torch.device):
             f"quant=bnb4 needs bitsandbytes ({e}): pip install 'bitsandbytes>=0.45' (Linux/Windows, CUDA or CPU), "
             "or run with quant=bf16"
         ) from e
+    if device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        log.warning("quant=bnb4 on the CPU: bitsandbytes' and torch's OpenMP pools busy-wait against each other "
+                    "(4-bit matmuls up to ~300x slower on few cores); export OMP_WAIT_POLICY=PASSIVE before starting")
     if device.type == "cuda":
         from bitsandbytes.cextension import lib
 
