@@ -177,6 +177,21 @@ def test_bf16_checkpoint_quantised_at_load():
     assert 0.07 < ((deq - ref).norm() / ref.norm()).item() < 0.1
 
 
+def test_peft_wraps_the_4bit_linears_not_the_packed_experts():
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+    engine = build_engine(compose(["+model=tiny_moe", "quant=bnb4", *SMALL]))
+    before = engine.generate(PROMPTS[:1], GREEDY)[0].token_ids
+    get_peft_model(engine.model, LoraConfig(r=8, lora_alpha=16, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))  # conf/lora/r16.yaml
+    layer = engine.model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, LoraLinear4bit) and isinstance(layer.mlp.down_proj, LoraLinear4bit)
+    assert isinstance(layer.experts, PackedExperts)  # "down_proj" did not match the packed experts
+    # LoRA B starts at zero: the unmerged adapters leave the tokens unchanged
+    assert engine.generate(PROMPTS[:1], GREEDY)[0].token_ids == before
+
+
 def test_bad_quant_settings_are_clear():
     from flexgemma.config import ConfigError
 

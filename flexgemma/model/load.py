@@ -189,6 +189,7 @@ def build_model(model_cfg, device: torch.device, quant_cfg=None):
         settings = Bnb4Settings.from_config(quant_cfg, dtype)
         reader = CheckpointReader(files, kind) if files else None
         model = _build_quantised(Gemma4ForCausalLM, config, dtype, device, settings, reader, int(model_cfg.seed))
+        model.is_loaded_in_4bit = True  # what peft reads to wrap Linear4bit with its 4-bit LoRA layer
         if reader is not None:
             info.update(loaded=reader.loaded, skipped=reader.skipped, prequantized=reader.prequantized)
         info.update({"quant/method": "bnb4", "quant/quant_type": settings.quant_type,

@@ -247,9 +247,18 @@ class PackedExperts(nn.Module):
         self.num_experts = experts.num_experts
         self.hidden_dim, self.intermediate_dim = experts.hidden_dim, experts.intermediate_dim
         self.act_fn = experts.act_fn
-        # named like the bf16 Parameters, so moe_block passes them to experts_grouped unchanged
-        self.gate_up_proj = PackedExpertWeight.pack(experts.gate_up_proj, s, device)
-        self.down_proj = PackedExpertWeight.pack(experts.down_proj, s, device)
+        # submodules not named gate_up_proj/down_proj: peft matches targets like "down_proj" by name
+        # and would try to wrap them; the properties below keep moe_block's attribute access
+        self.gate_up_packed = PackedExpertWeight.pack(experts.gate_up_proj, s, device)
+        self.down_packed = PackedExpertWeight.pack(experts.down_proj, s, device)
+
+    @property
+    def gate_up_proj(self) -> PackedExpertWeight:
+        return self.gate_up_packed
+
+    @property
+    def down_proj(self) -> PackedExpertWeight:
+        return self.down_packed
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         from flexgemma.model.moe import experts_grouped
