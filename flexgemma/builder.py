@@ -65,11 +65,11 @@ def build_engine(cfg: DictConfig) -> Engine:
     cfg = ensure_model(cfg)
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
-    if cfg.quant.method != "none":
-        raise ConfigError(f"quant={cfg.quant.name} is not available in this build yet: use quant=bf16")
     if cfg.lora.name != "none":
         raise ConfigError(f"lora={cfg.lora.name} is not available in this build yet: use lora=none")
-    model, tokenizer, info = build_model(cfg.model, device)
+    # quantisation: quant=bnb4 quantises inside build_model, module by module as weights are made or
+    # loaded (never the whole bf16 model on the device); info gets quant/fraction_4bit
+    model, tokenizer, info = build_model(cfg.model, device, quant_cfg=cfg.quant)
     spec = ModelSpec.from_hf_config(model.config)
     dtype = model.model.embed_tokens.weight.dtype
     max_len = min(int(cfg.engine.max_model_len), spec.max_position)

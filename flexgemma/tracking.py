@@ -102,6 +102,8 @@ def format_table(summary: dict[str, Any]) -> str:
         ("TPOT p50 / p99 ms", _pair(summary, "latency/tpot_p50_ms", "latency/tpot_p99_ms")),
         ("peak memory GiB", summary.get("memory/peak_allocated_gib")),
         ("KV pool GiB", summary.get("memory/kv_pool_gib")),
+        ("weights GiB", summary.get("memory/weights_gib")),
+        ("4-bit fraction of params", summary.get("quant/fraction_4bit") if summary.get("engine/quant/method") else None),
         ("build s", summary.get("build/seconds")),
         ("deterministic (run-to-run)", summary.get("determinism/run_to_run")),
         ("parity token match %", summary.get("parity/token_match_pct")),

@@ -34,8 +34,12 @@ def round_metrics(outputs, stats, wall: float) -> tuple[dict, dict]:
 
 
 def memory_metrics(engine) -> dict:
+    from flexgemma.model.quant import storage_census
+
+    census = storage_census(engine.model)  # 4-bit weights with their quant states, packed experts included
     out = {
-        "memory/weights_gib": sum(p.numel() * p.element_size() for p in engine.model.parameters()) / GIB,
+        "memory/weights_gib": census["quant/weight_bytes"] / GIB,
+        "quant/fraction_4bit": census["quant/fraction_4bit"],
         "memory/kv_pool_gib": engine.info.get("kv_pool_bytes", 0) / GIB,
     }
     if torch.cuda.is_available() and engine.info.get("device", "").startswith("cuda"):
