@@ -21,18 +21,32 @@ from flexgemma.engine.sequence import Sequence
 from flexgemma.model.forward import GemmaForward
 
 
+class Staged:
+    """A persistent device tensor with a pinned host mirror: the host fills the mirror through
+    numpy, and one asynchronous copy uploads all of it (one copy a step instead of one per field)."""
+
+    def __init__(self, shape, dtype: torch.dtype, device: torch.device):
+        self.dev = torch.zeros(shape, dtype=dtype, device=device)
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+        self.np = self.host.numpy()
+
+    def upload(self) -> None:
+        self.dev.copy_(self.host, non_blocking=True)
+
+
 class DecodeInputs:
     """Everything a decode step reads, as persistent device buffers of `max_batch` rows."""
 
+    INTS = ("input_ids", "positions", "slots", "top_k", "seed")
+    FLOATS = ("temperature", "top_p")
+
     def __init__(self, masks: MaskBuilder, max_batch: int, device: torch.device):
-        z = lambda dtype: torch.zeros(max_batch, dtype=dtype, device=device)  # noqa: E731
-        self.input_ids = z(torch.long)
-        self.positions = z(torch.long)
-        self.slots = z(torch.long)
-        self.temperature = z(torch.float32)
-        self.top_k = z(torch.long)
-        self.top_p = torch.ones(max_batch, dtype=torch.float32, device=device)
-        self.seed = z(torch.long)
+        self.ints = Staged((len(self.INTS), max_batch), torch.long, device)
+        self.floats = Staged((len(self.FLOATS), max_batch), torch.float32, device)
+        for i, name in enumerate(self.INTS):
+            setattr(self, name, self.ints.dev[i])
+        for i, name in enumerate(self.FLOATS):
+            setattr(self, name, self.floats.dev[i])
         self.mask_buffers = masks.decode_buffers(max_batch)
 
 
@@ -120,19 +134,20 @@ class ModelRunner:
 
     # -- decode -----------------------------------------------------------------------------------
     def fill_decode(self, seqs: list[Sequence], rows: int) -> bool:
-        """Copies the step's values into the persistent decode buffers (rows past len(seqs) pad).
+        """Writes the step's values into the persistent decode buffers (rows past len(seqs) pad).
         Returns whether some row needs top-k / top-p filtering."""
         d = self.decode_in
-        ids = np.zeros(rows, dtype=np.int64)
-        pos = np.zeros(rows, dtype=np.int64)
-        slots = np.full(rows, SINK_PAGE * self.page_size, dtype=np.int64)
+        ints, floats = d.ints.np, d.floats.np
+        ints[:, :rows] = 0
+        ints[2, :rows] = SINK_PAGE * self.page_size  # padding rows write their KV to the sink page
+        floats[0, :rows], floats[1, :rows] = 0.0, 1.0  # padding rows are greedy
         for i, s in enumerate(seqs):
             p = s.num_tokens - 1
-            ids[i], pos[i], slots[i] = s.last_token, p, self._slot(s, p)
-        temp, top_k, top_p, seed, needs_filter = sampling_arrays(seqs, rows)
-        for buf, arr in ((d.input_ids, ids), (d.positions, pos), (d.slots, slots), (d.temperature, temp),
-                         (d.top_k, top_k), (d.top_p, top_p), (d.seed, seed)):
-            buf[:rows].copy_(torch.from_numpy(arr), non_blocking=True)
+            ints[:, i] = (s.last_token, p, self._slot(s, p), s.params.top_k, s.seed)
+            floats[:, i] = (s.params.temperature, s.params.top_p)
+        needs_filter = any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
+        d.ints.upload()
+        d.floats.upload()
         # masks cover the rows attention runs at (all of them when it is padded to a fixed count)
         self.masks.fill_decode(d.mask_buffers, seqs, self.attn_rows or rows)
         return needs_filter
