@@ -150,6 +150,33 @@ def _load_weights(model, files: list[Path], kind: str) -> dict[str, int]:
     return {"loaded": len(loaded), "skipped": skipped}
 
 
+def free_memory(device: torch.device) -> int:
+    """Bytes the model may take on `device`: free GPU memory, or available RAM on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 1 << 62  # unknown: do not refuse
+
+
+def check_fits(model_cls, config, dtype: torch.dtype, device: torch.device, name: str) -> None:
+    """Refuses, before allocating anything, a model whose weights alone exceed free memory."""
+    with torch.device("meta"):
+        n = sum(p.numel() for p in model_cls(config).parameters())
+    need = n * torch.finfo(dtype).bits // 8
+    free = free_memory(device)
+    if need > 0.95 * free:
+        raise ModelLoadError(
+            f"model {name!r}: {n / 1e9:.2f}B parameters need {need / 2**30:.1f} GiB in "
+            f"{str(dtype).removeprefix('torch.')}, but {device} has {free / 2**30:.1f} GiB free. Use a GPU "
+            "(device=cuda), quant=bnb4, model.dtype=bfloat16, a smaller variant, or fewer layers "
+            "(model.hf_config.num_hidden_layers=N)"
+        )
+
+
 def build_model(model_cfg, device: torch.device, quant_cfg=None):
     """Returns (Gemma4ForCausalLM in eval mode on `device`, tokenizer or None, info dict).
 
@@ -195,6 +222,7 @@ def build_model(model_cfg, device: torch.device, quant_cfg=None):
         info.update({"quant/method": "bnb4", "quant/quant_type": settings.quant_type,
                      "quant/double_quant": settings.double_quant, "quant/block_size": settings.block_size})
     else:
+        check_fits(Gemma4ForCausalLM, config, dtype, device, model_cfg.name)
         # Build straight in the target dtype and device: float32 first would need twice the memory.
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
