@@ -76,7 +76,7 @@ def main() -> None:
     res["host_schedule_ms"] = (time.perf_counter() - t0) / 50 * 1e3
 
     if runner.graphs:
-        res["replay_ms"] = cuda_time_ms(lambda: runner.graphs.graphs[rows].replay())
+        res["replay_ms"] = cuda_time_ms(lambda: runner.graphs.graphs[rows, True].replay())
     res["step_fn_ms"] = cuda_time_ms(lambda: runner.decode_step(rows), iters=20)
     # a whole engine step as generate() runs it: schedule + fill + replay + sync
     plan = engine.scheduler.schedule()
@@ -90,7 +90,7 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             if runner.graphs:
-                runner.graphs.graphs[rows].replay()
+                runner.graphs.graphs[rows, True].replay()
             else:
                 runner.decode_step(rows)
         torch.cuda.synchronize()

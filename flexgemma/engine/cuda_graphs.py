@@ -20,8 +20,9 @@ class DecodeGraphs:
         self.buckets = sorted(int(b) for b in buckets if b <= runner.max_batch)
         if not self.buckets or self.buckets[-1] < runner.max_batch:
             self.buckets.append(runner.max_batch)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple] = {}
+        # (rows, greedy_only) -> graph: an all-greedy batch skips the sampler's noise over the vocabulary
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], tuple] = {}
         self.pool = None
         self.hits: Counter = Counter()
         self.padded_rows = 0
@@ -38,29 +39,30 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         before = torch.cuda.memory_reserved()
         for rows in reversed(self.buckets):  # largest first: the shared pool is sized by it
-            r.fill_decode([], rows)  # all padding: a harmless step to record
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(warmup):  # compiles (first bucket of each shape) and settles allocations
-                    r.decode_step(rows)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = r.decode_step(rows)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[rows], self.outputs[rows] = graph, out
+            for greedy_only in (False, True):
+                r.fill_decode([], rows)  # all padding: a harmless step to record
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(warmup):  # compiles on first use and settles allocations
+                        r.decode_step(rows, greedy_only)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = r.decode_step(rows, greedy_only)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[rows, greedy_only], self.outputs[rows, greedy_only] = graph, out
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         self.pool_bytes = torch.cuda.memory_reserved() - before
 
-    def replay(self, rows: int, n: int):
-        self.graphs[rows].replay()
+    def replay(self, rows: int, n: int, greedy_only: bool = False):
+        self.graphs[rows, greedy_only].replay()
         self.hits[rows] += 1
         self.padded_rows += rows - n
         self.real_rows += n
-        return self.outputs[rows]
+        return self.outputs[rows, greedy_only]
 
     def metrics(self) -> dict:
         total = self.padded_rows + self.real_rows

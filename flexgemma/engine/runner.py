@@ -63,10 +63,11 @@ def sampling_arrays(seqs: list[Sequence], rows: int):
 
 
 def decode_step(forward: GemmaForward, sample_fn, input_ids, positions, slots, masks, temperature, top_k, top_p,
-                seed):
+                seed, greedy_only: bool):
     """One decode step of B rows: logits and the (unfiltered) sample, all on the device."""
     logits = forward(input_ids, positions, slots, masks, None, decode=True)
-    batch = SamplingBatch(temperature, top_k, top_p, seed, positions + 1, needs_filter=False)
+    batch = SamplingBatch(temperature, top_k, top_p, seed, positions + 1, needs_filter=False,
+                          greedy_only=greedy_only)
     tokens, logprobs = sample_fn(logits, batch)
     return logits, tokens, logprobs
 
@@ -133,9 +134,9 @@ class ModelRunner:
         return logits, sampled, draw_pos
 
     # -- decode -----------------------------------------------------------------------------------
-    def fill_decode(self, seqs: list[Sequence], rows: int) -> bool:
+    def fill_decode(self, seqs: list[Sequence], rows: int) -> tuple[bool, bool]:
         """Writes the step's values into the persistent decode buffers (rows past len(seqs) pad).
-        Returns whether some row needs top-k / top-p filtering."""
+        Returns (some row needs top-k / top-p filtering, every row is greedy)."""
         d = self.decode_in
         ints, floats = d.ints.np, d.floats.np
         ints[:, :rows] = 0
@@ -146,33 +147,34 @@ class ModelRunner:
             ints[:, i] = (s.last_token, p, self._slot(s, p), s.params.top_k, s.seed)
             floats[:, i] = (s.params.temperature, s.params.top_p)
         needs_filter = any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
+        greedy_only = all(s.params.temperature == 0 for s in seqs)
         d.ints.upload()
         d.floats.upload()
         # masks cover the rows attention runs at (all of them when it is padded to a fixed count)
         self.masks.fill_decode(d.mask_buffers, seqs, self.attn_rows or rows)
-        return needs_filter
+        return needs_filter, greedy_only
 
     def decode_masks(self, rows: int) -> dict:
         if rows not in self._decode_masks:
             self._decode_masks[rows] = self.masks.block_masks(self.decode_in.mask_buffers, rows)
         return self._decode_masks[rows]
 
-    def decode_step(self, rows: int):
+    def decode_step(self, rows: int, greedy_only: bool = False):
         d = self.decode_in
         return decode_step(
             self.forward, self.sample_fn, d.input_ids[:rows], d.positions[:rows], d.slots[:rows],
             self.decode_masks(self.attn_rows or rows), d.temperature[:rows], d.top_k[:rows], d.top_p[:rows],
-            d.seed[:rows],
+            d.seed[:rows], greedy_only,
         )
 
     def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(seqs)
         rows = self.graphs.bucket_for(n) if self.graphs is not None else n
-        needs_filter = self.fill_decode(seqs, rows)
+        needs_filter, greedy_only = self.fill_decode(seqs, rows)
         if self.graphs is not None:
-            logits, tokens, logprobs = self.graphs.replay(rows, n)
+            logits, tokens, logprobs = self.graphs.replay(rows, n, greedy_only)
         else:
-            logits, tokens, logprobs = self.decode_step(rows)
+            logits, tokens, logprobs = self.decode_step(rows, greedy_only)
         if needs_filter:  # top-k / top-p sort the vocabulary: only for batches that ask for it
             d = self.decode_in
             batch = SamplingBatch(d.temperature[:n], d.top_k[:n], d.top_p[:n], d.seed[:n], d.positions[:n] + 1,

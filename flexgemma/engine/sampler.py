@@ -42,12 +42,15 @@ class SamplingBatch:
     seed: torch.Tensor  # [B] int64
     position: torch.Tensor  # [B] int64: position of the token being drawn
     needs_filter: bool  # some row uses top-k or top-p (sorting the vocabulary is skipped otherwise)
+    greedy_only: bool = False  # every row is greedy: no noise over the vocabulary is drawn
 
 
 def sample(logits: torch.Tensor, p: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] float32 -> (tokens [B] int64, logprobs [B] float32)."""
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
+    if p.greedy_only:
+        return greedy, torch.log_softmax(logits, dim=-1).gather(-1, greedy[:, None])[:, 0]
     temp = p.temperature.clamp_min(1e-5)[:, None]
     scaled = logits / temp
     if p.needs_filter:
