@@ -106,15 +106,31 @@ class AttentionKernels:
         b = q.shape[0]
         if self.decode_rows is not None and b < self.decode_rows:
             q = F.pad(q, (0, 0, 0, 0, 0, self.decode_rows - b))
-        out = self._decode(q[:, :, None, :], k, v, block_mask=mask, scale=1.0, enable_gqa=True,
-                           kernel_options=options)
+        out = self._call(self._decode, "decode", q[:, :, None, :], k, v, mask, options)
         return out[:b, :, 0, :]
 
     def prefill(self, q, k, v, mask, options):
         """q [T, H, D] packed -> [T, H, D]."""
-        out = self._prefill(q.transpose(0, 1)[None], k, v, block_mask=mask, scale=1.0, enable_gqa=True,
-                            kernel_options=options)
+        out = self._call(self._prefill, "prefill", q.transpose(0, 1)[None], k, v, mask, options)
         return out[0].transpose(0, 1)
+
+    @staticmethod
+    def _call(fn, phase, q, k, v, mask, options):
+        try:
+            return fn(q, k, v, block_mask=mask, scale=1.0, enable_gqa=True, kernel_options=options)
+        except Exception as e:  # noqa: BLE001 - kernel options that do not fit surface as a Triton/Inductor error
+            text = str(e)
+            if "out of resource" not in text and "No valid triton configs" not in text \
+                    and "must be divisible by BLOCK_M and BLOCK_N" not in text:
+                raise
+            from flexgemma.config import ConfigError
+
+            key = f"attn.{phase}" + (".full_attention" if q.shape[-1] >= 512 else "")
+            reason = text.strip().splitlines()[0][:300]
+            raise ConfigError(
+                f"flex_attention kernel options {options} ({phase}, head_dim {q.shape[-1]}, {q.dtype}) do not work "
+                f"on this GPU: {reason}. Lower {key}.block_m / block_n / num_stages."
+            ) from e
 
 
 def dense_attention(q, k, v, block_mask: BlockMask, scale: float, enable_gqa: bool, kernel_options=None):
