@@ -105,7 +105,8 @@ class ModelRunner:
             return [], []
         temp, top_k, top_p, seed, needs_filter = sampling_arrays(seqs, len(seqs))
         batch = SamplingBatch(self._to_dev(temp), self._to_dev(top_k), self._to_dev(top_p), self._to_dev(seed),
-                              self._to_dev(np.asarray(positions, dtype=np.int64)), needs_filter)
+                              self._to_dev(np.asarray(positions, dtype=np.int64)), needs_filter,
+                              greedy_only=bool((temp == 0).all()))
         tokens, logprobs = self.sample_fn(logits, batch)
         return tokens.tolist(), logprobs.tolist()
 
@@ -120,8 +121,9 @@ class ModelRunner:
         for s, n in zip(plan.seqs, plan.chunk_lens):
             p0 = s.num_computed
             ids[t: t + n] = s.tokens[p0: p0 + n]
-            pos[t: t + n] = np.arange(p0, p0 + n)
-            slots[t: t + n] = [self._slot(s, p) for p in range(p0, p0 + n)]
+            p = np.arange(p0, p0 + n)
+            pos[t: t + n] = p
+            slots[t: t + n] = np.asarray(s.pages, dtype=np.int64)[p // self.page_size] * self.page_size + p % self.page_size
             smp = p0 + n == s.num_tokens
             sampled.append(smp)
             if smp:
