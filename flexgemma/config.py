@@ -156,6 +156,8 @@ class TaskName(str, Enum):
 class TaskConfig:
     name: TaskName = TaskName.bench
     max_prompts: int = 8  # parity: prompts compared against transformers generate (one at a time)
+    # the summary metric the Hydra task function returns: what an Optuna sweep optimises
+    objective: str = "throughput/total_tok_s_median"
 
 
 @dataclass
