@@ -249,7 +249,11 @@ class FlexgemmaLocalLauncher(_ResumableSubmititLauncher):
         # submitit sets CUDA_VISIBLE_DEVICES from integer ids only; a shell `setup` line also takes
         # UUIDs and MIG names, so every job sees exactly its one GPU (or none on a CPU machine)
         executor.update_parameters(gpus_per_node=0, local_setup=[f"export CUDA_VISIBLE_DEVICES={shlex.quote(gpu or '')}"])
-        return executor.submit(self, *self._job_args(job, state))
+        handle = executor.submit(self, *self._job_args(job, state))
+        # submitit waits 15 s for the result file of a dead job (grace for network file systems);
+        # the files of a local job are on this machine
+        handle._results_timeout_s = 2
+        return handle
 
 
 class FlexgemmaSlurmLauncher(_ResumableSubmititLauncher):
