@@ -37,6 +37,7 @@ METRICS: dict[str, str] = {
     "error": "why the job is invalid or failed",
     "traceback": "the failed job's traceback",
     "stderr_tail": "end of the stderr of a job whose process died (written by the sweep launcher)",
+    "exit_error": "a job that recorded status ok but whose process then died on exit (written by the sweep launcher)",
     "model": "model name (+model=, or the checkpoint's)",
     "task": "bench | parity | determinism | all",
     "choices": "the Hydra group choices (model, attn, cudagraph, quant, workload, experiment, ...); also the W&B tags",

@@ -103,7 +103,8 @@ class RunRecorder:
     def close(self, status: str = "ok") -> None:
         self._metrics.close()
         if self.wandb_run is not None:
-            self.wandb_run.finish(status)
+            files = [self.dir / n for n in ("summary.json", "metrics.jsonl", "config_resolved.yaml", "completions.jsonl")]
+            self.wandb_run.finish(status, files)
             self.wandb_run = None
 
 
@@ -137,6 +138,8 @@ def format_table(summary: dict[str, Any]) -> str:
         ("TPOT p50 / p99 ms", _pair(summary, "latency/tpot_p50_ms", "latency/tpot_p99_ms")),
         ("peak memory GiB", summary.get("memory/peak_allocated_gib")),
         ("KV pool GiB", summary.get("memory/kv_pool_gib")),
+        ("decode bandwidth GB/s", summary.get("bandwidth/decode_gb_s_median")),
+        ("graph padding waste", summary.get("cudagraph/padding_waste")),
         ("build s", summary.get("build/seconds")),
         ("deterministic (run-to-run)", summary.get("determinism/run_to_run")),
         ("parity token match %", summary.get("parity/token_match_pct")),

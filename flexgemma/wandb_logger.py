@@ -16,7 +16,7 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -66,8 +66,15 @@ class WandbRun:
     def set_summary(self, summary: dict[str, Any]) -> None:
         self.run.summary.update(summary)
 
-    def finish(self, status: str) -> None:
-        # exit code as a process would report it: 0 ok, 2 invalid configuration, 1 failed
+    def finish(self, status: str, files: Sequence[Path] = ()) -> None:
+        """Attaches the job's record files (uploaded with the run) and finishes it with the exit code a
+        process would report: 0 ok, 2 invalid configuration, 1 failed."""
+        for path in files:
+            if path.is_file():
+                try:
+                    self.run.save(str(path), base_path=str(path.parent), policy="now")
+                except Exception as e:  # noqa: BLE001 - a file W&B cannot take must not lose the run
+                    log.warning("W&B could not attach %s: %s", path, e)
         self.run.finish(exit_code={"ok": 0, "invalid": 2}.get(status, 1))
 
 

@@ -21,6 +21,7 @@ def test_invalid_and_failed_jobs_are_logged_and_finished(tmp_path):
     (run_dir,) = offline_runs(tmp_path / "invalid")
     wb = read_offline_run(run_dir)
     assert wb["exit_code"] == 2 and wb["summary"]["status"] == "invalid"
+    assert (run_dir / "files" / "summary.json").exists()  # the record files go with the run
     assert wb["summary"]["error"] == json.loads((tmp_path / "invalid" / "summary.json").read_text())["error"]
     assert wb["job_type"] == "bench" and wb["name"] == "tiny-bench" and wb["project"] == "flexgemma"
     assert {"quant=bnb4", "model=tiny", "mine"} <= set(wb["tags"])

@@ -135,6 +135,8 @@ class _ResumableSubmititLauncher(BaseSubmititLauncher):
             ret = handle.results()[0]
         except Exception as e:  # noqa: BLE001 - the job's process died: record it, the sweep goes on
             job.finish_crashed(e, _stderr_tail(handle))
+            if job.status == "ok":
+                job.result.return_value = self._objective(job.summary)
             return
         summary = read_summary(job.dir) or {}
         if ret.status == JobStatus.FAILED:  # the task raised outside of what it records itself
@@ -186,8 +188,16 @@ class _Job:
 
     def finish_crashed(self, error: Exception, stderr_tail: str) -> None:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        self.summary = {**(read_summary(self.dir) or {}), "status": "failed", "overrides": self.overrides,
-                        "error": f"the job's process ended without a result ({type(error).__name__}: {first})",
+        message = f"the job's process ended without a result ({type(error).__name__}: {first})"
+        summary = read_summary(self.dir) or {}
+        if summary.get("status") == "ok":
+            # the job finished and recorded itself, then its process died on the way out (e.g. in
+            # CUDA teardown): the measurements stand, the exit is noted
+            self.summary = {**summary, "exit_error": message, "stderr_tail": stderr_tail}
+            write_summary(self.dir, self.summary)
+            self.status, self.result = "ok", self._return(None)
+            return
+        self.summary = {**summary, "status": "failed", "overrides": self.overrides, "error": message,
                         "stderr_tail": stderr_tail}
         write_summary(self.dir, self.summary)
         self.status, self.result = "failed", self._return(math.nan)
