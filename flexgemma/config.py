@@ -124,8 +124,7 @@ class EngineConfig:
     max_batch_size: int = 64
     max_model_len: int = 4096
     max_prefill_tokens: int = 8192  # token budget of one packed prefill step; long prompts are chunked
-    compile: Optional[bool] = None  # torch.compile the decode step; null = on the GPU only
-    compile_dynamic_batch: bool = False  # one compile for all buckets (no flex decoding kernel)
+    compile: Optional[bool] = None  # torch.compile the fused norm/RoPE/activation glue and the sampler; null = GPU only
 
 
 @dataclass

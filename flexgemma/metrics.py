@@ -55,7 +55,8 @@ METRICS: dict[str, str] = {
     "latency/tpot_p50_ms": "time per output token after the first, median (ms)",
     "latency/tpot_p99_ms": "time per output token, 99th percentile (ms)",
     # memory
-    "memory/weights_gib": "parameter memory (GiB)",
+    "memory/weights_gib": "weight memory, 4-bit packing and quant states included (GiB)",
+    "quant/fraction_4bit": "share of the parameters stored in 4 bits (quant=bnb4; 0 for bf16)",
     "memory/kv_pool_gib": "KV cache pool (GiB)",
     "memory/graph_pool_gib": "CUDA-graph memory pool (GiB; GPU with cudagraph enabled)",
     "memory/peak_allocated_gib": "peak allocated by torch during the timed rounds (GiB; GPU)",

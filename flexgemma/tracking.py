@@ -140,6 +140,8 @@ def format_table(summary: dict[str, Any]) -> str:
         ("KV pool GiB", summary.get("memory/kv_pool_gib")),
         ("decode bandwidth GB/s", summary.get("bandwidth/decode_gb_s_median")),
         ("graph padding waste", summary.get("cudagraph/padding_waste")),
+        ("weights GiB", summary.get("memory/weights_gib")),
+        ("4-bit fraction of params", summary.get("quant/fraction_4bit") if summary.get("engine/quant/method") else None),
         ("build s", summary.get("build/seconds")),
         ("deterministic (run-to-run)", summary.get("determinism/run_to_run")),
         ("parity token match %", summary.get("parity/token_match_pct")),

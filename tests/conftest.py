@@ -1,5 +1,11 @@
-import pytest
-import torch
+import os
+
+# bitsandbytes' CPU kernels and torch each keep an OpenMP pool; with busy-waiting workers they
+# starve each other on few cores (a 4-bit matmul ~300x slower). Set before torch starts its pool.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from flexgemma import build_engine, compose
 

@@ -71,3 +71,11 @@ def test_pickle_weights_are_refused_unless_allowed(tmp_path):
 def test_pool_too_small_for_one_sequence_is_clear():
     with pytest.raises(ConfigError, match="cannot hold one sequence"):
         build_engine(compose(["+model=tiny", "kv.page_size=8", "kv.cpu_pages=4", "device=cpu"]))
+
+
+def test_model_too_large_for_memory_is_refused_before_allocating(monkeypatch):
+    import flexgemma.model.load as load
+
+    monkeypatch.setattr(load, "free_memory", lambda device: 1 << 30)  # pretend 1 GiB is free
+    with pytest.raises(ModelLoadError, match=r"'e2b': 4\.63B parameters need .* GiB in float32, but cpu has 1\.0 GiB"):
+        build_engine(compose(["+model=e2b", "device=cpu"]))

@@ -11,9 +11,9 @@ from conftest import SMALL
 
 
 def test_invalid_and_failed_jobs_are_logged_and_finished(tmp_path):
-    invalid = run_job(compose(["+model=tiny", "logger=wandb_offline", "logger.tags=[mine]", "quant=bnb4", *SMALL]),
+    invalid = run_job(compose(["+model=tiny", "logger=wandb_offline", "logger.tags=[mine]", "kv.max_pages=2", *SMALL]),
                       tmp_path / "invalid", raise_errors=False)
-    assert invalid["status"] == "invalid" and "quant=bnb4" in invalid["error"]
+    assert invalid["status"] == "invalid" and "kv.max_pages" in invalid["error"]
     failed = run_job(compose(["+model=tiny", "logger=wandb_offline", "model.path=/nonexistent/ckpt", *SMALL]),
                      tmp_path / "failed", raise_errors=False)
     assert failed["status"] == "failed" and "ModelLoadError" in failed["error"]
@@ -24,12 +24,12 @@ def test_invalid_and_failed_jobs_are_logged_and_finished(tmp_path):
     assert (run_dir / "files" / "summary.json").exists()  # the record files go with the run
     assert wb["summary"]["error"] == json.loads((tmp_path / "invalid" / "summary.json").read_text())["error"]
     assert wb["job_type"] == "bench" and wb["name"] == "tiny-bench" and wb["project"] == "flexgemma"
-    assert {"quant=bnb4", "model=tiny", "mine"} <= set(wb["tags"])
-    assert wb["config"]["config"]["quant"]["method"] == "bnb4" and wb["config"]["env"]["env/python"]
+    assert {"quant=bf16", "model=tiny", "mine"} <= set(wb["tags"])
+    assert wb["config"]["config"]["kv"]["max_pages"] == 2 and wb["config"]["env"]["env/python"]
     wb = read_offline_run(offline_runs(tmp_path / "failed")[0])
     assert wb["exit_code"] == 1 and "ModelLoadError" in wb["summary"]["error"] and wb["summary"]["traceback"]
 
 
 def test_logger_none_writes_no_wandb_run(tmp_path):
-    summary = run_job(compose(["+model=tiny", "logger=none", "quant=bnb4", *SMALL]), tmp_path / "j", raise_errors=False)
+    summary = run_job(compose(["+model=tiny", "logger=none", "kv.max_pages=2", *SMALL]), tmp_path / "j", raise_errors=False)
     assert summary["status"] == "invalid" and offline_runs(tmp_path / "j") == []

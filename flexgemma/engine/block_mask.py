@@ -55,13 +55,16 @@ def page_span(seq: Sequence, first_pos: int, last_pos: int, window: Optional[int
 class MaskBuffers:
     """Device buffers a family of decode masks reads, sized for the largest batch. Every batch
     size uses leading slices of them and the same mask_mod functions, so the decode step of every
-    CUDA-graph bucket reads the same tensors."""
+    CUDA-graph bucket reads the same tensors. All are views of one staged int32 buffer, filled on
+    the host and uploaded in one copy."""
 
+    staged: "Staged"
     q_seq: torch.Tensor  # [B, 1] int32 document id (sequence id) of each query
     q_pos: torch.Tensor  # [B, 1] int32 logical position of each query
     kv_num_blocks: dict[str, torch.Tensor]  # layer type -> [B, 1, 1] int32
     kv_indices: dict[str, torch.Tensor]  # layer type -> [B, 1, 1, max_pages_per_seq] int32
     mask_mods: dict[str, Callable]  # layer type -> mask_mod over q_seq / q_pos
+    host: dict[str, np.ndarray]  # the same fields on the host: "q_seq", "q_pos", "nb/TYPE", "idx/TYPE"
 
 
 class MaskBuilder:
@@ -76,15 +79,30 @@ class MaskBuilder:
 
     # -- decode: one query per sequence ----------------------------------------------------------
     def decode_buffers(self, batch: int) -> MaskBuffers:
-        z = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=self.device)  # noqa: E731
-        q_seq = torch.full((batch, 1), NO_SEQ, dtype=torch.int32, device=self.device)
-        q_pos = z(batch, 1)
+        from flexgemma.engine.runner import Staged
+
+        w = self.max_pages_per_seq
+        shapes = {"q_seq": (batch, 1), "q_pos": (batch, 1)}
+        for t in self.windows:
+            shapes[f"nb/{t}"] = (batch, 1, 1)
+            shapes[f"idx/{t}"] = (batch, 1, 1, w)
+        staged = Staged((sum(int(np.prod(s)) for s in shapes.values()),), torch.int32, self.device)
+        dev, host, start = {}, {}, 0
+        for name, shape in shapes.items():
+            n = int(np.prod(shape))
+            dev[name] = staged.dev[start: start + n].view(shape)
+            host[name] = staged.np[start: start + n].reshape(shape)
+            start += n
+        host["q_seq"][:] = NO_SEQ
+        staged.upload()
         return MaskBuffers(
-            q_seq=q_seq,
-            q_pos=q_pos,
-            kv_num_blocks={t: z(batch, 1, 1) for t in self.windows},
-            kv_indices={t: z(batch, 1, 1, self.max_pages_per_seq) for t in self.windows},
-            mask_mods={t: make_mask_mod(self.cache, q_seq, q_pos, w) for t, w in self.windows.items()},
+            staged=staged,
+            q_seq=dev["q_seq"],
+            q_pos=dev["q_pos"],
+            kv_num_blocks={t: dev[f"nb/{t}"] for t in self.windows},
+            kv_indices={t: dev[f"idx/{t}"] for t in self.windows},
+            mask_mods={t: make_mask_mod(self.cache, dev["q_seq"], dev["q_pos"], w_) for t, w_ in self.windows.items()},
+            host=host,
         )
 
     def block_masks(self, buf: MaskBuffers, rows: int) -> dict[str, BlockMask]:
@@ -107,23 +125,23 @@ class MaskBuilder:
         n, width, page = len(seqs), self.max_pages_per_seq, self.page_size
         table = np.zeros((rows, width), dtype=np.int32)
         pos = np.zeros(rows, dtype=np.int64)
-        q_seq = np.full((rows, 1), NO_SEQ, dtype=np.int32)
+        q_seq = buf.host["q_seq"]
+        q_seq[:rows] = NO_SEQ
         for i, s in enumerate(seqs):
             table[i, : len(s.pages)] = s.pages
             pos[i] = s.num_tokens - 1
             q_seq[i, 0] = s.seq_id
+        buf.host["q_pos"][:rows, 0] = pos
         hi = pos // page
         cols = np.arange(width)[None, :]
+        live = np.arange(rows) < n
         for t, window in self.windows.items():
             lo = np.zeros(rows, dtype=np.int64) if window is None else np.maximum(pos - window + 1, 0) // page
-            count = np.where(np.arange(rows) < n, hi - lo + 1, 0)
+            count = np.where(live, hi - lo + 1, 0)
             idx = np.take_along_axis(table, np.minimum(lo[:, None] + cols, width - 1), axis=1)
-            idx = np.where(cols < count[:, None], idx, 0).astype(np.int32)
-            buf.kv_num_blocks[t][:rows].copy_(torch.from_numpy(count.astype(np.int32)).view(rows, 1, 1),
-                                              non_blocking=True)
-            buf.kv_indices[t][:rows].copy_(torch.from_numpy(idx).view(rows, 1, 1, width), non_blocking=True)
-        buf.q_seq[:rows].copy_(torch.from_numpy(q_seq), non_blocking=True)
-        buf.q_pos[:rows].copy_(torch.from_numpy(pos.astype(np.int32)).view(rows, 1), non_blocking=True)
+            buf.host[f"nb/{t}"][:rows, 0, 0] = count
+            buf.host[f"idx/{t}"][:rows, 0, 0] = np.where(cols < count[:, None], idx, 0)
+        buf.staged.upload()
 
     # -- prefill: every chunk packed into one query sequence ------------------------------------
     def prefill(self, seqs: list[Sequence], chunk_lens: list[int], padded_len: int) -> dict[str, BlockMask]:

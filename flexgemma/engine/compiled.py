@@ -1,4 +1,4 @@
-"""torch.compile for the decode step, with every compilation counted.
+"""torch.compile with every compilation counted.
 
 Dynamo silently falls back to eager past its recompile limit (~20-40x slower for flex_attention);
 here the limit is raised, hitting it is an error, and the number of compiled graphs is reported.
@@ -33,13 +33,7 @@ def configure_dynamo(recompile_limit: int = 64) -> None:
         cfg.fail_on_recompile_limit_hit = True  # an error, never a silent eager fallback
 
 
-def compile_step(fn, counter: CompileCounter, dynamic_batch: bool = False):
-    """The whole decode step (forward + sampling) as one graph.
-
-    Static (default): one compilation per CUDA-graph bucket, each with torch's flex *decoding*
-    kernel, which needs a static batch to choose its KV split. Dynamic: the batch dimension turns
-    symbolic after the second bucket, so a ladder costs ~3 compilations, but flex_attention then
-    uses its general kernel for decode.
-    """
+def compile_fn(fn, counter: CompileCounter, dynamic=True):
+    """torch.compile with the counting backend and no graph breaks."""
     configure_dynamo()
-    return torch.compile(fn, backend=counter, fullgraph=True, dynamic=None if dynamic_batch else False)
+    return torch.compile(fn, backend=counter, fullgraph=True, dynamic=dynamic)

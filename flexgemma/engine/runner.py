@@ -1,9 +1,9 @@
 """Step plan -> input tensors -> forward -> sampled tokens.
 
 Decode reads persistent buffers sized for the largest batch (`DecodeInputs`); a step of n rows
-uses their leading slices. The same decode step function runs eagerly, compiled, or captured in
-a CUDA graph per batch bucket (cuda_graphs.py), so all three read the same tensors. The runner
-computes; the scheduler decides.
+uses their leading slices. The same decode step runs eagerly or captured in a CUDA graph per
+batch bucket (cuda_graphs.py), so both read the same tensors. The runner computes; the scheduler
+decides.
 """
 
 from __future__ import annotations
@@ -21,18 +21,32 @@ from flexgemma.engine.sequence import Sequence
 from flexgemma.model.forward import GemmaForward
 
 
+class Staged:
+    """A persistent device tensor with a pinned host mirror: the host fills the mirror through
+    numpy, and one asynchronous copy uploads all of it (one copy a step instead of one per field)."""
+
+    def __init__(self, shape, dtype: torch.dtype, device: torch.device):
+        self.dev = torch.zeros(shape, dtype=dtype, device=device)
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+        self.np = self.host.numpy()
+
+    def upload(self) -> None:
+        self.dev.copy_(self.host, non_blocking=True)
+
+
 class DecodeInputs:
     """Everything a decode step reads, as persistent device buffers of `max_batch` rows."""
 
+    INTS = ("input_ids", "positions", "slots", "top_k", "seed")
+    FLOATS = ("temperature", "top_p")
+
     def __init__(self, masks: MaskBuilder, max_batch: int, device: torch.device):
-        z = lambda dtype: torch.zeros(max_batch, dtype=dtype, device=device)  # noqa: E731
-        self.input_ids = z(torch.long)
-        self.positions = z(torch.long)
-        self.slots = z(torch.long)
-        self.temperature = z(torch.float32)
-        self.top_k = z(torch.long)
-        self.top_p = torch.ones(max_batch, dtype=torch.float32, device=device)
-        self.seed = z(torch.long)
+        self.ints = Staged((len(self.INTS), max_batch), torch.long, device)
+        self.floats = Staged((len(self.FLOATS), max_batch), torch.float32, device)
+        for i, name in enumerate(self.INTS):
+            setattr(self, name, self.ints.dev[i])
+        for i, name in enumerate(self.FLOATS):
+            setattr(self, name, self.floats.dev[i])
         self.mask_buffers = masks.decode_buffers(max_batch)
 
 
@@ -48,17 +62,18 @@ def sampling_arrays(seqs: list[Sequence], rows: int):
     return temp, top_k, top_p, seed, needs_filter
 
 
-def decode_step(forward: GemmaForward, input_ids, positions, slots, masks, temperature, top_k, top_p, seed):
+def decode_step(forward: GemmaForward, sample_fn, input_ids, positions, slots, masks, temperature, top_k, top_p,
+                seed):
     """One decode step of B rows: logits and the (unfiltered) sample, all on the device."""
     logits = forward(input_ids, positions, slots, masks, None, decode=True)
     batch = SamplingBatch(temperature, top_k, top_p, seed, positions + 1, needs_filter=False)
-    tokens, logprobs = sample(logits, batch)
+    tokens, logprobs = sample_fn(logits, batch)
     return logits, tokens, logprobs
 
 
 class ModelRunner:
     def __init__(self, forward: GemmaForward, cache: KVCache, masks: MaskBuilder, max_batch: int, q_block: int,
-                 step_fn: Optional[Callable] = None):
+                 sample_fn: Optional[Callable] = None):
         self.forward, self.cache, self.masks = forward, cache, masks
         self.device = cache.page_owner.device
         self.q_block = q_block
@@ -66,7 +81,9 @@ class ModelRunner:
         self.max_batch = max_batch
         self.decode_in = DecodeInputs(masks, max_batch, self.device)
         self._decode_masks: dict[int, dict] = {}  # rows -> BlockMasks over the persistent buffers
-        self.step_fn = step_fn or decode_step  # decode_step, or its torch.compile'd version
+        self.sample_fn = sample_fn or sample  # the sampler, compiled on the GPU
+        # decode attention runs at a fixed row count when the kernel is compiled for one
+        self.attn_rows = forward.kernels.decode_rows
         self.graphs = None  # a cuda_graphs.DecodeGraphs once captured
 
     def _slot(self, s: Sequence, pos: int) -> int:
@@ -88,7 +105,7 @@ class ModelRunner:
         temp, top_k, top_p, seed, needs_filter = sampling_arrays(seqs, len(seqs))
         batch = SamplingBatch(self._to_dev(temp), self._to_dev(top_k), self._to_dev(top_p), self._to_dev(seed),
                               self._to_dev(np.asarray(positions, dtype=np.int64)), needs_filter)
-        tokens, logprobs = sample(logits, batch)
+        tokens, logprobs = self.sample_fn(logits, batch)
         return tokens.tolist(), logprobs.tolist()
 
     def _prefill(self, plan: StepPlan):
@@ -117,20 +134,22 @@ class ModelRunner:
 
     # -- decode -----------------------------------------------------------------------------------
     def fill_decode(self, seqs: list[Sequence], rows: int) -> bool:
-        """Copies the step's values into the persistent decode buffers (rows past len(seqs) pad).
+        """Writes the step's values into the persistent decode buffers (rows past len(seqs) pad).
         Returns whether some row needs top-k / top-p filtering."""
         d = self.decode_in
-        ids = np.zeros(rows, dtype=np.int64)
-        pos = np.zeros(rows, dtype=np.int64)
-        slots = np.full(rows, SINK_PAGE * self.page_size, dtype=np.int64)
+        ints, floats = d.ints.np, d.floats.np
+        ints[:, :rows] = 0
+        ints[2, :rows] = SINK_PAGE * self.page_size  # padding rows write their KV to the sink page
+        floats[0, :rows], floats[1, :rows] = 0.0, 1.0  # padding rows are greedy
         for i, s in enumerate(seqs):
             p = s.num_tokens - 1
-            ids[i], pos[i], slots[i] = s.last_token, p, self._slot(s, p)
-        temp, top_k, top_p, seed, needs_filter = sampling_arrays(seqs, rows)
-        for buf, arr in ((d.input_ids, ids), (d.positions, pos), (d.slots, slots), (d.temperature, temp),
-                         (d.top_k, top_k), (d.top_p, top_p), (d.seed, seed)):
-            buf[:rows].copy_(torch.from_numpy(arr), non_blocking=True)
-        self.masks.fill_decode(d.mask_buffers, seqs, rows)
+            ints[:, i] = (s.last_token, p, self._slot(s, p), s.params.top_k, s.seed)
+            floats[:, i] = (s.params.temperature, s.params.top_p)
+        needs_filter = any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
+        d.ints.upload()
+        d.floats.upload()
+        # masks cover the rows attention runs at (all of them when it is padded to a fixed count)
+        self.masks.fill_decode(d.mask_buffers, seqs, self.attn_rows or rows)
         return needs_filter
 
     def decode_masks(self, rows: int) -> dict:
@@ -140,9 +159,10 @@ class ModelRunner:
 
     def decode_step(self, rows: int):
         d = self.decode_in
-        return self.step_fn(
-            self.forward, d.input_ids[:rows], d.positions[:rows], d.slots[:rows], self.decode_masks(rows),
-            d.temperature[:rows], d.top_k[:rows], d.top_p[:rows], d.seed[:rows],
+        return decode_step(
+            self.forward, self.sample_fn, d.input_ids[:rows], d.positions[:rows], d.slots[:rows],
+            self.decode_masks(self.attn_rows or rows), d.temperature[:rows], d.top_k[:rows], d.top_p[:rows],
+            d.seed[:rows],
         )
 
     def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,5 +177,5 @@ class ModelRunner:
             d = self.decode_in
             batch = SamplingBatch(d.temperature[:n], d.top_k[:n], d.top_p[:n], d.seed[:n], d.positions[:n] + 1,
                                   needs_filter=True)
-            return sample(logits[:n], batch)
+            return self.sample_fn(logits[:n], batch)
         return tokens[:n], logprobs[:n]

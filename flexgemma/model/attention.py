@@ -1,6 +1,6 @@
 """Attention of one Gemma-4 layer over the paged cache: q/k/v projections, their norms, RoPE, the
-KV write and the flex_attention call. The projections and norms are the transformers modules
-(so LoRA and 4-bit wrappers apply); flexgemma owns how they are combined.
+KV write and the flex_attention call. The projections are the transformers modules (so LoRA and
+4-bit wrappers apply); the norms read those modules' weights; flexgemma owns how they combine.
 """
 
 from __future__ import annotations
@@ -15,14 +15,6 @@ from flexgemma.engine.kv_cache import KVCache
 from flexgemma.model.spec import LayerSpec
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as transformers applies it (rotate-half); x [T, heads, D], cos/sin [T, D]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 def rope_tables(hf_model, max_len: int, dtype: torch.dtype, device: torch.device) -> dict[str, tuple]:
     """cos/sin [max_len, head_dim] per layer type, from the model's own rotary module."""
     rotary = hf_model.model.rotary_emb
@@ -35,8 +27,12 @@ def rope_tables(hf_model, max_len: int, dtype: torch.dtype, device: torch.device
     return tables
 
 
-def kernel_options(phase_cfg: Any, head_dim: int) -> Optional[dict]:
-    """torch flex kernel options for one phase, with the head_dim-512 overrides on those layers."""
+def kernel_options(phase_cfg: Any, head_dim: int, page_size: int, dtype: torch.dtype = torch.bfloat16) -> Optional[dict]:
+    """torch flex kernel options for one phase, with the head_dim-512 overrides on those layers.
+
+    float32 tiles take twice the shared memory: on head_dim-512 layers the tiles are halved and
+    single-staged so they fit the H200's 227 KiB (the bf16 options need 325 KiB in float32).
+    """
 
     def opts(k) -> dict:
         out = {name.upper(): getattr(k, name) for name in ("block_m", "block_n", "num_warps", "num_stages")}
@@ -45,49 +41,80 @@ def kernel_options(phase_cfg: Any, head_dim: int) -> Optional[dict]:
         return out
 
     merged = opts(phase_cfg)
+    # a kernel tile never spans two pages: torch's default BLOCK_N (128 for some head dims and
+    # dtypes) would not divide a 64-token page and fails at lowering
+    merged.setdefault("BLOCK_N", min(page_size, 64))
     if head_dim >= 512:
         merged.update(opts(phase_cfg.full_attention))
+        if dtype == torch.float32:
+            for key in ("BLOCK_M", "BLOCK_N"):
+                merged[key] = min(merged.get(key, 16), 16)
+            merged["num_stages"] = 1
     return merged or None
 
 
 class PagedAttention:
-    """Callable per layer; `flex` is one of `attention_fn`'s backends."""
+    """One layer's attention: projections (the model's modules), fused norm + RoPE, the KV write
+    and the attention kernel of the phase."""
 
-    def __init__(self, spec: LayerSpec, hf_attn, cache: KVCache, flex: Callable, kernels: dict[str, Optional[dict]]):
-        self.spec, self.m, self.cache, self.flex = spec, hf_attn, cache, flex
-        self.kernels = kernels  # phase -> kernel options
+    def __init__(self, spec: LayerSpec, hf_attn, cache: KVCache, kernels: "AttentionKernels", ops, eps: float,
+                 options: dict[str, Optional[dict]]):
+        self.spec, self.m, self.cache, self.k, self.ops, self.eps = spec, hf_attn, cache, kernels, ops, eps
+        self.options = options  # phase -> flex kernel options for this layer's head_dim
 
-    def __call__(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slots: torch.Tensor,
-        mask: BlockMask,
-        decode: bool,
-    ) -> torch.Tensor:
-        s, m = self.spec, self.m
+    def __call__(self, x, cos, sin, slots, mask: BlockMask, decode: bool) -> torch.Tensor:
+        s, m, ops = self.spec, self.m, self.ops
         t = x.shape[0]
-        q = m.q_norm(m.q_proj(x).view(t, s.num_heads, s.head_dim))
-        q = rotate(q, cos, sin)
+        q = ops.norm_rope(m.q_proj(x).view(t, s.num_heads, s.head_dim), m.q_norm.weight, cos, sin, self.eps)
         if s.writes_kv:
             raw_k = m.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
             raw_v = raw_k if s.k_eq_v else m.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
-            k = rotate(m.k_norm(raw_k), cos, sin)
-            v = m.v_norm(raw_v)
+            k = ops.norm_rope(raw_k, m.k_norm.weight, cos, sin, self.eps)
+            v = ops.rms_norm(raw_v, None, self.eps)  # values: a scale-free norm, no RoPE
             self.cache.write(s.index, k, v, slots)
         kc, vc = self.cache.layer_kv(s.kv_source)
-        if decode:  # one query per sequence: [B, H, 1, D] against the pool broadcast over B
-            out = self.flex(
-                q[:, :, None, :], kc, vc, block_mask=mask, scale=1.0, enable_gqa=True,
-                kernel_options=self.kernels["decode"],
-            )[:, :, 0, :]
-        else:  # packed prefill: [1, H, T, D]
-            out = self.flex(
-                q.transpose(0, 1)[None], kc, vc, block_mask=mask, scale=1.0, enable_gqa=True,
-                kernel_options=self.kernels["prefill"],
-            )[0].transpose(0, 1)
+        if decode:
+            out = self.k.decode(q, kc, vc, mask, self.options["decode"])
+        else:
+            out = self.k.prefill(q, kc, vc, mask, self.options["prefill"])
         return m.o_proj(out.reshape(t, s.num_heads * s.head_dim))
+
+
+class AttentionKernels:
+    """The attention calls of both phases for one backend.
+
+    flex: compiled flex_attention; decode is compiled once with a static batch of `decode_rows`
+    (torch's flex *decoding* kernel needs a static batch) and every CUDA-graph bucket pads its
+    queries to it (padding rows list no pages, so their programs exit at once); prefill is
+    compiled with a dynamic length. Other backends run at the batch they are given.
+    """
+
+    def __init__(self, backend: str, decode_rows: Optional[int] = None, counter=None):
+        self.backend = backend
+        self.decode_rows = decode_rows if backend == "flex" else None
+        if backend == "flex":
+            from flexgemma.engine.compiled import CompileCounter, compile_fn
+
+            counter = counter or CompileCounter()
+            self._decode = compile_fn(flex_attention, counter, dynamic=False)
+            self._prefill = compile_fn(flex_attention, counter, dynamic=None)
+        else:
+            self._decode = self._prefill = attention_fn(backend)
+
+    def decode(self, q, k, v, mask, options):
+        """q [B, H, D] -> [B, H, D]: one query per sequence against the pool broadcast over B."""
+        b = q.shape[0]
+        if self.decode_rows is not None and b < self.decode_rows:
+            q = F.pad(q, (0, 0, 0, 0, 0, self.decode_rows - b))
+        out = self._decode(q[:, :, None, :], k, v, block_mask=mask, scale=1.0, enable_gqa=True,
+                           kernel_options=options)
+        return out[:b, :, 0, :]
+
+    def prefill(self, q, k, v, mask, options):
+        """q [T, H, D] packed -> [T, H, D]."""
+        out = self._prefill(q.transpose(0, 1)[None], k, v, block_mask=mask, scale=1.0, enable_gqa=True,
+                            kernel_options=options)
+        return out[0].transpose(0, 1)
 
 
 def dense_attention(q, k, v, block_mask: BlockMask, scale: float, enable_gqa: bool, kernel_options=None):
@@ -118,14 +145,7 @@ ATTENTION_BACKENDS = ("flex", "flex_eager", "dense")
 
 
 def attention_fn(backend: str) -> Callable:
-    """flex: compiled flex_attention (the GPU path); flex_eager: torch's unfused reference;
-    dense: mask_mod + SDPA (the CPU path)."""
-    if backend == "flex":
-        from flexgemma.engine.compiled import configure_dynamo
-
-        configure_dynamo()
-        # default dynamic: a prefill length that changes becomes a dynamic dim after one recompile
-        return torch.compile(flex_attention, fullgraph=True)
+    """flex_eager: torch's unfused flex reference; dense: mask_mod + SDPA (the CPU path)."""
     if backend == "flex_eager":
         import warnings
 

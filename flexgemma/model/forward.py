@@ -2,6 +2,8 @@
 layer loop over the paged cache, final norm, lm_head and the logit soft-cap.
 
 Tokens of a step are packed into one flat sequence [T]; the layer loop reads only `LayerSpec`s.
+Matrix products go through the model's own modules (so peft and bitsandbytes wrappers apply);
+norms, RoPE and activations are the fused glue of fused.py over those modules' weights.
 """
 
 from __future__ import annotations
@@ -12,29 +14,29 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexgemma.engine.kv_cache import KVCache
-from flexgemma.model.attention import PagedAttention, attention_fn, kernel_options, rope_tables
+from flexgemma.model.attention import AttentionKernels, PagedAttention, kernel_options, rope_tables
 from flexgemma.model.moe import moe_block
 from flexgemma.model.spec import ModelSpec
 
 
 class GemmaForward(torch.nn.Module):
-    def __init__(self, hf_model, spec: ModelSpec, cache: KVCache, attn_cfg, max_len: int, backend: str):
+    def __init__(self, hf_model, spec: ModelSpec, cache: KVCache, attn_cfg, max_len: int,
+                 kernels: AttentionKernels, ops):
         super().__init__()
         self.hf = [hf_model]  # a list: not a submodule, so its parameters are listed once, by transformers
-        self.spec = spec
-        self.cache = cache
+        self.spec, self.cache, self.kernels, self.ops = spec, cache, kernels, ops
         self.layers = hf_model.model.layers
-        flex = attention_fn(backend)
+        self.eps = spec.rms_eps
         self.attn = [
             PagedAttention(
-                s, layer.self_attn, cache, flex,
-                {ph: kernel_options(attn_cfg[ph], s.head_dim) for ph in ("prefill", "decode")},
+                s, layer.self_attn, cache, kernels, ops, self.eps,
+                {ph: kernel_options(attn_cfg[ph], s.head_dim, cache.page_size, hf_model.model.embed_tokens.weight.dtype)
+                 for ph in ("prefill", "decode")},
             )
             for s, layer in zip(spec.layers, self.layers)
         ]
-        p = next(hf_model.parameters())
-        compute_dtype = hf_model.model.embed_tokens.weight.dtype if p.dtype.is_floating_point else torch.bfloat16
-        self.rope = rope_tables(hf_model, max_len, compute_dtype, p.device)
+        p = hf_model.model.embed_tokens.weight
+        self.rope = rope_tables(hf_model, max_len, p.dtype, p.device)
 
     @property
     def model(self):
@@ -49,7 +51,7 @@ class GemmaForward(torch.nn.Module):
         logits_index: Optional[torch.Tensor],  # rows whose logits are needed (None: all)
         decode: bool,
     ) -> torch.Tensor:
-        base = self.model.model
+        base, ops, eps = self.model.model, self.ops, self.eps
         embeds = base.embed_tokens(input_ids)
         per_layer = None
         if self.spec.per_layer_input_dim:
@@ -59,21 +61,22 @@ class GemmaForward(torch.nn.Module):
         h = embeds
         for s, layer, attn in zip(self.spec.layers, self.layers, self.attn):
             cos, sin = rope[s.layer_type]
-            residual = h
-            a = attn(layer.input_layernorm(h), cos, sin, slots, masks[s.layer_type], decode)
-            h = residual + layer.post_attention_layernorm(a)
-            residual = h
-            m = layer.mlp(layer.pre_feedforward_layernorm(h))
+            a = attn(ops.rms_norm(h, layer.input_layernorm.weight, eps), cos, sin, slots, masks[s.layer_type], decode)
+            h = ops.add_norm(h, a, layer.post_attention_layernorm.weight, eps)
+            x = ops.rms_norm(h, layer.pre_feedforward_layernorm.weight, eps)
+            mlp = layer.mlp
+            m = mlp.down_proj(ops.gelu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
             if s.moe:
-                m = moe_block(layer, residual, m)
-            h = residual + layer.post_feedforward_layernorm(m)
+                m = moe_block(layer, h, m)
+            end_of_layer = None if s.per_layer_input else layer.layer_scalar
+            h = ops.add_norm(h, m, layer.post_feedforward_layernorm.weight, eps, end_of_layer)
             if s.per_layer_input:
-                g = layer.act_fn(layer.per_layer_input_gate(h)) * per_layer[:, s.index, :]
-                h = h + layer.post_per_layer_input_norm(layer.per_layer_projection(g))
-            h = h * layer.layer_scalar
+                g = ops.gelu_mul(layer.per_layer_input_gate(h), per_layer[:, s.index, :])
+                h = ops.add_norm(h, layer.per_layer_projection(g), layer.post_per_layer_input_norm.weight, eps,
+                                 layer.layer_scalar)
         if logits_index is not None:
             h = h[logits_index]
-        logits = self.model.lm_head(base.norm(h)).float()
+        logits = self.model.lm_head(ops.rms_norm(h, base.norm.weight, eps)).float()
         if self.spec.softcap is not None:
             logits = torch.tanh(logits / self.spec.softcap) * self.spec.softcap
         return logits

@@ -72,13 +72,16 @@ def _read_checkpoint_config(path: Path) -> dict:
         raise ModelLoadError(
             f"{cfg_file}: model_type {mtype!r} is not a Gemma-4 model (expected 'gemma4' or 'gemma4_text')"
         )
-    if raw.get("quantization_config") or text.get("quantization_config"):
-        raise ModelLoadError(
-            f"{cfg_file} holds a quantization_config: pre-quantised checkpoints load with quant=bnb4 "
-            "(not supported by this build yet); use a bf16/fp32 checkpoint"
-        )
+    qcfg = raw.get("quantization_config") or text.get("quantization_config")
     text.pop("quantization_config", None)
-    return text
+    if qcfg:
+        method = qcfg.get("quant_method")
+        if method != "bitsandbytes" or not (qcfg.get("load_in_4bit") or qcfg.get("_load_in_4bit")):
+            raise ModelLoadError(
+                f"{cfg_file}: quantization_config {method!r} (4-bit: {qcfg.get('load_in_4bit')}) is not supported: "
+                "flexgemma loads bitsandbytes 4-bit checkpoints (quant=bnb4) and bf16/fp32 ones"
+            )
+    return text, qcfg or None
 
 
 def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], str]:
@@ -147,18 +150,60 @@ def _load_weights(model, files: list[Path], kind: str) -> dict[str, int]:
     return {"loaded": len(loaded), "skipped": skipped}
 
 
-def build_model(model_cfg, device: torch.device):
-    """Returns (Gemma4ForCausalLM in eval mode on `device`, tokenizer or None, info dict)."""
+def free_memory(device: torch.device) -> int:
+    """Bytes the model may take on `device`: free GPU memory, or available RAM on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 1 << 62  # unknown: do not refuse
+
+
+def check_fits(model_cls, config, dtype: torch.dtype, device: torch.device, name: str) -> None:
+    """Refuses, before allocating anything, a model whose weights alone exceed free memory."""
+    with torch.device("meta"):
+        n = sum(p.numel() for p in model_cls(config).parameters())
+    need = n * torch.finfo(dtype).bits // 8
+    free = free_memory(device)
+    if need > 0.95 * free:
+        raise ModelLoadError(
+            f"model {name!r}: {n / 1e9:.2f}B parameters need {need / 2**30:.1f} GiB in "
+            f"{str(dtype).removeprefix('torch.')}, but {device} has {free / 2**30:.1f} GiB free. Use a GPU "
+            "(device=cuda), quant=bnb4, model.dtype=bfloat16, a smaller variant, or fewer layers "
+            "(model.hf_config.num_hidden_layers=N)"
+        )
+
+
+def build_model(model_cfg, device: torch.device, quant_cfg=None):
+    """Returns (Gemma4ForCausalLM in eval mode on `device`, tokenizer or None, info dict).
+
+    With quant=bnb4 (`quant_cfg.method == "bnb4"`) the model is built on the meta device and made
+    real one module at a time on `device` (random init or checkpoint tensors), each decoder layer
+    quantised to 4-bit before the next one exists: the full bf16 model is never held anywhere.
+    """
     from transformers import Gemma4ForCausalLM
 
-    dtype = resolve_dtype(str(getattr(model_cfg.dtype, "value", model_cfg.dtype)), device)
+    from flexgemma.model.quant import Bnb4Settings, require_bitsandbytes, storage_census
+
+    quantised = quant_cfg is not None and quant_cfg.method != "none"
+    dtype_name = str(getattr(model_cfg.dtype, "value", model_cfg.dtype))
+    # bnb4 computes in bf16 on every device unless model.dtype says otherwise
+    dtype = torch.bfloat16 if quantised and dtype_name == "auto" else resolve_dtype(dtype_name, device)
     path = Path(model_cfg.path).expanduser() if model_cfg.path else None
     info: dict[str, Any] = {"name": model_cfg.name, "dtype": str(dtype).removeprefix("torch.")}
+    ckpt_quant = None
     if path is not None:
         if not path.is_dir():
             raise ModelLoadError(f"model.path={path} does not exist or is not a directory")
-        text = _read_checkpoint_config(path)
+        text, ckpt_quant = _read_checkpoint_config(path)
         files, kind = _weight_files(path, bool(model_cfg.allow_pickle))
+        if ckpt_quant and files and not quantised:
+            raise ModelLoadError(
+                f"model.path={path} is a pre-quantised bitsandbytes 4-bit checkpoint: load it with quant=bnb4"
+            )
     else:
         if model_cfg.hf_config is None:
             raise ModelLoadError(f"model {model_cfg.name!r} has no hf_config and no model.path")
@@ -166,18 +211,31 @@ def build_model(model_cfg, device: torch.device):
     config = text_config_from_dict(text)
     config._attn_implementation = "sdpa"
 
-    # Build straight in the target dtype and device: float32 first would need twice the memory.
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        torch.manual_seed(int(model_cfg.seed))
-        with torch.device(device):
-            model = Gemma4ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(prev)
+    if quantised:
+        require_bitsandbytes(device)
+        settings = Bnb4Settings.from_config(quant_cfg, dtype)
+        reader = CheckpointReader(files, kind) if files else None
+        model = _build_quantised(Gemma4ForCausalLM, config, dtype, device, settings, reader, int(model_cfg.seed))
+        model.is_loaded_in_4bit = True  # what peft reads to wrap Linear4bit with its 4-bit LoRA layer
+        if reader is not None:
+            info.update(loaded=reader.loaded, skipped=reader.skipped, prequantized=reader.prequantized)
+        info.update({"quant/method": "bnb4", "quant/quant_type": settings.quant_type,
+                     "quant/double_quant": settings.double_quant, "quant/block_size": settings.block_size})
+    else:
+        check_fits(Gemma4ForCausalLM, config, dtype, device, model_cfg.name)
+        # Build straight in the target dtype and device: float32 first would need twice the memory.
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            torch.manual_seed(int(model_cfg.seed))
+            with torch.device(device):
+                model = Gemma4ForCausalLM(config)
+        finally:
+            torch.set_default_dtype(prev)
+        if files:
+            info.update(_load_weights(model, files, kind))
     model.eval().requires_grad_(False)
     if files:
-        info.update(_load_weights(model, files, kind))
         info["weights"] = str(path)
     else:
         info["weights"] = "random"
@@ -187,8 +245,154 @@ def build_model(model_cfg, device: torch.device):
                 stacklevel=2,
             )
     tokenizer = load_tokenizer(path) if path is not None else None
-    info["params"] = sum(p.numel() for p in model.parameters())
+    census = storage_census(model)
+    info["params"] = census["params"]
+    info["quant/fraction_4bit"] = census["quant/fraction_4bit"]
+    info["quant/weight_bytes"] = census["quant/weight_bytes"]
     return model, tokenizer, info
+
+
+# -- the quantised build: meta model, made real and quantised one module at a time -------------
+class CheckpointReader:
+    """A checkpoint's text-backbone tensors by Gemma4ForCausalLM name, read one at a time."""
+
+    _QUANT_STATE = ".weight.quant_state.bitsandbytes__"
+
+    def __init__(self, files: list[Path], kind: str):
+        self.kind, self.skipped, self.loaded, self.prequantized = kind, 0, 0, 0
+        self._where: dict[str, tuple] = {}
+        self._handles: dict[Path, Any] = {}
+        for key, get in _iter_checkpoint_tensors(files, kind) if kind != "safetensors" else ():
+            name = _text_key(key)
+            if name is None:
+                self.skipped += 1
+            else:
+                self._where[name] = ("tensor", get())
+        if kind == "safetensors":
+            from safetensors import safe_open
+
+            for f in files:
+                h = self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
+                for key in h.keys():
+                    name = _text_key(key)
+                    if name is None:
+                        self.skipped += 1
+                    else:
+                        self._where[name] = ("file", f, key)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        where = self._where[name]
+        return where[1] if where[0] == "tensor" else self._handles[where[1]].get_tensor(where[2])
+
+    def prequantized_linears(self, module_name: str) -> list[str]:
+        """`module_name` and modules under it stored as bitsandbytes 4-bit (packed weight + quant state)."""
+        out = []
+        for name in self._where:
+            if (name.startswith(module_name + ".")) and self._QUANT_STATE in name:
+                out.append(name[: name.index(self._QUANT_STATE)])
+        return sorted(out)
+
+    def quant_stats(self, module_name: str) -> dict[str, torch.Tensor]:
+        pre = module_name + ".weight."
+        return {n[len(pre):]: self.get(n) for n in self._where if n.startswith(pre)}
+
+
+def _materialise(module: torch.nn.Module, device: torch.device) -> None:
+    """Allocates every meta parameter/buffer of `module` on `device` (values are set after)."""
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.is_meta:
+                m._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.empty_like(b, device=device)
+
+
+def _set_submodule(root: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, new)
+
+
+@torch.no_grad()
+def _fill_module(model, module, prefix: str, device, settings, reader: Optional[CheckpointReader], quantise: bool):
+    """Makes `module` (named `prefix` in the model, with a trailing dot) real on `device`: random
+    init, then checkpoint tensors (pre-quantised linears as they are), then quantises what is left
+    when `quantise`. Returns the module (a new one when it was itself a linear layer)."""
+    from flexgemma.model.quant import linear4bit_from, linear4bit_prequantized, quantise_module
+
+    _materialise(module, device)
+    for sub in module.modules():  # also sets the non-persistent buffers (RoPE tables, scales)
+        model._init_weights(sub)
+    if reader is not None:
+        for lin in reader.prequantized_linears(prefix[:-1]):
+            bias = reader.get(lin + ".bias") if lin + ".bias" in reader else None
+            q = linear4bit_prequantized(reader.get(lin + ".weight"), reader.quant_stats(lin), bias,
+                                        settings.compute_dtype, device)
+            if lin == prefix[:-1]:
+                module = q
+            else:
+                _set_submodule(module, lin[len(prefix):], q)
+            reader.loaded += 1
+            reader.prequantized += 1
+        _copy_plain_tensors(module, prefix, reader, model)
+    if quantise:
+        import bitsandbytes as bnb
+
+        if isinstance(module, torch.nn.Linear) and not isinstance(module, bnb.nn.Linear4bit):
+            return linear4bit_from(module, settings, device)
+        quantise_module(module, settings, device, prefix)
+    return module
+
+
+def _copy_plain_tensors(module, prefix: str, reader: CheckpointReader, model) -> None:
+    from bitsandbytes.nn import Params4bit
+
+    tied = "lm_head.weight" if model.config.tie_word_embeddings else None
+    for kind, named in (("param", module.named_parameters()), ("buffer", module.named_buffers())):
+        for rel, t in named:
+            name = prefix + rel
+            if isinstance(t, Params4bit):
+                continue
+            if name not in reader:
+                if kind == "param" and name != tied:
+                    raise ModelLoadError(f"checkpoint is missing the text weight {name}")
+                continue  # non-persistent buffers keep their computed values
+            src = reader.get(name)
+            if src.dtype == torch.uint8 and t.dtype != torch.uint8:
+                raise ModelLoadError(
+                    f"checkpoint tensor {name} is packed 4-bit data flexgemma cannot place (only nn.Linear weights "
+                    "with a bitsandbytes quant_state are read pre-quantised; fused experts must be bf16)"
+                )
+            if tuple(src.shape) != tuple(t.shape):
+                raise ModelLoadError(f"checkpoint tensor {name}: shape {tuple(src.shape)} != model {tuple(t.shape)}")
+            t.copy_(src.to(dtype=t.dtype))
+            reader.loaded += 1
+
+
+def _build_quantised(model_cls, config, dtype, device, settings, reader, seed: int):
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(prev)
+    torch.manual_seed(seed)
+    base = model.model
+    for name, child in list(base.named_children()):  # embeddings, norms, RoPE, per-layer projection
+        if name != "layers":
+            keep = isinstance(child, torch.nn.Embedding)  # embedding tables stay in the model dtype
+            setattr(base, name, _fill_module(model, child, f"model.{name}.", device, settings, reader, not keep))
+    for i, layer in enumerate(base.layers):
+        _fill_module(model, layer, f"model.layers.{i}.", device, settings, reader, quantise=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = base.embed_tokens.weight
+    else:
+        _fill_module(model, model.lm_head, "lm_head.", device, settings, reader, quantise=False)
+    return model
 
 
 def load_tokenizer(path: Optional[Path]):

@@ -4,6 +4,10 @@ Rows (token, choice) are sorted by expert; one grouped matmul runs gate_up for e
 rows, one runs down, and the weighted results are summed back per token. Offsets are computed on
 the device (no .item(), no Python loop over experts), so the path is capturable in a CUDA graph.
 `experts_loop` is the plain per-expert reference the tests compare against.
+
+With quant=bnb4 the expert weights are `quant.PackedExpertWeight`s (4-bit, expert by expert): a
+step dequantises only the experts it routes to, in a static number of slots (min(E, rows)), so the
+same code runs compiled and inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -30,22 +34,45 @@ def _segment_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torc
     return out
 
 
+def routed_experts(counts: torch.Tensor, slots: int) -> torch.Tensor:
+    """The ids of the experts with rows (ascending), then unused ones as padding: [slots] ids, a
+    static shape whatever the routing. `slots` >= the number of distinct experts routed to."""
+    # a stable sort of "unused" flags keeps the used experts first and in id order, which is the
+    # order of the rows sorted by expert
+    return torch.argsort((counts == 0).to(torch.int32), stable=True)[:slots]
+
+
 def experts_grouped(
-    x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
-    down: torch.Tensor, act,
+    x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up, down, act,
 ) -> torch.Tensor:
-    """x [T, H]; top_k_* [T, K]; gate_up [E, 2I, H]; down [E, H, I] -> [T, H]."""
+    """x [T, H]; top_k_* [T, K]; gate_up [E, 2I, H]; down [E, H, I] -> [T, H].
+
+    gate_up / down are tensors (bf16, fp32) or packed 4-bit weights with `.dequantize(ids)`."""
     t, k = top_k_index.shape
     n_exp = gate_up.shape[0]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // k
-    counts = torch.bincount(flat, minlength=n_exp)
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    # scatter_add, not bincount: bincount syncs with the host to size its output (no graph capture)
+    counts = torch.zeros(n_exp, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     rows = x[token]
-    h = _segment_mm(rows, gate_up.transpose(1, 2), offsets)
-    g, u = h.chunk(2, dim=-1)
-    h = _segment_mm(act(g) * u, down.transpose(1, 2), offsets)
+    if isinstance(gate_up, torch.Tensor):
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        h = _segment_mm(rows, gate_up.transpose(1, 2), offsets)
+        g, u = h.chunk(2, dim=-1)
+        h = _segment_mm(act(g) * u, down.transpose(1, 2), offsets)
+    else:
+        # 4-bit: at most t*k experts have rows; dequantise just those (one matrix at a time, so only
+        # one of the two bf16 copies is alive), grouped in the same order as the rows
+        if t * k >= n_exp:  # every expert may have rows: dequantise them all, no gather
+            experts, group_counts = None, counts
+        else:
+            experts = routed_experts(counts, t * k)
+            group_counts = counts[experts]
+        offsets = torch.cumsum(group_counts, 0).to(torch.int32)
+        h = _segment_mm(rows, gate_up.dequantize(experts).transpose(1, 2), offsets)
+        g, u = h.chunk(2, dim=-1)
+        h = _segment_mm(act(g) * u, down.dequantize(experts).transpose(1, 2), offsets)
     h = h * top_k_weights.reshape(-1)[order, None]  # float32 router weights, as transformers multiplies
     return torch.zeros_like(x).index_add_(0, token, h.to(x.dtype))
 

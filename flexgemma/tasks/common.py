@@ -34,8 +34,12 @@ def round_metrics(outputs, stats, wall: float) -> tuple[dict, dict]:
 
 
 def memory_metrics(engine) -> dict:
+    from flexgemma.model.quant import storage_census
+
+    census = storage_census(engine.model)  # 4-bit weights with their quant states, packed experts included
     out = {
-        "memory/weights_gib": sum(p.numel() * p.element_size() for p in engine.model.parameters()) / GIB,
+        "memory/weights_gib": census["quant/weight_bytes"] / GIB,
+        "quant/fraction_4bit": census["quant/fraction_4bit"],
         "memory/kv_pool_gib": engine.info.get("kv_pool_bytes", 0) / GIB,
     }
     if torch.cuda.is_available() and engine.info.get("device", "").startswith("cuda"):
@@ -66,8 +70,12 @@ def gpu_peak_bandwidth_gb_s(device_index: int = 0) -> float | None:
 def weight_bytes_per_decode_step(model) -> int:
     """Bytes of weights one decode step reads: every matrix once, but of embedding tables only the
     looked-up rows (negligible), except a tied LM head, which reads the whole token embedding."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    total = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in embeddings)
+    from flexgemma.model.quant import storage_census
+
+    embeddings = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    # all weight storage, 4-bit packing and quant states included, less the embedding tables
+    total = storage_census(model)["quant/weight_bytes"]
+    total -= sum(w.numel() * w.element_size() for w in embeddings.values())
     if model.config.tie_word_embeddings:
         w = model.get_input_embeddings().weight
         total += w.numel() * w.element_size()

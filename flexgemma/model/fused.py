@@ -1,0 +1,54 @@
+"""The elementwise glue of a Gemma-4 layer (norms, RoPE, gated activations, residual adds), each
+a small function that torch.compile fuses into one kernel.
+
+They take tensors only, never modules, and are compiled with dynamic shapes: one compilation
+serves every layer, every batch bucket and prefill alike, so building the engine costs seconds
+of compilation instead of one whole-model compile per CUDA-graph bucket. The maths is
+transformers' Gemma-4 maths (float32 norms cast back to the input dtype, rotate-half RoPE).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    xf = x.float()
+    out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        out = out * weight.float()
+    return out.type_as(x)
+
+
+def add_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """residual + norm(x), then times the layer scalar when given (the end of a layer)."""
+    out = residual + rms_norm(x, weight, eps)
+    return out * scale if scale is not None else out
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm then rotate-half RoPE; x [T, heads, D], cos/sin [T, D]."""
+    x = rms_norm(x, weight, eps)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def make_ops(counter=None) -> SimpleNamespace:
+    """The glue functions: compiled with `counter` as backend (GPU), or plain (the CPU reference)."""
+    fns = dict(rms_norm=rms_norm, add_norm=add_norm, norm_rope=norm_rope, gelu_mul=gelu_mul)
+    if counter is not None:
+        from flexgemma.engine.compiled import compile_fn
+
+        fns = {k: compile_fn(f, counter) for k, f in fns.items()}
+    return SimpleNamespace(**fns)
