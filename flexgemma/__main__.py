@@ -1,4 +1,8 @@
-"""`python -m flexgemma [+model=NAME] [overrides...]`: the Hydra entry point; nothing else."""
+"""`python -m flexgemma [+model=NAME] [overrides...]`: the Hydra entry point; nothing else.
+
+The task function is flexgemma.run.hydra_task (a module function, not one of `__main__`, so that a
+launcher can pickle it by reference into each job's own process).
+"""
 
 from __future__ import annotations
 
@@ -6,25 +10,12 @@ import logging
 import sys
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
 
-from flexgemma.compose import _check_model_override, conf_dir, ensure_model
-from flexgemma.config import ConfigError, register_configs, validate
-from flexgemma.run import run_job
+from flexgemma.compose import _check_model_override, conf_dir
+from flexgemma.config import ConfigError, register_configs
+from flexgemma.run import hydra_task
 
-log = logging.getLogger("flexgemma")
-
-
-@hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
-def _main(cfg: DictConfig) -> None:
-    cfg = ensure_model(cfg)
-    try:
-        validate(cfg)
-    except ConfigError as e:
-        log.error("invalid configuration: %s", e)
-        raise SystemExit(2) from None
-    run_job(cfg, HydraConfig.get().runtime.output_dir)
+_main = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(hydra_task)
 
 
 def main() -> None:

@@ -130,7 +130,7 @@ class EngineConfig:
 @dataclass
 class WorkloadConfig:
     name: str = "synthetic"
-    num_prompts: int = 16
+    num_prompts: Optional[int] = 16  # synthetic: how many; jsonl: at most this many from the file (null = all)
     min_prompt_len: int = 8
     max_prompt_len: int = 48
     max_new_tokens: int = 32
@@ -142,6 +142,7 @@ class WorkloadConfig:
     rounds: int = 3
     warmup_rounds: int = 1
     path: Optional[str] = None  # prompts file for workload=jsonl
+    n: int = 1  # completions per prompt (a GRPO group), each with its own seed
 
 
 class TaskName(str, Enum):
@@ -155,6 +156,8 @@ class TaskName(str, Enum):
 class TaskConfig:
     name: TaskName = TaskName.bench
     max_prompts: int = 8  # parity: prompts compared against transformers generate (one at a time)
+    # the summary metric the Hydra task function returns: what an Optuna sweep optimises
+    objective: str = "throughput/total_tok_s_median"
 
 
 @dataclass
@@ -255,8 +258,13 @@ def validate(cfg: DictConfig) -> None:
     if lora.name != "none" and lora.rank < 1:
         raise ConfigError(f"lora.rank={lora.rank} is invalid: a LoRA rank is at least 1 (or use lora=none)")
     w = cfg.workload
-    if w.num_prompts < 1 or w.max_new_tokens < 1:
-        raise ConfigError("workload.num_prompts and workload.max_new_tokens must be at least 1")
+    if (w.num_prompts is not None and w.num_prompts < 1) or w.max_new_tokens < 1 or w.n < 1:
+        raise ConfigError("workload.num_prompts, workload.max_new_tokens and workload.n must be at least 1")
+    if w.name == "jsonl" and not w.path:
+        raise ConfigError("workload=jsonl needs the prompts file: workload.path=FILE.jsonl")
+    if w.rounds < 1 or w.warmup_rounds < 0:
+        raise ConfigError(f"workload.rounds={w.rounds} / warmup_rounds={w.warmup_rounds}: need rounds >= 1, "
+                          "warmup_rounds >= 0")
     if not 1 <= w.min_prompt_len <= w.max_prompt_len:
         raise ConfigError(
             f"workload.min_prompt_len={w.min_prompt_len} / max_prompt_len={w.max_prompt_len}: need 1 <= min <= max"

@@ -1,18 +1,33 @@
-"""One job: build the engine, run the task on the workload, record and print the results."""
+"""One job: validate, build the engine, run the task on the workload, record and print the results.
+
+`hydra_task` is the Hydra task function of `python -m flexgemma` (a single run, and every job of
+a multirun); `run_job` is the job itself and needs no Hydra.
+
+A job ends in one of three states, written to its summary.json (and its W&B run):
+`ok`; `invalid` (a ConfigError: the configuration composes but cannot run, e.g. a sweep point
+with a block size the kernels reject); `failed` (any other error, with its message and traceback).
+In a single run `invalid` exits with code 2 and `failed` re-raises; in a multirun both are
+recorded and the sweep goes on.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import traceback
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from flexgemma.builder import build_engine
+from flexgemma.compose import ensure_model
+from flexgemma.config import ConfigError, validate
 from flexgemma.tasks import bench, determinism, parity
-from flexgemma.tracking import RunRecorder, environment, format_table
+from flexgemma.tracking import RunRecorder, environment, format_table, read_summary
+from flexgemma.wandb_logger import WandbRun
 from flexgemma.workload import build_workload
 
 log = logging.getLogger("flexgemma")
@@ -20,14 +35,27 @@ log = logging.getLogger("flexgemma")
 TASKS = {"bench": [bench], "parity": [parity], "determinism": [determinism], "all": [bench, determinism, parity]}
 
 
-def run_job(cfg: DictConfig, out_dir: str | Path) -> dict:
-    """Runs cfg.task and writes summary.json; a failure is recorded (status=failed) and re-raised."""
-    recorder = RunRecorder(out_dir, cfg)
-    task = str(getattr(cfg.task.name, "value", cfg.task.name))
-    summary: dict = {"model": cfg.model.name, "task": task, "status": "running"}
-    summary.update(environment())
-    summary["choices"] = _choices(cfg)
+def task_name(cfg: DictConfig) -> str:
+    return str(getattr(cfg.task.name, "value", cfg.task.name))
+
+
+def run_job(cfg: DictConfig, out_dir: str | Path, identity: Optional[dict] = None, raise_errors: bool = True) -> dict:
+    """Runs cfg.task into out_dir (summary.json, metrics.jsonl, config_resolved.yaml, W&B run).
+
+    raise_errors: re-raise the job's error after recording it (a single run); False returns the
+    summary with status invalid/failed instead (a sweep job)."""
+    cfg = ensure_model(cfg)
+    out_dir = Path(out_dir)
+    identity = identity or job_identity(cfg)
+    task = task_name(cfg)
+    env = environment()
+    summary: dict[str, Any] = {"model": cfg.model.name, "task": task, "status": "running", **env,
+                               "choices": identity["choices"], "overrides": identity["overrides"]}
+    recorder = RunRecorder(out_dir, cfg, WandbRun.start(cfg, out_dir, identity, env))
+    error: Optional[BaseException] = None
     try:
+        recorder.write_config()
+        validate(cfg)
         t0 = time.perf_counter()
         engine = build_engine(cfg)
         summary["build/seconds"] = time.perf_counter() - t0
@@ -38,24 +66,92 @@ def run_job(cfg: DictConfig, out_dir: str | Path) -> dict:
         for module in TASKS[task]:
             summary.update(module.run(engine, workload, cfg, recorder))
         summary["status"] = "ok"
+    except ConfigError as e:
+        summary.update(status="invalid", error=str(e))
+        error = e
     except Exception as e:  # noqa: BLE001 - the job's record must say why it failed
-        summary["status"] = "failed"
-        summary["error"] = f"{type(e).__name__}: {e}"
-        summary["traceback"] = traceback.format_exc()
+        summary.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        error = e
+    except KeyboardInterrupt:
+        summary["status"] = "interrupted"
         raise
     finally:
         if torch.cuda.is_available():
             summary.setdefault("memory/peak_allocated_gib", torch.cuda.max_memory_allocated() / 2**30)
         path = recorder.write_summary(summary)
-        recorder.close()
-        print(f"\nflexgemma {task} on {cfg.model.name}:\n{format_table(summary)}\n  summary: {path}")
+        recorder.close(summary["status"])
+        print(f"\nflexgemma {task} on {cfg.model.name}:\n{format_table(summary)}\n  summary: {path}", flush=True)
+    if error is not None and raise_errors:
+        raise error
     return summary
+
+
+def objective(summary: dict, cfg: DictConfig) -> float:
+    """The value the Hydra task function returns (what an Optuna sweep optimises): the metric named by
+    task.objective, NaN when the job did not finish ok (Optuna then records the trial as failed)."""
+    value = summary.get(str(cfg.task.objective)) if summary.get("status") == "ok" else None
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def hydra_task(cfg: DictConfig) -> float:
+    """The task function Hydra runs for `python -m flexgemma` and for each job of a multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    cfg = ensure_model(cfg)
+    if multirun:
+        done = read_summary(out_dir)
+        if done is not None and done.get("status") == "ok":
+            # an interrupted sweep resumes: what finished is not run again
+            log.info("skipping %s: it finished before (summary.json has status ok)", out_dir)
+            print(f"\nflexgemma (finished before) {done.get('task')} on {done.get('model')}:\n{format_table(done)}")
+            return objective(done, cfg)
+    try:
+        summary = run_job(cfg, out_dir, identity=job_identity(cfg), raise_errors=not multirun)
+    except ConfigError as e:
+        log.error("invalid configuration: %s", e)
+        raise SystemExit(2) from None
+    return objective(summary, cfg)
+
+
+def job_identity(cfg: DictConfig) -> dict[str, Any]:
+    """How the job is named in W&B: group (the sweep, or the experiment), name (the overrides),
+    job_type (the task), tags (the Hydra choices)."""
+    choices = _choices(cfg)
+    identity: dict[str, Any] = {
+        "choices": choices, "job_type": task_name(cfg), "overrides": [],
+        "tags": [f"{g}={c}" for g, c in choices.items() if c is not None],
+        "group": cfg.logger.get("group"), "name": f"{cfg.model.name}-{task_name(cfg)}",
+    }
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+    except ValueError:  # composed through the API, not the CLI
+        return identity
+    identity["overrides"] = list(hc.overrides.task)
+    identity["name"] = hc.job.override_dirname or "defaults"
+    experiment = choices.get("experiment")
+    if identity["group"] is None:
+        if hc.mode == RunMode.MULTIRUN:
+            sweep = "_".join(Path(str(hc.sweep.dir)).parts[-2:])  # e.g. 2026-11-29_07-51-41
+            identity["group"] = f"{experiment}/{sweep}" if experiment else sweep
+        else:
+            identity["group"] = experiment
+    return identity
 
 
 def _choices(cfg: DictConfig) -> dict:
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        return {k: v for k, v in HydraConfig.get().runtime.choices.items() if not k.startswith("hydra")}
+        choices = {k: v for k, v in HydraConfig.get().runtime.choices.items() if not k.startswith("hydra")}
     except ValueError:  # composed through the API, not the CLI
-        return {g: str(OmegaConf.select(cfg, f"{g}.name")) for g in ("model", "quant", "lora", "attn", "workload")}
+        names = {g: OmegaConf.select(cfg, f"{g}.name") for g in ("quant", "lora", "attn", "cudagraph", "workload", "task")}
+        choices = {g: str(getattr(v, "value", v)) for g, v in names.items()}
+    choices["model"] = choices.get("model") or str(cfg.model.name)  # the embedded default has no choice
+    return choices

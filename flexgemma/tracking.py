@@ -65,28 +65,64 @@ def _jsonable(v: Any) -> Any:
 
 
 class RunRecorder:
-    """Writes a job's files into its own directory (the Hydra run dir)."""
+    """Writes a job's files into its own directory (the Hydra run dir), and mirrors rows and the
+    summary to a W&B run (flexgemma.wandb_logger.WandbRun) when one is given."""
 
-    def __init__(self, out_dir: str | Path, cfg: DictConfig):
+    def __init__(self, out_dir: str | Path, cfg: DictConfig, wandb_run=None):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
-        (self.dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        self._metrics = open(self.dir / "metrics.jsonl", "a")
+        self.wandb_run = wandb_run
+        self.completions_path = self.dir / "completions.jsonl"
+        # "w": a re-run of a failed sweep job starts its rows afresh
+        self._metrics = open(self.dir / "metrics.jsonl", "w")
+
+    def write_config(self) -> None:
+        """config_resolved.yaml; raises when an interpolation cannot resolve (the job then fails)."""
+        (self.dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
 
     def log_round(self, row: dict[str, Any]) -> None:
-        self._metrics.write(json.dumps(_jsonable(row)) + "\n")
+        row = _jsonable(row)
+        self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log_round(row)
+
+    def write_completions(self, rows: list[dict[str, Any]]) -> Path:
+        with open(self.completions_path, "w") as f:
+            for row in rows:
+                f.write(json.dumps(_jsonable(row), ensure_ascii=False) + "\n")
+        return self.completions_path
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
-        path = self.dir / "summary.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=True))
-        tmp.replace(path)  # a summary exists only once complete: sweeps resume on its presence
+        path = write_summary(self.dir, summary)
+        if self.wandb_run is not None:
+            self.wandb_run.set_summary(_jsonable(summary))
         return path
 
-    def close(self) -> None:
+    def close(self, status: str = "ok") -> None:
         self._metrics.close()
+        if self.wandb_run is not None:
+            files = [self.dir / n for n in ("summary.json", "metrics.jsonl", "config_resolved.yaml", "completions.jsonl")]
+            self.wandb_run.finish(status, files)
+            self.wandb_run = None
+
+
+def write_summary(job_dir: str | Path, summary: dict[str, Any]) -> Path:
+    path = Path(job_dir) / "summary.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=True))
+    tmp.replace(path)  # a summary exists only once complete: sweeps resume on its presence
+    return path
+
+
+def read_summary(job_dir: str | Path) -> dict[str, Any] | None:
+    """A job's summary.json, or None when there is none (or it is unreadable)."""
+    path = Path(job_dir) / "summary.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -102,6 +138,8 @@ def format_table(summary: dict[str, Any]) -> str:
         ("TPOT p50 / p99 ms", _pair(summary, "latency/tpot_p50_ms", "latency/tpot_p99_ms")),
         ("peak memory GiB", summary.get("memory/peak_allocated_gib")),
         ("KV pool GiB", summary.get("memory/kv_pool_gib")),
+        ("decode bandwidth GB/s", summary.get("bandwidth/decode_gb_s_median")),
+        ("graph padding waste", summary.get("cudagraph/padding_waste")),
         ("weights GiB", summary.get("memory/weights_gib")),
         ("4-bit fraction of params", summary.get("quant/fraction_4bit") if summary.get("engine/quant/method") else None),
         ("build s", summary.get("build/seconds")),

@@ -34,3 +34,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_wandb(tmp_path_factory):
+    """W&B never reaches the network or ~/.config in tests: runs are offline (the logger group) and
+    wandb's own settings, cache and data live in a temporary directory, for subprocesses too."""
+    import os
+
+    home = tmp_path_factory.mktemp("wandb_home")
+    keep = {k: os.environ.get(k) for k in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR",
+                                            "WANDB_ARTIFACT_DIR", "WANDB_MODE", "WANDB_API_KEY", "WANDB_SILENT")}
+    for k in ("WANDB_MODE", "WANDB_API_KEY"):
+        os.environ.pop(k, None)
+    os.environ.update(WANDB_CONFIG_DIR=str(home / "config"), WANDB_CACHE_DIR=str(home / "cache"),
+                      WANDB_DATA_DIR=str(home / "data"), WANDB_ARTIFACT_DIR=str(home / "artifacts"),
+                      WANDB_SILENT="true")
+    yield
+    for k, v in keep.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -49,3 +49,68 @@ def memory_metrics(engine) -> dict:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
         out["memory/peak_rss_gib"] = rss / (GIB if sys.platform == "darwin" else GIB / 1024)
     return out
+
+
+# Peak memory bandwidth of GPUs flexgemma is measured on (GB/s, vendor figures). Others fall back to
+# 2 x memory clock x bus width from the device properties when torch exposes them.
+_PEAK_GB_S = {"H200": 4800.0, "H100 NVL": 3900.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0,
+              "A100 80GB PCIe": 1935.0, "A100": 1555.0, "L40S": 864.0}
+
+
+def gpu_peak_bandwidth_gb_s(device_index: int = 0) -> float | None:
+    name = torch.cuda.get_device_name(device_index)
+    for key, gb_s in _PEAK_GB_S.items():
+        if key in name:
+            return gb_s
+    props = torch.cuda.get_device_properties(device_index)
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9 if clock_khz and bus_bits else None
+
+
+def weight_bytes_per_decode_step(model) -> int:
+    """Bytes of weights one decode step reads: every matrix once, but of embedding tables only the
+    looked-up rows (negligible), except a tied LM head, which reads the whole token embedding."""
+    from flexgemma.model.quant import storage_census
+
+    embeddings = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    # all weight storage, 4-bit packing and quant states included, less the embedding tables
+    total = storage_census(model)["quant/weight_bytes"]
+    total -= sum(w.numel() * w.element_size() for w in embeddings.values())
+    if model.config.tie_word_embeddings:
+        w = model.get_input_embeddings().weight
+        total += w.numel() * w.element_size()
+    return total
+
+
+def decode_kv_bytes(spec, outputs, element_size: int) -> int:
+    """Bytes of K and V the decode steps of these requests read: at each step every layer reads its
+    (source layer's) cache over the context, capped at the window on sliding layers."""
+    per_token = {}  # window -> bytes per context token over the layers with that window
+    for layer in spec.layers:
+        per_token[layer.window] = per_token.get(layer.window, 0) + 2 * layer.num_kv_heads * layer.head_dim * element_size
+    total = 0
+    for o in outputs:
+        n = len(o.token_ids)
+        if n < 2:
+            continue
+        # decode step j (1..n-1) attends over prompt + j tokens; the first token came from prefill
+        ctx = np.arange(len(o.prompt_token_ids) + 1, len(o.prompt_token_ids) + n, dtype=np.int64)
+        for window, b in per_token.items():
+            total += b * int((ctx if window is None else np.minimum(ctx, window)).sum())
+    return total
+
+
+def bandwidth_metrics(engine, outputs, stats) -> dict:
+    """Achieved memory bandwidth of decode (an estimate: weights + KV read once per step), and its
+    share of the GPU's peak."""
+    if not stats.decode_time:
+        return {}
+    elem = engine.model.model.embed_tokens.weight.element_size()
+    moved = stats.decode_steps * weight_bytes_per_decode_step(engine.model) + decode_kv_bytes(engine.spec, outputs, elem)
+    out = {"bandwidth/decode_gb_s": moved / stats.decode_time / 1e9}
+    if torch.cuda.is_available() and engine.info.get("device", "").startswith("cuda"):
+        peak = gpu_peak_bandwidth_gb_s(torch.cuda.current_device())
+        if peak:
+            out["bandwidth/gpu_peak_gb_s"] = peak
+            out["bandwidth/decode_pct_of_peak"] = 100.0 * out["bandwidth/decode_gb_s"] / peak
+    return out

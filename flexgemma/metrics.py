@@ -1,0 +1,113 @@
+"""The metrics catalogue: every name a job writes to summary.json, metrics.jsonl and W&B, with what
+it means. Names are flat "group/name" keys, the same in all three places. The README links here.
+
+`ROUND_METRICS` are the rows of metrics.jsonl (one a timed round; W&B history rows); `METRICS`
+are the keys of summary.json (the W&B run summary). `engine/*` and `env/*` are families: every
+key of the engine's build info and of the environment.
+"""
+
+from __future__ import annotations
+
+ROUND_METRICS: dict[str, str] = {
+    "round": "index of the timed round",
+    "bench/round_seconds": "wall time of the round (s)",
+    "bench/generated_tokens": "tokens generated in the round",
+    "throughput/total_tok_s": "generated tokens / round wall time",
+    "throughput/decode_tok_s": "decode tokens / time in decode steps",
+    "throughput/prefill_tok_s": "prompt tokens / time in prefill steps",
+    "bandwidth/decode_gb_s": "achieved memory bandwidth of decode (GB/s; estimate: weights + the KV each step reads)",
+    "bandwidth/gpu_peak_gb_s": "the GPU's peak memory bandwidth (GB/s; GPU only)",
+    "bandwidth/decode_pct_of_peak": "bandwidth/decode_gb_s as % of the GPU's peak (GPU only)",
+    "scheduler/prefill_steps": "prefill steps of the round",
+    "scheduler/decode_steps": "decode steps of the round",
+    "scheduler/preemptions": "requests preempted (recomputed) for lack of KV pages",
+    "scheduler/decode_batch_mean": "mean decode batch size",
+    "determinism/run_to_run": "task=determinism row: two runs of the workload give identical tokens",
+    "determinism/batch_invariant": "task=determinism row: seeded requests give the same tokens alone and in any batch",
+    "determinism/graphs_vs_eager": "task=determinism row: CUDA-graph decode equals eager decode (GPU only)",
+    "parity/token_match_pct": "task=parity row: % of greedy tokens equal to transformers generate, up to the first divergence",
+    "parity/exact_prompts": "task=parity row: prompts whose tokens all match",
+    "parity/prompts": "task=parity row: prompts compared",
+    "parity/first_divergence": "task=parity row: earliest token index where any prompt diverges (-1: none)",
+}
+
+METRICS: dict[str, str] = {
+    # the job
+    "status": "ok | invalid (a ConfigError: the configuration cannot run) | failed (error, traceback) | interrupted",
+    "error": "why the job is invalid or failed",
+    "traceback": "the failed job's traceback",
+    "stderr_tail": "end of the stderr of a job whose process died (written by the sweep launcher)",
+    "exit_error": "a job that recorded status ok but whose process then died on exit (written by the sweep launcher)",
+    "model": "model name (+model=, or the checkpoint's)",
+    "task": "bench | parity | determinism | all",
+    "choices": "the Hydra group choices (model, attn, cudagraph, quant, workload, experiment, ...); also the W&B tags",
+    "overrides": "the job's command-line overrides; also the W&B run name",
+    # throughput, over the timed rounds (build, compile, capture and warm-up are outside every window)
+    "throughput/total_tok_s_median": "generated tokens per second of wall time, median over rounds (what sweeps optimise)",
+    "throughput/total_tok_s_best": "... best round",
+    "throughput/decode_tok_s_median": "decode tokens per second of decode-step time, median",
+    "throughput/decode_tok_s_best": "... best round",
+    "throughput/prefill_tok_s_median": "prompt tokens per second of prefill-step time, median",
+    "throughput/prefill_tok_s_best": "... best round",
+    # latency, over every request of every timed round
+    "latency/ttft_p50_ms": "time to first token, median (ms, from the start of generate())",
+    "latency/ttft_p99_ms": "time to first token, 99th percentile (ms)",
+    "latency/tpot_p50_ms": "time per output token after the first, median (ms)",
+    "latency/tpot_p99_ms": "time per output token, 99th percentile (ms)",
+    # memory
+    "memory/weights_gib": "weight memory, 4-bit packing and quant states included (GiB)",
+    "quant/fraction_4bit": "share of the parameters stored in 4 bits (quant=bnb4; 0 for bf16)",
+    "memory/kv_pool_gib": "KV cache pool (GiB)",
+    "memory/graph_pool_gib": "CUDA-graph memory pool (GiB; GPU with cudagraph enabled)",
+    "memory/peak_allocated_gib": "peak allocated by torch during the timed rounds (GiB; GPU)",
+    "memory/peak_reserved_gib": "peak reserved by torch's allocator during the timed rounds (GiB; GPU)",
+    "memory/peak_rss_gib": "peak resident memory of the process (GiB; CPU runs)",
+    # build: compile and capture are never inside a throughput window
+    "build/seconds": "building the engine: model, KV pool, compile, graph capture (s)",
+    "engine/compile_seconds": "torch.compile of the decode step when it runs outside graph capture (s)",
+    "engine/capture_seconds": "CUDA-graph capture of every bucket, compile included (s)",
+    "cudagraph/capture_seconds": "the same capture time, from the graphs themselves (s)",
+    "cudagraph/num_graphs": "decode graphs captured (one per bucket)",
+    "cudagraph/buckets": "the bucket ladder (batch sizes)",
+    "cudagraph/bucket_hits": "decode steps per bucket in the timed rounds ({bucket: steps})",
+    "cudagraph/padding_waste": "padding rows / all rows replayed in the timed rounds (0 = no waste)",
+    # bandwidth
+    "bandwidth/decode_gb_s_median": "achieved decode memory bandwidth, median over rounds (GB/s; estimate)",
+    "bandwidth/decode_pct_of_peak_median": "... as % of the GPU's peak (GPU only)",
+    "bandwidth/gpu_peak_gb_s": "the GPU's peak memory bandwidth (GB/s)",
+    # bench bookkeeping
+    "bench/rounds": "timed rounds",
+    "bench/generated_tokens_per_round": "tokens generated per round",
+    "bench/round_seconds_median": "wall time of a round, median (s)",
+    "workload/prompts": "requests per round (prompts x workload.n)",
+    "workload/prompt_tokens": "prompt tokens per round",
+    "samples": "a few completions of the first timed round (decoded when the checkpoint has a tokenizer); "
+               "all of them in completions.jsonl",
+    # determinism and parity
+    "determinism/run_to_run": "every timed round (bench) / two runs (determinism) give bitwise the same tokens",
+    "determinism/batch_invariant": "seeded requests give the same tokens alone, and reversed in a batch",
+    "determinism/graphs_vs_eager": "greedy tokens with CUDA graphs equal those of eager decode (GPU)",
+    "parity/token_match_pct": "% of greedy tokens equal to transformers generate on the same weights",
+    "parity/exact_prompts": "prompts whose greedy tokens all match",
+    "parity/prompts": "prompts compared",
+    "parity/first_divergence": "earliest divergent token index over the prompts (-1: none)",
+    # environment
+    "env/python": "Python version",
+    "env/torch": "torch version",
+    "env/transformers": "transformers version",
+    "env/triton": "triton version (none without it)",
+    "env/cuda": "CUDA version torch was built with (none on CPU builds)",
+    "env/driver": "NVIDIA driver (GPU)",
+    "env/gpu": "GPU name (none on the CPU)",
+    "env/git_sha": "flexgemma's git commit",
+}
+
+FAMILIES: dict[str, str] = {
+    "engine/": "the engine's build info (device, dtype, attention_backend, kv_pages, page_size, kv_pool_bytes, "
+               "params, weights, compile_decode, compiled_graphs, cudagraphs, max_model_len, build_seconds, ...)",
+    "env/": "the environment",
+}
+
+
+def is_catalogued(name: str) -> bool:
+    return name in METRICS or name in ROUND_METRICS or any(name.startswith(f) for f in FAMILIES)

@@ -1,0 +1,116 @@
+"""Weights & Biases logging of one job, through the real `wandb` library.
+
+The `logger` group picks the mode: `wandb_offline` (the default: the run is written under the
+job's own directory, `<job dir>/wandb/offline-run-*`, and can be uploaded later with
+`wandb sync`), `wandb_online`, or `none`. The names logged are the flat `group/name` keys of
+summary.json (see flexgemma/metrics.py); per-round rows are the rows of metrics.jsonl.
+
+`read_offline_run` reads a run back with wandb's own reader (`wandb leet inspect`), which the
+tests use to check what was logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("flexgemma")
+
+_MODES = {"wandb_offline": "offline", "wandb_online": "online"}
+_MAX_TAG_LEN = 64  # W&B rejects longer tags
+
+
+def logger_kind(cfg: DictConfig) -> str:
+    kind = OmegaConf.select(cfg, "logger.kind", default="none")
+    return str(getattr(kind, "value", kind))
+
+
+class WandbRun:
+    """One W&B run per job: started before the engine is built, always finished (also on failure)."""
+
+    def __init__(self, run):
+        self.run = run
+
+    @classmethod
+    def start(cls, cfg: DictConfig, out_dir: Path, identity: dict[str, Any],
+              environment: dict[str, Any]) -> Optional["WandbRun"]:
+        kind = logger_kind(cfg)
+        if kind not in _MODES:
+            return None
+        import wandb
+
+        config = {"config": _resolved(cfg), "env": environment, "choices": identity.get("choices", {}),
+                  "overrides": identity.get("overrides", [])}
+        tags = [t[:_MAX_TAG_LEN] for t in identity.get("tags", [])] + [str(t) for t in cfg.logger.get("tags", [])]
+        try:
+            run = wandb.init(
+                project=str(cfg.logger.project), group=identity.get("group"), job_type=identity.get("job_type"),
+                name=identity.get("name"), tags=tags, config=config, mode=_MODES[kind], dir=str(out_dir),
+                reinit="finish_previous",  # a job that runs in the sweep's process closes the previous job's run
+            )
+        except Exception as e:  # noqa: BLE001 - the job's own files still record it; say how to get W&B back
+            log.error("W&B (logger=%s) could not start a run: %s. The job goes on and is recorded in %s; "
+                      "use logger=wandb_offline and `wandb sync` later, or logger=none.", kind, e, out_dir)
+            return None
+        return cls(run)
+
+    def log_round(self, row: dict[str, Any]) -> None:
+        self.run.log(row)
+
+    def set_summary(self, summary: dict[str, Any]) -> None:
+        self.run.summary.update(summary)
+
+    def finish(self, status: str, files: Sequence[Path] = ()) -> None:
+        """Attaches the job's record files (uploaded with the run) and finishes it with the exit code a
+        process would report: 0 ok, 2 invalid configuration, 1 failed."""
+        for path in files:
+            if path.is_file():
+                try:
+                    self.run.save(str(path), base_path=str(path.parent), policy="now")
+                except Exception as e:  # noqa: BLE001 - a file W&B cannot take must not lose the run
+                    log.warning("W&B could not attach %s: %s", path, e)
+        self.run.finish(exit_code={"ok": 0, "invalid": 2}.get(status, 1))
+
+
+def _resolved(cfg: DictConfig) -> dict:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    except Exception:  # noqa: BLE001 - an interpolation that fails is the job's error, not the logger's
+        return OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
+
+
+# -- reading runs back ---------------------------------------------------------------------------
+def offline_runs(job_dir: str | Path) -> list[Path]:
+    """The offline W&B run directories of a job, oldest first."""
+    return sorted(Path(job_dir).glob("wandb/offline-run-*"))
+
+
+def read_offline_run(run_dir: str | Path) -> dict[str, Any]:
+    """What a run holds, read with wandb's own reader of the .wandb log (`wandb leet inspect`):
+    {"summary", "config", "tags", "name", "state", "exit_code", "group", "job_type", "history"}."""
+    run_dir = Path(run_dir)
+    summary = json.loads(_inspect(run_dir, "--summary", "--json"))
+    out = {k: summary.get(k) for k in ("summary", "config", "tags", "name", "state", "exit_code", "project")}
+    out["history"] = []
+    for line in _inspect(run_dir, "--json").splitlines():
+        rec = json.loads(line)
+        if rec.get("type") == "run":
+            out["group"] = rec["run"].get("run_group")
+            out["job_type"] = rec["run"].get("job_type")
+        elif rec.get("type") == "history":
+            out["history"].append({k: v for k, v in rec["history"]["item"].items() if not k.startswith("_")})
+    return out
+
+
+def _inspect(run_dir: Path, *flags: str) -> str:
+    cmd = [sys.executable, "-m", "wandb", "leet", "inspect", *flags, str(run_dir)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
+    return r.stdout

@@ -1,0 +1,58 @@
+"""Experiment presets and launchers compose, and the Optuna preset searches for the best throughput."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose as hydra_compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from flexgemma.compose import conf_dir
+from flexgemma.config import register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def compose_with_hydra(overrides):
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return hydra_compose("config", overrides=overrides, return_hydra_config=True)
+
+
+@pytest.mark.parametrize("preset, swept", [
+    ("block_sweep", {"attn.decode.block_n": "16,32,64", "attn.decode.num_warps": "4,8"}),
+    ("bucket_sweep", {"cudagraph": "ladder8,ladder16,dense,off"}),
+    ("quant_compare", {"quant": "bf16,bnb4"}),
+])
+def test_grid_presets_sweep_their_keys_in_own_processes(preset, swept):
+    cfg = compose_with_hydra(["+model=e2b", f"+experiment={preset}"])
+    params = cfg.hydra.sweeper.params
+    assert {k: str(params[k]) for k in swept} == swept
+    assert cfg.workload.name == "rollout64" and cfg.hydra.launcher._target_.endswith("FlexgemmaLocalLauncher")
+    assert cfg.logger.kind.value == "wandb_offline"
+
+
+def test_optuna_and_slurm_compose():
+    cfg = compose_with_hydra(["+experiment=optuna_kernels", "hydra/launcher=flexgemma_slurm",
+                              "hydra.launcher.partition=gpu"])
+    assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper") and str(cfg.hydra.sweeper.direction) == "maximize"
+    assert str(cfg.hydra.sweeper.params["attn.decode.block_n"]) == "choice(16, 32, 64)"
+    assert cfg.task.objective == "throughput/total_tok_s_median"
+    assert cfg.hydra.launcher._target_.endswith("FlexgemmaSlurmLauncher") and cfg.hydra.launcher.gpus_per_node == 1
+
+
+@pytest.mark.slow
+def test_optuna_preset_returns_throughput_and_reports_the_best(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # the basic launcher runs the two trials in this one process: the quickest way to check the objective
+    r = subprocess.run([sys.executable, "-m", "flexgemma", "-m", "+experiment=optuna_kernels", "hydra/launcher=basic",
+                        "hydra.sweeper.n_trials=2", f"hydra.sweep.dir={tmp_path}/opt", "logger=none",
+                        "workload.num_prompts=2", "workload.max_new_tokens=4", "workload.rounds=1",
+                        "workload.warmup_rounds=0"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    result = yaml.safe_load((tmp_path / "opt" / "optimization_results.yaml").read_text())
+    assert result["best_value"] > 0 and set(result["best_params"]) >= {"attn.decode.block_n", "attn.prefill.block_m"}

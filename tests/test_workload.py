@@ -1,0 +1,78 @@
+"""workload=jsonl: prompts as text, chat messages or token ids, tokenised with the checkpoint's own
+tokenizer and chat template (a tiny one this test builds), n completions per prompt with distinct
+seeds, written to completions.jsonl."""
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from flexgemma import ConfigError, compose
+from flexgemma.run import run_job
+
+from conftest import SMALL
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start> {{ m['role'] }} {{ m['content'] }} <end> {% endfor %}"
+                 "{% if add_generation_prompt %}<start> model {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def checkpoint_with_tokenizer(tmp_path_factory):
+    """A tiny Gemma-4 checkpoint (random weights) with a word-level tokenizer and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import Gemma4ForCausalLM, PreTrainedTokenizerFast
+
+    from flexgemma.model.load import text_config_from_dict
+
+    path = tmp_path_factory.mktemp("ckpt_tok")
+    hf = OmegaConf.to_container(compose(["+model=tiny"]).model.hf_config)
+    torch.manual_seed(7)
+    Gemma4ForCausalLM(text_config_from_dict(hf)).save_pretrained(path)
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start>", "<end>"]
+    words = specials + ["user", "model", "hello", "world", "the", "cat", "sat", "on", "mat"]
+    words += [f"w{i}" for i in range(hf["vocab_size"] - len(words))]  # every id decodes to a word
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return path
+
+
+def test_jsonl_prompts_with_the_checkpoints_tokenizer_and_n_samples(checkpoint_with_tokenizer, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "hello world the cat"},
+        {"messages": [{"role": "user", "content": "the cat sat on the mat"}]},
+        {"prompt_token_ids": [2, 40, 41, 42]},
+    ]) + "\n")
+    cfg = compose(["+model=tiny", f"model.path={checkpoint_with_tokenizer}", "workload=jsonl",
+                   f"workload.path={prompts}", "workload.n=3", "workload.max_new_tokens=5", "logger=none", *SMALL])
+    summary = run_job(cfg, tmp_path / "job")
+    assert summary["status"] == "ok" and summary["workload/prompts"] == 9
+
+    rows = [json.loads(x) for x in (tmp_path / "job" / "completions.jsonl").read_text().splitlines()]
+    assert [(r["prompt_index"], r["sample"]) for r in rows] == [(i, j) for i in range(3) for j in range(3)]
+    assert len({r["seed"] for r in rows}) == 9  # every completion its own seed
+    assert rows[0]["prompt"] == "hello world the cat" and rows[0]["prompt_tokens"] == 5  # <bos> + 4 words
+    assert rows[3]["prompt"] == [{"role": "user", "content": "the cat sat on the mat"}]
+    # <bos> <start> user the cat sat on the mat <end> <start> model
+    assert rows[3]["prompt_tokens"] == 12
+    assert rows[6]["prompt"] == [2, 40, 41, 42]
+    assert all(len(r["token_ids"]) <= 5 and isinstance(r["completion"], str) for r in rows)
+    # temperature 1 with distinct seeds: the samples of a group differ
+    assert len({tuple(r["token_ids"]) for r in rows[:3]}) > 1
+    assert summary["samples"][0]["completion"] == rows[0]["completion"]
+
+
+def test_jsonl_text_without_a_tokenizer_is_an_invalid_configuration(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    cfg = compose(["+model=tiny", "workload=jsonl", f"workload.path={prompts}", "logger=none", *SMALL])
+    summary = run_job(cfg, tmp_path / "job", raise_errors=False)
+    assert summary["status"] == "invalid" and "tokenizer" in summary["error"]
+    with pytest.raises(ConfigError, match="workload.path=FILE"):
+        compose(["+model=tiny", "workload=jsonl"])
