@@ -18,6 +18,7 @@ from flexgemma.engine.runner import ModelRunner, decode_step
 from flexgemma.engine.scheduler import Scheduler
 from flexgemma.model.forward import GemmaForward
 from flexgemma.model.load import build_model
+from flexgemma.model.lora import attach_lora
 from flexgemma.model.spec import ModelSpec
 
 log = logging.getLogger("flexgemma")
@@ -64,9 +65,9 @@ def build_engine(cfg: DictConfig) -> Engine:
     device = resolve_device(cfg.device)
     if cfg.quant.method != "none":
         raise ConfigError(f"quant={cfg.quant.name} is not available in this build yet: use quant=bf16")
-    if cfg.lora.name != "none":
-        raise ConfigError(f"lora={cfg.lora.name} is not available in this build yet: use lora=none")
     model, tokenizer, info = build_model(cfg.model, device)
+    # LoRA
+    lora = attach_lora(model, cfg.lora, info)  # merged into the weights before the KV pool and graphs
     spec = ModelSpec.from_hf_config(model.config)
     dtype = model.model.embed_tokens.weight.dtype
     max_len = min(int(cfg.engine.max_model_len), spec.max_position)
@@ -101,6 +102,7 @@ def build_engine(cfg: DictConfig) -> Engine:
     )
     engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info)
     engine.compile_counter = counter
+    engine.lora = lora
     info["build_seconds"] = time.perf_counter() - t0
     log.info(
         "engine: %s (%s, %.2fB params, %s) on %s; KV pool %d pages x %d tokens = %.2f GiB",
