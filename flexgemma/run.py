@@ -11,13 +11,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from flexgemma.builder import build_engine
-from flexgemma.tasks import bench, determinism, parity
+from flexgemma.tasks import bench, determinism, drift, parity
 from flexgemma.tracking import RunRecorder, environment, format_table
 from flexgemma.workload import build_workload
 
 log = logging.getLogger("flexgemma")
 
-TASKS = {"bench": [bench], "parity": [parity], "determinism": [determinism], "all": [bench, determinism, parity]}
+TASKS = {
+    "bench": [bench], "parity": [parity], "determinism": [determinism], "drift": [drift],
+    "all": [bench, determinism, parity],
+}
 
 
 def run_job(cfg: DictConfig, out_dir: str | Path) -> dict:

@@ -76,15 +76,17 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 def merge_into(weight: torch.Tensor, pristine: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor,
-               alpha: float) -> None:
+               alpha: float, staged: Optional[bool] = None) -> None:
     """weight <- pristine + alpha * lhs @ rhs, written into weight's own storage.
 
     2-D: lhs [out, r], rhs [r, in]; 3-D: lhs [E, out, r], rhs [E, r, in]. With the pristine copy on
-    the same device this is one fused op; from pinned CPU memory it is a copy then one in-place
-    accumulate (the same arithmetic: beta=1 on the same values).
+    the same device this is one fused op; from pinned CPU memory (`staged`) it is a copy then one
+    in-place accumulate (the same arithmetic: beta=1 on the same values).
     """
     batched = weight.dim() == 3
-    if pristine.device == weight.device:
+    if staged is None:
+        staged = pristine.device != weight.device
+    if not staged:
         (torch.baddbmm if batched else torch.addmm)(pristine, lhs, rhs, alpha=alpha, out=weight)
     else:
         weight.copy_(pristine, non_blocking=True)
@@ -161,6 +163,7 @@ class LoraAdapters:
                     self.slots[f"{path}.lora_A.{a}"] = layer.lora_A[a].weight
                     self.slots[f"{path}.lora_B.{a}"] = layer.lora_B[a].weight
         self.targets: list[MergeTarget] = []
+        self.unmerged_bases: dict[str, torch.Tensor] = {}  # base weights an unmerged adapter runs beside
         for path, layer in self.layers.items():
             expert = isinstance(layer, ParamWrapper)
             # merged mode merges everything; unmerged mode merges only the (never quantised) experts
@@ -173,6 +176,8 @@ class LoraAdapters:
                 else:
                     weight, name = layer.get_base_layer().weight, f"{path}.weight"
                 self.targets.append(MergeTarget(name, weight, self._pristine_copy(weight), layer))
+            else:
+                self.unmerged_bases[f"{path}.weight"] = layer.get_base_layer().weight
             layer.enable_adapters(not (merge or expert))  # a merged adapter must not run a second time
         peft_model.requires_grad_(False)
         self.last_refresh: dict[str, float] = {}
@@ -289,7 +294,10 @@ class LoraAdapters:
         return {f"base_model.model.{k}.weight": v.detach().clone() for k, v in self.slots.items()}
 
     def pristine_digests(self) -> dict[str, str]:
-        return {t.name: tensor_digest(t.pristine) for t in self.targets}
+        """The base weights: pristine copies of merged targets, and the untouched unmerged bases."""
+        out = {t.name: tensor_digest(t.pristine) for t in self.targets}
+        out.update({k: tensor_digest(v) for k, v in self.unmerged_bases.items()})
+        return out
 
     def merged_digests(self) -> dict[str, str]:
         """The weights the forward reads: merged targets, plus the adapter tensors when unmerged."""
