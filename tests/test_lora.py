@@ -333,3 +333,22 @@ def test_drift_task_without_lora_is_a_clear_error(tmp_path):
 
     with pytest.raises(ConfigError, match="task=drift needs a LoRA adapter"):
         run_job(compose(["+model=tiny", *SMALL, "task=drift"]), tmp_path)
+
+
+@pytest.mark.parametrize("merge", ["true", "false"])
+def test_peft_wrapped_modules_trace_as_one_graph(merge):
+    """The decode step is compiled with fullgraph=True: peft's wrappers (disabled when merged, active
+    when unmerged) and the experts' base lookup in moe.py must not break the graph."""
+    engine = lora_engine("tiny_moe", f"lora.merge={merge}")
+    layer = engine.model.model.layers[0]
+
+    def step(x):
+        experts = layer.experts
+        if hasattr(experts, "get_base_layer"):
+            experts = experts.get_base_layer()
+        return layer.self_attn.o_proj(layer.self_attn.q_proj(x)).sum() + layer.mlp(x).sum() + experts.gate_up_proj.sum()
+
+    torch._dynamo.reset()
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(torch.compile(step, backend="eager", fullgraph=True)(x), step(x))
