@@ -55,6 +55,7 @@ def throughput(engine, work, w) -> dict:
 
 
 def run_engine(overrides: list[str]) -> tuple[object, dict, object]:
+    torch._dynamo.reset()  # compiled steps of an earlier engine must not keep its weights alive
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
