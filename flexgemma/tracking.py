@@ -105,7 +105,7 @@ def format_table(summary: dict[str, Any]) -> str:
         ("build s", summary.get("build/seconds")),
         ("deterministic (run-to-run)", summary.get("determinism/run_to_run")),
         ("parity token match %", summary.get("parity/token_match_pct")),
-        ("LoRA refresh ms (median)", summary.get("lora/refresh_ms", summary.get("engine/lora_refresh_ms"))),
+        ("LoRA refresh ms", summary.get("lora/refresh_ms", summary.get("engine/lora_refresh_ms"))),
         ("drift: base / merge / tokens identical", _triple(summary)),
         ("error", summary.get("error")),
     ]
