@@ -21,6 +21,7 @@ from flexgemma.model.attention import AttentionKernels
 from flexgemma.model.forward import GemmaForward
 from flexgemma.model.fused import make_ops
 from flexgemma.model.load import build_model
+from flexgemma.model.lora import attach_lora
 from flexgemma.model.spec import ModelSpec
 
 log = logging.getLogger("flexgemma")
@@ -65,11 +66,11 @@ def build_engine(cfg: DictConfig) -> Engine:
     cfg = ensure_model(cfg)
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
-    if cfg.lora.name != "none":
-        raise ConfigError(f"lora={cfg.lora.name} is not available in this build yet: use lora=none")
     # quantisation: quant=bnb4 quantises inside build_model, module by module as weights are made or
     # loaded (never the whole bf16 model on the device); info gets quant/fraction_4bit
     model, tokenizer, info = build_model(cfg.model, device, quant_cfg=cfg.quant)
+    # LoRA
+    lora = attach_lora(model, cfg.lora, info)  # merged into the weights before the KV pool and graphs
     spec = ModelSpec.from_hf_config(model.config)
     dtype = model.model.embed_tokens.weight.dtype
     max_len = min(int(cfg.engine.max_model_len), spec.max_position)
@@ -106,6 +107,7 @@ def build_engine(cfg: DictConfig) -> Engine:
     )
     engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info)
     engine.compile_counter = counter
+    engine.lora = lora
     info["build_seconds"] = time.perf_counter() - t0
     log.info(
         "engine: %s (%s, %.2fB params, %s) on %s; KV pool %d pages x %d tokens = %.2f GiB",

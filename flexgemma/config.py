@@ -69,12 +69,20 @@ class QuantConfig:
 
 @dataclass
 class LoraConfig:
+    """A peft LoRA adapter (flexgemma/model/lora.py). Active when rank > 0 or path is set."""
+
     name: str = "none"
-    rank: int = 0  # 0 = no adapter
-    alpha: float = 16.0
+    rank: int = 0  # 0 = no adapter (with `path`: 0 takes the adapter's own r, else it must match)
+    alpha: float = 16.0  # scale = alpha / rank
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    seed: int = 0
-    path: Optional[str] = None
+    experts: bool = True  # MoE models (26B-A4B): also adapt experts.gate_up_proj / experts.down_proj
+    dropout: float = 0.0  # recorded for the peft config; dropout is the identity at inference
+    seed: int = 0  # random init of A and B (peft would leave B = 0: an adapter that changes nothing)
+    init_std_b: float = 0.01  # std of the random B; A ~ N(0, 1/in_features)
+    adapter_names: list[str] = field(default_factory=lambda: ["default"])  # >1: all active, deltas summed
+    path: Optional[str] = None  # local peft adapter directory (adapter_config.json + safetensors)
+    merge: Optional[bool] = None  # null: merged for bf16/fp32 weights, unmerged (peft modules) for 4-bit
+    pristine_on_cpu: bool = False  # keep the pristine base weights in pinned CPU memory, not on the GPU
 
 
 @dataclass
@@ -149,6 +157,7 @@ class TaskName(str, Enum):
     bench = "bench"
     parity = "parity"
     determinism = "determinism"
+    drift = "drift"
     all = "all"
 
 
@@ -158,6 +167,8 @@ class TaskConfig:
     max_prompts: int = 8  # parity: prompts compared against transformers generate (one at a time)
     # the summary metric the Hydra task function returns: what an Optuna sweep optimises
     objective: str = "throughput/total_tok_s_median"
+    cycles: int = 10  # drift: perturb-and-refresh cycles before the original adapter is restored
+    noise: float = 0.1  # drift: perturbation std, relative to each adapter tensor's RMS
 
 
 @dataclass
@@ -255,8 +266,26 @@ def validate(cfg: DictConfig) -> None:
                 f"cudagraph.buckets={b} has a hole: batches of {b[-1] + 1}..{eng.max_batch_size} "
                 f"(engine.max_batch_size) find no bucket; add {eng.max_batch_size} or lower engine.max_batch_size"
             )
-    if lora.name != "none" and lora.rank < 1:
+    if lora.name != "none" and lora.rank < 1 and not lora.path:
         raise ConfigError(f"lora.rank={lora.rank} is invalid: a LoRA rank is at least 1 (or use lora=none)")
+    if lora.rank < 0:
+        raise ConfigError(f"lora.rank={lora.rank} is invalid: at least 0 (0 = no adapter)")
+    if lora.rank > 0 or lora.path:
+        if not lora.alpha > 0:
+            raise ConfigError(f"lora.alpha={lora.alpha} is invalid: it must be > 0 (the scale is alpha / rank)")
+        if not 0.0 <= lora.dropout < 1.0:
+            raise ConfigError(f"lora.dropout={lora.dropout} is invalid: allowed [0, 1)")
+        names = list(lora.adapter_names)
+        # peft finds adapters by name inside parameter keys: no dots, and no part of its "lora_" prefix
+        if not names or len(set(names)) != len(names) or any(not n or "." in n or n in "lora_" for n in names):
+            raise ConfigError(
+                f"lora.adapter_names={names} is invalid: a non-empty list of distinct names without dots "
+                "(and not a part of 'lora_', such as 'a')"
+            )
+        if lora.path and len(names) > 1:
+            raise ConfigError(f"lora.path loads one adapter but lora.adapter_names={names} names {len(names)}")
+        if not list(lora.target_modules) and not lora.experts:
+            raise ConfigError("lora.target_modules is empty and lora.experts=false: the adapter would target nothing")
     w = cfg.workload
     if (w.num_prompts is not None and w.num_prompts < 1) or w.max_new_tokens < 1 or w.n < 1:
         raise ConfigError("workload.num_prompts, workload.max_new_tokens and workload.n must be at least 1")

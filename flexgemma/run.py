@@ -25,14 +25,17 @@ from omegaconf import DictConfig, OmegaConf
 from flexgemma.builder import build_engine
 from flexgemma.compose import ensure_model
 from flexgemma.config import ConfigError, validate
-from flexgemma.tasks import bench, determinism, parity
+from flexgemma.tasks import bench, determinism, drift, parity
 from flexgemma.tracking import RunRecorder, environment, format_table, read_summary
 from flexgemma.wandb_logger import WandbRun
 from flexgemma.workload import build_workload
 
 log = logging.getLogger("flexgemma")
 
-TASKS = {"bench": [bench], "parity": [parity], "determinism": [determinism], "all": [bench, determinism, parity]}
+TASKS = {
+    "bench": [bench], "parity": [parity], "determinism": [determinism], "drift": [drift],
+    "all": [bench, determinism, parity],
+}
 
 
 def task_name(cfg: DictConfig) -> str:

@@ -145,6 +145,8 @@ def format_table(summary: dict[str, Any]) -> str:
         ("build s", summary.get("build/seconds")),
         ("deterministic (run-to-run)", summary.get("determinism/run_to_run")),
         ("parity token match %", summary.get("parity/token_match_pct")),
+        ("LoRA refresh ms", summary.get("lora/refresh_ms", summary.get("engine/lora_refresh_ms"))),
+        ("drift: base / merge / tokens identical", _triple(summary)),
         ("error", summary.get("error")),
     ]
     rows = [(k, v) for k, v in rows if v is not None]
@@ -157,3 +159,10 @@ def _pair(s: dict, a: str, b: str):
     if s.get(a) is None:
         return None
     return f"{s[a]:.2f} / {s[b]:.2f}"
+
+
+def _triple(s: dict):
+    keys = ("drift/base_bit_identical", "drift/merge_bit_identical", "drift/inference_deterministic")
+    if s.get(keys[0]) is None:
+        return None
+    return " / ".join(str(s[k]) for k in keys)

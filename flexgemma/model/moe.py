@@ -93,8 +93,11 @@ def experts_loop(x, top_k_index, top_k_weights, gate_up, down, act) -> torch.Ten
 def moe_block(layer, residual: torch.Tensor, dense_out: torch.Tensor) -> torch.Tensor:
     """Gemma-4's MLP + experts: both normed, summed (before the post-feedforward norm)."""
     _, weights, index = layer.router(residual)
+    experts = layer.experts
+    if hasattr(experts, "get_base_layer"):  # peft's expert LoRA wraps the module; the merge is in its Parameters
+        experts = experts.get_base_layer()
     routed = experts_grouped(
         layer.pre_feedforward_layernorm_2(residual), index, weights,
-        layer.experts.gate_up_proj, layer.experts.down_proj, layer.experts.act_fn,
+        experts.gate_up_proj, experts.down_proj, experts.act_fn,
     )
     return layer.post_feedforward_layernorm_1(dense_out) + layer.post_feedforward_layernorm_2(routed)

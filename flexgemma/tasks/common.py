@@ -42,6 +42,8 @@ def memory_metrics(engine) -> dict:
         "quant/fraction_4bit": census["quant/fraction_4bit"],
         "memory/kv_pool_gib": engine.info.get("kv_pool_bytes", 0) / GIB,
     }
+    if getattr(engine, "lora", None) is not None:  # pristine copies are not parameters of the model
+        out["memory/lora_pristine_gib"] = engine.info.get("lora_pristine_bytes", 0) / GIB
     if torch.cuda.is_available() and engine.info.get("device", "").startswith("cuda"):
         out["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
         out["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
