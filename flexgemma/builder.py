@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig
@@ -39,15 +40,37 @@ def resolve_device(name) -> torch.device:
     return torch.device(name)
 
 
-def _num_pages(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_len: int) -> int:
+def _reclaim_window(cfg: DictConfig, spec: ModelSpec, max_len: int) -> Optional[int]:
+    """The sliding window whose layers get a page group of their own, or None (one group)."""
+    windows = {s.window for s in spec.layers if s.window is not None}
+    if not cfg.kv.reclaim_sliding or len(windows) != 1 or len(spec.layer_types) < 2:
+        return None
+    window = windows.pop()
+    return window if window < max_len else None
+
+
+def _pool_sizes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                max_len: int) -> tuple[int, Optional[int]]:
+    """(pages of the group that holds every position, pages of the sliding layers' own group or None)."""
     page = cfg.kv.page_size
     need = -(-max_len // page) + 1  # one sequence of max_model_len, plus the sink page
+    window = _reclaim_window(cfg, spec, max_len)
+    window_pages = None
+    if window is not None:
+        per_seq = -(-window // page) + 2  # the window, the page being filled, one boundary page
+        chunk = -(-min(cfg.engine.max_prefill_tokens, max_len) // page)  # a prefill chunk's pages, briefly
+        window_pages = cfg.engine.max_batch_size * per_seq + chunk + 1
+    full_types = [t for t in spec.layer_types if window is None or all(s.window != window for s in spec.layers
+                                                                           if s.layer_type == t)]
     if cfg.kv.max_pages is not None:
         n = int(cfg.kv.max_pages)
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = free * cfg.kv.memory_fraction - _ACTIVATION_RESERVE
-        n = int(budget // KVCache.page_bytes(spec, page, dtype))
+        if window_pages is not None:
+            sliding_types = [t for t in spec.layer_types if t not in full_types]
+            budget -= window_pages * KVCache.page_bytes(spec, page, dtype, sliding_types)
+        n = int(budget // KVCache.page_bytes(spec, page, dtype, full_types))
     else:
         n = int(cfg.kv.cpu_pages)
     if n < need:
@@ -56,7 +79,10 @@ def _num_pages(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: tor
             f"tokens ({need} pages with the sink page): raise kv.max_pages / kv.memory_fraction or lower "
             "engine.max_model_len"
         )
-    return n
+    if window_pages is not None:
+        # never more than the full group has; never fewer than one sequence's largest chunk needs
+        window_pages = max(min(window_pages, n), chunk + per_seq + 1)
+    return n, window_pages
 
 
 def build_engine(cfg: DictConfig) -> Engine:
@@ -74,8 +100,8 @@ def build_engine(cfg: DictConfig) -> Engine:
     spec = ModelSpec.from_hf_config(model.config)
     dtype = model.model.embed_tokens.weight.dtype
     max_len = min(int(cfg.engine.max_model_len), spec.max_position)
-    num_pages = _num_pages(cfg, spec, dtype, device, max_len)
-    cache = KVCache(spec, num_pages, cfg.kv.page_size, dtype, device)
+    num_pages, window_pages = _pool_sizes(cfg, spec, dtype, device, max_len)
+    cache = KVCache(spec, num_pages, cfg.kv.page_size, dtype, device, window_pages)
     backend = str(getattr(cfg.attn.backend, "value", cfg.attn.backend))
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "dense"
@@ -102,7 +128,7 @@ def build_engine(cfg: DictConfig) -> Engine:
         compile_glue=use_compile, compiled_graphs=counter.count,
         cudagraphs=runner.graphs is not None,
         capture_seconds=runner.graphs.capture_seconds if runner.graphs else 0.0,
-        device=str(device), kv_pages=num_pages, page_size=cfg.kv.page_size, kv_pool_bytes=cache.nbytes,
+        device=str(device), kv_pages=num_pages, kv_window_pages=window_pages or 0, page_size=cfg.kv.page_size, kv_pool_bytes=cache.nbytes,
         max_model_len=max_len, attention_backend=backend,
     )
     engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info)

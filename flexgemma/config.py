@@ -118,6 +118,8 @@ class KVConfig:
     memory_fraction: float = 0.9  # of the GPU memory left after weights; GPU only
     max_pages: Optional[int] = None  # fixes the pool size; default on the CPU: cpu_pages
     cpu_pages: int = 128
+    # sliding layers keep only the pages inside their window, in a page group of their own
+    reclaim_sliding: bool = True
 
 
 @dataclass

@@ -58,6 +58,7 @@ METRICS: dict[str, str] = {
     "memory/weights_gib": "weight memory, 4-bit packing and quant states included (GiB)",
     "quant/fraction_4bit": "share of the parameters stored in 4 bits (quant=bnb4; 0 for bf16)",
     "memory/kv_pool_gib": "KV cache pool (GiB)",
+    "memory/kv_in_use_peak_gib": "KV bytes in use at the busiest moment of the last timed round, every page group (GiB)",
     "memory/graph_pool_gib": "CUDA-graph memory pool (GiB; GPU with cudagraph enabled)",
     "memory/peak_allocated_gib": "peak allocated by torch during the timed rounds (GiB; GPU)",
     "memory/peak_reserved_gib": "peak reserved by torch's allocator during the timed rounds (GiB; GPU)",
@@ -104,8 +105,11 @@ METRICS: dict[str, str] = {
 
 FAMILIES: dict[str, str] = {
     "engine/": "the engine's build info (device, dtype, attention_backend, kv_pages, page_size, kv_pool_bytes, "
-               "params, weights, compile_decode, compiled_graphs, cudagraphs, max_model_len, build_seconds, ...)",
+               "params, weights, compile_glue, compiled_graphs, cudagraphs, max_model_len, build_seconds, "
+               "compile_capture_seconds, kv_window_pages, ...)",
     "env/": "the environment",
+    "kv/peak_pages_": "most pages of a page group in use at once in the last timed round (all: one group for "
+                      "every layer; full / window: with kv.reclaim_sliding, the sliding layers' own group)",
 }
 
 

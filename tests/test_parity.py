@@ -62,3 +62,55 @@ def test_logprobs_match_transformers(tiny_engine):
         logits = tiny_engine.model(ids).logits[0].float()
     ref = torch.log_softmax(logits, -1)[len(prompt) - 1: -1].gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_pages_are_reclaimed_and_tokens_unchanged():
+    """Sliding layers keep only their window's pages: a long generation holds a few window pages
+    per sequence instead of one page per 8 tokens, and greedy tokens are those of transformers
+    and of the engine that keeps every page."""
+    prompts = mixed_prompts(512, seed=4)[2:]  # 9..70-token prompts, +120 tokens: far past the window (16)
+    sp = SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True)
+    kept = make_engine("kv.reclaim_sliding=false")
+    reclaimed = make_engine("kv.reclaim_sliding=true")
+    assert len(kept.runner.cache.page_groups) == 1 and len(reclaimed.runner.cache.page_groups) == 2
+    a = [o.token_ids for o in kept.generate(prompts, sp)]
+    b = [o.token_ids for o in reclaimed.generate(prompts, sp)]
+    assert a == b
+    assert b[0] == hf_greedy(reclaimed.model, prompts[0], 120)
+    full, window = reclaimed.runner.cache.page_groups
+    assert window.window == 16
+    # every sequence ends with ~ (len + 120) / 8 full pages but at most window/8 + 2 window pages
+    # (prefill chunks briefly need more: the whole chunk's pages)
+    longest_chunk = max(-(-len(p) // 8) for p in prompts)
+    assert full.peak_in_use >= sum(-(-(len(p) + 119) // 8) for p in prompts) - len(prompts)
+    assert window.peak_in_use <= len(prompts) * (16 // 8 + 2) + longest_chunk
+    assert window.peak_in_use < full.peak_in_use / 3
+    stats = reclaimed.stats.kv_peak_pages
+    assert stats == {"full": full.peak_in_use, "window": window.peak_in_use}
+
+
+def test_sliding_reclaim_with_preemption_and_moe():
+    engine = make_engine("kv.cpu_pages=20", "engine.max_model_len=150", "engine.max_prefill_tokens=32",
+                         model="tiny_moe")
+    assert len(engine.runner.cache.page_groups) == 2
+    outs = check_parity(engine, mixed_prompts(512, seed=5))
+    assert engine.stats.preemptions > 0
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_kv_in_use_is_reported_and_smaller_with_reclaiming(tmp_path):
+    from flexgemma.tasks.common import memory_metrics
+
+    prompts = mixed_prompts(512, seed=6)[3:]
+    sp = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    used = {}
+    for reclaim in ("false", "true"):
+        engine = make_engine(f"kv.reclaim_sliding={reclaim}")
+        engine.generate(prompts, sp)
+        m = memory_metrics(engine)
+        used[reclaim] = m["memory/kv_in_use_peak_gib"]
+        cache = engine.runner.cache
+        assert m["memory/kv_in_use_peak_gib"] * 2**30 == sum(
+            engine.stats.kv_peak_pages[g.name] * cache.group_page_bytes(g) for g in cache.page_groups)
+    # tiny: sliding layers hold 3 of the 4 KV-writing layers' bytes (32-wide vs 64-wide heads, 3 vs 1)
+    assert used["true"] < 0.75 * used["false"]

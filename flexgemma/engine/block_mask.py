@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexgemma.engine.kv_cache import KVCache
+from flexgemma.engine.kv_cache import KVCache, PageGroup
 from flexgemma.engine.sequence import Sequence
 from flexgemma.model.spec import ModelSpec
 
@@ -28,9 +28,9 @@ DECODE_Q_BLOCK = 128
 NO_SEQ = -2  # the document id of padding queries: matches no page owner (free pages are -1)
 
 
-def make_mask_mod(cache: KVCache, q_seq: torch.Tensor, q_pos: torch.Tensor, window: Optional[int]):
-    page_size = cache.page_size
-    owner, base = cache.page_owner, cache.page_pos
+def make_mask_mod(group: PageGroup, q_seq: torch.Tensor, q_pos: torch.Tensor, window: Optional[int]):
+    page_size = group.page_size
+    owner, base = group.owner, group.pos
 
     def mask_mod(b, h, q_idx, kv_idx):
         page = kv_idx // page_size
@@ -45,10 +45,10 @@ def make_mask_mod(cache: KVCache, q_seq: torch.Tensor, q_pos: torch.Tensor, wind
     return mask_mod
 
 
-def page_span(seq: Sequence, first_pos: int, last_pos: int, window: Optional[int], page_size: int) -> list[int]:
-    """Physical pages a query at positions [first_pos, last_pos] of `seq` may read."""
+def page_span(pages: list, first_pos: int, last_pos: int, window: Optional[int], page_size: int) -> list[int]:
+    """Physical pages (of a sequence's list `pages`) that queries at [first_pos, last_pos] may read."""
     lo = 0 if window is None else max(0, first_pos - window + 1)
-    return seq.pages[lo // page_size: last_pos // page_size + 1]
+    return pages[lo // page_size: last_pos // page_size + 1]
 
 
 @dataclass
@@ -74,8 +74,9 @@ class MaskBuilder:
         self.q_block = q_block_size
         self.windows = {t: next(s.window for s in spec.layers if s.layer_type == t) for t in spec.layer_types}
         self.max_pages_per_seq = -(-max_model_len // self.page_size)
-        self.kv_len = cache.num_pages * self.page_size
-        self.device = cache.page_owner.device
+        self.groups = {t: cache.group_for[t] for t in self.windows}
+        self.kv_len = {t: g.num_pages * self.page_size for t, g in self.groups.items()}
+        self.device = cache.device
 
     # -- decode: one query per sequence ----------------------------------------------------------
     def decode_buffers(self, batch: int) -> MaskBuffers:
@@ -101,7 +102,7 @@ class MaskBuilder:
             q_pos=dev["q_pos"],
             kv_num_blocks={t: dev[f"nb/{t}"] for t in self.windows},
             kv_indices={t: dev[f"idx/{t}"] for t in self.windows},
-            mask_mods={t: make_mask_mod(self.cache, dev["q_seq"], dev["q_pos"], w_) for t, w_ in self.windows.items()},
+            mask_mods={t: make_mask_mod(self.groups[t], dev["q_seq"], dev["q_pos"], w_) for t, w_ in self.windows.items()},
             host=host,
         )
 
@@ -114,7 +115,7 @@ class MaskBuilder:
                 # one query row, but the Q block must be a multiple of the kernel's BLOCK_M (>= 16)
                 BLOCK_SIZE=(DECODE_Q_BLOCK, self.page_size),
                 mask_mod=buf.mask_mods[t],
-                seq_lengths=(1, self.kv_len),
+                seq_lengths=(1, self.kv_len[t]),
                 compute_q_blocks=False,
             )
             for t in self.windows
@@ -123,22 +124,28 @@ class MaskBuilder:
     def fill_decode(self, buf: MaskBuffers, seqs: list[Sequence], rows: int) -> None:
         """Writes the decode masks of `seqs` into rows [0, rows) of `buf` (rows past len(seqs) pad)."""
         n, width, page = len(seqs), self.max_pages_per_seq, self.page_size
-        table = np.zeros((rows, width), dtype=np.int32)
         pos = np.zeros(rows, dtype=np.int64)
         q_seq = buf.host["q_seq"]
         q_seq[:rows] = NO_SEQ
         for i, s in enumerate(seqs):
-            table[i, : len(s.pages)] = s.pages
             pos[i] = s.num_tokens - 1
             q_seq[i, 0] = s.seq_id
         buf.host["q_pos"][:rows, 0] = pos
         hi = pos // page
         cols = np.arange(width)[None, :]
         live = np.arange(rows) < n
+        tables = {}
         for t, window in self.windows.items():
+            group = self.groups[t]
+            if group.name not in tables:  # one page table per group (reclaimed pages read as 0)
+                table = np.zeros((rows, width), dtype=np.int32)
+                for i, s in enumerate(seqs):
+                    pages = group.pages_of(s)
+                    table[i, : len(pages)] = [p or 0 for p in pages] if group.window is not None else pages
+                tables[group.name] = table
             lo = np.zeros(rows, dtype=np.int64) if window is None else np.maximum(pos - window + 1, 0) // page
             count = np.where(live, hi - lo + 1, 0)
-            idx = np.take_along_axis(table, np.minimum(lo[:, None] + cols, width - 1), axis=1)
+            idx = np.take_along_axis(tables[group.name], np.minimum(lo[:, None] + cols, width - 1), axis=1)
             buf.host[f"nb/{t}"][:rows, 0, 0] = count
             buf.host[f"idx/{t}"][:rows, 0, 0] = np.where(cols < count[:, None], idx, 0)
         buf.staged.upload()
@@ -163,7 +170,9 @@ class MaskBuilder:
         q_pos_t = torch.from_numpy(q_pos).to(self.device)
         masks = {}
         for t, window in self.windows.items():
-            lists = [[p for s, a, b in seg for p in page_span(s, a, b, window, self.page_size)] for seg in segments]
+            group = self.groups[t]
+            lists = [[p for s, a, b in seg for p in page_span(group.pages_of(s), a, b, window, self.page_size)]
+                     for seg in segments]
             width = 1 << max(1, max(len(x) for x in lists) - 1).bit_length()  # few distinct widths: few recompiles
             nb = np.zeros((1, 1, n_blocks), dtype=np.int32)
             idx = np.zeros((1, 1, n_blocks, width), dtype=np.int32)
@@ -174,8 +183,8 @@ class MaskBuilder:
                 torch.from_numpy(nb).to(self.device),
                 torch.from_numpy(idx).to(self.device),
                 BLOCK_SIZE=(qb, self.page_size),
-                mask_mod=make_mask_mod(self.cache, q_seq_t, q_pos_t, window),
-                seq_lengths=(padded_len, self.kv_len),
+                mask_mod=make_mask_mod(group, q_seq_t, q_pos_t, window),
+                seq_lengths=(padded_len, self.kv_len[t]),
                 compute_q_blocks=False,
             )
         return masks

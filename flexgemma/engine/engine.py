@@ -33,6 +33,7 @@ class StepStats:
     decode_time: float = 0.0
     preemptions: int = 0
     decode_batch_sizes: list[int] = field(default_factory=list)
+    kv_peak_pages: dict[str, int] = field(default_factory=dict)  # page group -> most pages in use at once
 
 
 class Engine:
@@ -118,6 +119,8 @@ class Engine:
             for p in problems:
                 log.warning("skipped %s", p)
         self.stats = StepStats()
+        for g in self.runner.cache.page_groups:
+            g.peak_in_use = g.in_use
         start = time.perf_counter()
         for s in seqs:
             self.scheduler.add(s)
@@ -125,6 +128,12 @@ class Engine:
         generated = 0
         while self.scheduler.has_work:
             plan = self.scheduler.schedule()
+            if not plan.seqs:
+                stuck = self.scheduler.waiting[0]
+                raise RuntimeError(
+                    f"request {stuck.index} ({stuck.num_tokens} tokens) cannot get KV pages even with nothing else "
+                    f"running: the pool is too small for it (raise kv.max_pages or lower engine.max_prefill_tokens)"
+                )
             t0 = time.perf_counter()
             tokens, logprobs = self.runner.run(plan)
             dt = time.perf_counter() - t0
@@ -135,10 +144,12 @@ class Engine:
                 if plan.kind == "prefill":
                     samples = plan.samples(i)
                     s.num_computed += plan.chunk_lens[i]
+                    self.scheduler.reclaim(s)
                     if not samples:
                         continue  # a chunk of a longer prompt
                 else:
                     s.num_computed += 1
+                    self.scheduler.reclaim(s)
                 tok, lp = tokens[k], logprobs[k]
                 k += 1
                 s.generated.append(tok)
@@ -156,6 +167,7 @@ class Engine:
                 bar.set_postfix(tok_s=f"{generated / max(now, 1e-9):.0f}", refresh=False)
         bar.close()
         self.stats.preemptions = sum(s.num_preemptions for s in seqs)
+        self.stats.kv_peak_pages = {g.name: g.peak_in_use for g in self.runner.cache.page_groups}
         return outputs  # type: ignore[return-value]
 
     def _account(self, plan, dt: float) -> None:

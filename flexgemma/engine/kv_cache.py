@@ -8,11 +8,16 @@ nothing: they read their source layer's pool.
 Page 0 is never handed out: padded rows (CUDA-graph buckets, prefill padding) write there.
 Two small device tensors describe every page for the attention masks: its owner (a sequence id,
 -1 when free) and the logical position of its first slot.
+
+Sliding-window layers may keep pages of their own (`kv.reclaim_sliding`): then a sequence holds
+only the pages its window can still see, and 26B-A4B's 25 sliding layers (~90% of its KV bytes
+per token) stop growing with the sequence.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 import torch
 
@@ -44,20 +49,71 @@ class PageAllocator:
         self._free.extend(pages)
 
 
-class KVCache:
-    def __init__(self, spec: ModelSpec, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
-        self.spec, self.num_pages, self.page_size = spec, num_pages, page_size
+class PageGroup:
+    """Pages of one kind: ids from an allocator, and per page its owner (a sequence id, -1 when
+    free) and the logical position of its first slot, on the device, for the masks.
+
+    With `window` set the group serves sliding layers only: a sequence keeps just the pages its
+    next queries can see, and older entries of its list are None (freed)."""
+
+    def __init__(self, name: str, num_pages: int, page_size: int, device: torch.device, window: Optional[int] = None):
+        self.name, self.num_pages, self.page_size, self.window = name, num_pages, page_size, window
         self.allocator = PageAllocator(num_pages)
-        slots = num_pages * page_size
-        # groups: KV shape (heads, head_dim) -> the layers whose pools have that shape
-        self.groups: dict[tuple[int, int], list[int]] = {}
-        for layer in spec.kv_layers:
-            self.groups.setdefault(layer.cache_group, []).append(layer.index)
+        self.owner = torch.full((num_pages,), NO_OWNER, dtype=torch.int32, device=device)
+        self.pos = torch.zeros(num_pages, dtype=torch.int32, device=device)
+        self.peak_in_use = 0
+
+    def pages_of(self, seq) -> list:
+        return seq.window_pages if self.window is not None else seq.pages
+
+    @property
+    def in_use(self) -> int:
+        return self.num_pages - 1 - self.allocator.num_free
+
+    def assign(self, pages: list[int], owner: int, first_logical_page: int) -> None:
+        """Record ownership and logical positions of freshly allocated pages (masks read these)."""
+        if not pages:
+            return
+        idx = torch.tensor(pages, dtype=torch.long).to(self.owner.device)
+        pos = (torch.arange(len(pages), dtype=torch.int32) + first_logical_page) * self.page_size
+        self.owner[idx] = owner
+        self.pos[idx] = pos.to(self.pos.device)
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+
+    def release(self, pages: list) -> None:
+        pages = [p for p in pages if p is not None]
+        if not pages:
+            return
+        # a freed page must stop matching its old owner: eager flex_attention evaluates the mask
+        # over every slot, and a preempted sequence comes back under the same id.
+        self.owner[torch.tensor(pages, dtype=torch.long).to(self.owner.device)] = NO_OWNER
+        self.allocator.release(pages)
+
+
+class KVCache:
+    """K and V pools of every KV-writing layer, and the page groups that index them.
+
+    Without `window_pages` one page group serves every layer. With it, sliding layers get a group
+    of their own with that many pages, and keep only the pages inside their window."""
+
+    def __init__(self, spec: ModelSpec, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
+                 window_pages: Optional[int] = None):
+        self.spec, self.page_size, self.device = spec, page_size, device
+        full = PageGroup("all" if window_pages is None else "full", num_pages, page_size, device)
+        self.group_for: dict[str, PageGroup] = {t: full for t in spec.layer_types}
+        if window_pages is not None:
+            windows = {s.window for s in spec.layers if s.window is not None}
+            if len(windows) != 1:
+                raise ValueError(f"page reclaiming needs one sliding window, the model has {sorted(windows)}")
+            window_group = PageGroup("window", window_pages, page_size, device, window=windows.pop())
+            self.group_for.update({s.layer_type: window_group for s in spec.layers if s.window is not None})
+        self.page_groups = list({id(g): g for g in self.group_for.values()}.values())
         # Each writing layer owns separate K and V tensors [1, kv_heads, slots, head_dim] (the 1 is
         # the batch dim flex_attention broadcasts). Separate allocations, not views of one group
         # tensor: inductor turns a KV write into a view of a shared base into a copy of the base.
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in spec.kv_layers:
+            slots = self.group_for[layer.layer_type].num_pages * page_size
             shape = (1, layer.num_kv_heads, slots, layer.head_dim)
             self._kv[layer.index] = (
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -66,12 +122,20 @@ class KVCache:
         for layer in spec.layers:
             if not layer.writes_kv:
                 self._kv[layer.index] = self._kv[layer.kv_source]
-        self.page_owner = torch.full((num_pages,), NO_OWNER, dtype=torch.int32, device=device)
-        self.page_pos = torch.zeros(num_pages, dtype=torch.int32, device=device)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the group that holds every position (the full-attention layers')."""
+        return self.page_groups[0].num_pages
 
     @staticmethod
-    def page_bytes(spec: ModelSpec, page_size: int, dtype: torch.dtype) -> int:
-        return spec.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * page_size
+    def page_bytes(spec: ModelSpec, page_size: int, dtype: torch.dtype, layer_types=None) -> int:
+        return spec.kv_bytes_per_token(torch.finfo(dtype).bits // 8, layer_types) * page_size
+
+    def group_page_bytes(self, group: PageGroup) -> int:
+        """Bytes one page of `group` holds over every KV-writing layer it serves."""
+        return sum(2 * s.num_kv_heads * s.head_dim * self.page_size * self._kv[s.index][0].element_size()
+                   for s in self.spec.kv_layers if self.group_for[s.layer_type] is group)
 
     @property
     def nbytes(self) -> int:
@@ -87,19 +151,5 @@ class KVCache:
         kc.index_copy_(2, slots, k.transpose(0, 1)[None])
         vc.index_copy_(2, slots, v.transpose(0, 1)[None])
 
-    def assign_pages(self, pages: list[int], owner: int, first_logical_page: int) -> None:
-        """Record ownership and logical positions of freshly allocated pages (masks read these)."""
-        if not pages:
-            return
-        idx = torch.tensor(pages, dtype=torch.long)
-        pos = (torch.arange(len(pages), dtype=torch.int32) + first_logical_page) * self.page_size
-        self.page_owner[idx.to(self.page_owner.device)] = owner
-        self.page_pos[idx.to(self.page_pos.device)] = pos.to(self.page_pos.device)
-
-    def release_pages(self, pages: list[int]) -> None:
-        if not pages:
-            return
-        # a freed page must stop matching its old owner: eager flex_attention evaluates the mask
-        # over every slot, and a preempted sequence comes back under the same id.
-        self.page_owner[torch.tensor(pages, dtype=torch.long).to(self.page_owner.device)] = NO_OWNER
-        self.allocator.release(pages)
+    def slot(self, group: PageGroup, seq, pos: int) -> int:
+        return group.pages_of(seq)[pos // self.page_size] * self.page_size + pos % self.page_size

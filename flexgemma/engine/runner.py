@@ -37,7 +37,7 @@ class Staged:
 class DecodeInputs:
     """Everything a decode step reads, as persistent device buffers of `max_batch` rows."""
 
-    INTS = ("input_ids", "positions", "slots", "top_k", "seed")
+    INTS = ("input_ids", "positions", "slots", "window_slots", "top_k", "seed")
     FLOATS = ("temperature", "top_p")
 
     def __init__(self, masks: MaskBuilder, max_batch: int, device: torch.device):
@@ -76,7 +76,7 @@ class ModelRunner:
     def __init__(self, forward: GemmaForward, cache: KVCache, masks: MaskBuilder, max_batch: int, q_block: int,
                  sample_fn: Optional[Callable] = None):
         self.forward, self.cache, self.masks = forward, cache, masks
-        self.device = cache.page_owner.device
+        self.device = cache.device
         self.q_block = q_block
         self.page_size = cache.page_size
         self.max_batch = max_batch
@@ -87,8 +87,12 @@ class ModelRunner:
         self.attn_rows = forward.kernels.decode_rows
         self.graphs = None  # a cuda_graphs.DecodeGraphs once captured
 
-    def _slot(self, s: Sequence, pos: int) -> int:
-        return s.pages[pos // self.page_size] * self.page_size + pos % self.page_size
+    def _slots_by_type(self, slots: torch.Tensor, window_slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each layer type writes its KV at the slots of its own page group."""
+        return {t: window_slots if g.window is not None else slots for t, g in self.cache.group_for.items()}
+
+    def _window_group(self):
+        return next((g for g in self.cache.page_groups if g.window is not None), None)
 
     def _to_dev(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -115,7 +119,10 @@ class ModelRunner:
         padded = -(-total // self.q_block) * self.q_block
         ids = np.zeros(padded, dtype=np.int64)
         pos = np.zeros(padded, dtype=np.int64)
-        slots = np.full(padded, SINK_PAGE * self.page_size, dtype=np.int64)
+        sink = SINK_PAGE * self.page_size
+        slots = np.full(padded, sink, dtype=np.int64)
+        window_slots = np.full(padded, sink, dtype=np.int64)
+        wg, page = self._window_group(), self.page_size
         last, sampled, draw_pos = [], [], []
         t = 0
         for s, n in zip(plan.seqs, plan.chunk_lens):
@@ -123,7 +130,10 @@ class ModelRunner:
             ids[t: t + n] = s.tokens[p0: p0 + n]
             p = np.arange(p0, p0 + n)
             pos[t: t + n] = p
-            slots[t: t + n] = np.asarray(s.pages, dtype=np.int64)[p // self.page_size] * self.page_size + p % self.page_size
+            slots[t: t + n] = np.asarray(s.pages, dtype=np.int64)[p // page] * page + p % page
+            if wg is not None:  # the chunk's window pages all exist: none is reclaimed before its queries
+                window_slots[t: t + n] = np.asarray(s.window_pages[p0 // page:], dtype=np.int64)[
+                    p // page - p0 // page] * page + p % page
             smp = p0 + n == s.num_tokens
             sampled.append(smp)
             if smp:
@@ -132,7 +142,8 @@ class ModelRunner:
             t += n
         masks = self.masks.prefill(plan.seqs, plan.chunk_lens, padded)
         index = self._to_dev(np.asarray(last, dtype=np.int64))
-        logits = self.forward(self._to_dev(ids), self._to_dev(pos), self._to_dev(slots), masks, index, decode=False)
+        slot_map = self._slots_by_type(self._to_dev(slots), self._to_dev(window_slots))
+        logits = self.forward(self._to_dev(ids), self._to_dev(pos), slot_map, masks, index, decode=False)
         return logits, sampled, draw_pos
 
     # -- decode -----------------------------------------------------------------------------------
@@ -142,11 +153,13 @@ class ModelRunner:
         d = self.decode_in
         ints, floats = d.ints.np, d.floats.np
         ints[:, :rows] = 0
-        ints[2, :rows] = SINK_PAGE * self.page_size  # padding rows write their KV to the sink page
+        ints[2:4, :rows] = SINK_PAGE * self.page_size  # padding rows write their KV to the sink page
+        full, window = self.cache.page_groups[0], self._window_group() or self.cache.page_groups[0]
         floats[0, :rows], floats[1, :rows] = 0.0, 1.0  # padding rows are greedy
         for i, s in enumerate(seqs):
             p = s.num_tokens - 1
-            ints[:, i] = (s.last_token, p, self._slot(s, p), s.params.top_k, s.seed)
+            ints[:, i] = (s.last_token, p, self.cache.slot(full, s, p), self.cache.slot(window, s, p),
+                          s.params.top_k, s.seed)
             floats[:, i] = (s.params.temperature, s.params.top_p)
         needs_filter = any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
         greedy_only = all(s.params.temperature == 0 for s in seqs)
@@ -164,7 +177,8 @@ class ModelRunner:
     def decode_step(self, rows: int, greedy_only: bool = False):
         d = self.decode_in
         return decode_step(
-            self.forward, self.sample_fn, d.input_ids[:rows], d.positions[:rows], d.slots[:rows],
+            self.forward, self.sample_fn, d.input_ids[:rows], d.positions[:rows],
+            self._slots_by_type(d.slots[:rows], d.window_slots[:rows]),
             self.decode_masks(self.attn_rows or rows), d.temperature[:rows], d.top_k[:rows], d.top_p[:rows],
             d.seed[:rows], greedy_only,
         )

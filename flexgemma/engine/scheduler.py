@@ -51,14 +51,34 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _grow(self, seq: Sequence, upto_tokens: int) -> bool:
-        n = seq.pages_needed(upto_tokens, self.page_size)
-        if n > self.cache.allocator.num_free:
+        """Gives `seq` pages for its first `upto_tokens` positions in every page group, or nothing."""
+        need = [(g, max(0, -(-upto_tokens // self.page_size) - len(g.pages_of(seq)))) for g in self.cache.page_groups]
+        if any(n > g.allocator.num_free for g, n in need):
             return False
-        if n:
-            pages = self.cache.allocator.allocate(n)
-            self.cache.assign_pages(pages, seq.seq_id, len(seq.pages))
-            seq.pages.extend(pages)
+        for g, n in need:
+            if n:
+                pages = g.allocator.allocate(n)
+                g.assign(pages, seq.seq_id, len(g.pages_of(seq)))
+                g.pages_of(seq).extend(pages)
         return True
+
+    def reclaim(self, seq: Sequence) -> None:
+        """Frees the sliding-window pages no later query of `seq` can see (its next query is at
+        position num_computed, and sees num_computed - window + 1 onwards)."""
+        for g in self.cache.page_groups:
+            if g.window is None:
+                continue
+            pages = g.pages_of(seq)
+            keep_from = min(max(0, seq.num_computed - g.window + 1) // self.page_size, len(pages))
+            old = [p for p in pages[:keep_from] if p is not None]
+            if old:
+                g.release(old)
+                pages[:keep_from] = [None] * keep_from
+
+    def _release_all(self, seq: Sequence) -> None:
+        for g in self.cache.page_groups:
+            g.release(g.pages_of(seq))
+        seq.pages, seq.window_pages = [], []
 
     def schedule(self) -> StepPlan:
         budget = self.max_prefill_tokens
@@ -106,8 +126,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.cache.release_pages(seq.pages)
-        seq.pages = []
+        self._release_all(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -118,5 +137,4 @@ class Scheduler:
         seq.finish_reason = reason
         seq.status = Status.FINISHED
         self.running.remove(seq)
-        self.cache.release_pages(seq.pages)
-        seq.pages = []
+        self._release_all(seq)

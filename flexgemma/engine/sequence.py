@@ -67,7 +67,8 @@ class Sequence:
     status: Status = Status.WAITING
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # pages of every position (logical page i at index i)
+    window_pages: list = field(default_factory=list)  # sliding layers' own pages, None once out of the window
     num_computed: int = 0  # tokens whose KV is in the cache
     finish_reason: Optional[str] = None
     num_preemptions: int = 0
@@ -93,9 +94,6 @@ class Sequence:
         When only the last token lacks KV, a decode step computes it and samples the next one.
         """
         return self.num_computed < self.num_tokens - 1
-
-    def pages_needed(self, upto_tokens: int, page_size: int) -> int:
-        return max(0, -(-upto_tokens // page_size) - len(self.pages))
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(

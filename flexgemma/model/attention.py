@@ -71,7 +71,7 @@ class PagedAttention:
             raw_v = raw_k if s.k_eq_v else m.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
             k = ops.norm_rope(raw_k, m.k_norm.weight, cos, sin, self.eps)
             v = ops.rms_norm(raw_v, None, self.eps)  # values: a scale-free norm, no RoPE
-            self.cache.write(s.index, k, v, slots)
+            self.cache.write(s.index, k, v, slots[s.layer_type])  # each layer type's own page group
         kc, vc = self.cache.layer_kv(s.kv_source)
         if decode:
             out = self.k.decode(q, kc, vc, mask, self.options["decode"])

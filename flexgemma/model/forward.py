@@ -46,7 +46,7 @@ class GemmaForward(torch.nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        slots: torch.Tensor,  # [T] flat cache slot of each token's K/V
+        slots: dict[str, torch.Tensor],  # layer type -> [T] flat cache slot of each token's K/V
         masks: dict[str, BlockMask],
         logits_index: Optional[torch.Tensor],  # rows whose logits are needed (None: all)
         decode: bool,

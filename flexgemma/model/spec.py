@@ -53,8 +53,9 @@ class ModelSpec:
     def kv_layers(self) -> tuple[LayerSpec, ...]:
         return tuple(layer for layer in self.layers if layer.writes_kv)
 
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        return sum(2 * s.num_kv_heads * s.head_dim * element_size for s in self.kv_layers)
+    def kv_bytes_per_token(self, element_size: int, layer_types=None) -> int:
+        return sum(2 * s.num_kv_heads * s.head_dim * element_size for s in self.kv_layers
+                   if layer_types is None or s.layer_type in layer_types)
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelSpec":

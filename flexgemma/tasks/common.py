@@ -42,6 +42,10 @@ def memory_metrics(engine) -> dict:
         "quant/fraction_4bit": census["quant/fraction_4bit"],
         "memory/kv_pool_gib": engine.info.get("kv_pool_bytes", 0) / GIB,
     }
+    cache = engine.runner.cache
+    peaks = engine.stats.kv_peak_pages
+    out.update({f"kv/peak_pages_{name}": n for name, n in peaks.items()})
+    out["memory/kv_in_use_peak_gib"] = sum(peaks.get(g.name, 0) * cache.group_page_bytes(g) for g in cache.page_groups) / GIB
     if getattr(engine, "lora", None) is not None:  # pristine copies are not parameters of the model
         out["memory/lora_pristine_gib"] = engine.info.get("lora_pristine_bytes", 0) / GIB
     if torch.cuda.is_available() and engine.info.get("device", "").startswith("cuda"):
