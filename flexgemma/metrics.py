@@ -65,10 +65,12 @@ METRICS: dict[str, str] = {
     "memory/peak_rss_gib": "peak resident memory of the process (GiB; CPU runs)",
     # build: compile and capture are never inside a throughput window
     "build/seconds": "building the engine: model, KV pool, compile, graph capture (s)",
-    "engine/compile_seconds": "torch.compile of the decode step when it runs outside graph capture (s)",
+    "engine/compile_capture_seconds": "compiling the kernels and capturing every CUDA-graph bucket, or the "
+                                      "compiling warm-up step without graphs (s)",
     "engine/capture_seconds": "CUDA-graph capture of every bucket, compile included (s)",
+    "engine/compiled_graphs": "graphs torch.compile built (fused glue, flex kernels, sampler); counted, never silent",
     "cudagraph/capture_seconds": "the same capture time, from the graphs themselves (s)",
-    "cudagraph/num_graphs": "decode graphs captured (one per bucket)",
+    "cudagraph/num_graphs": "decode graphs captured (two per bucket: all-greedy, and sampling)",
     "cudagraph/buckets": "the bucket ladder (batch sizes)",
     "cudagraph/bucket_hits": "decode steps per bucket in the timed rounds ({bucket: steps})",
     "cudagraph/padding_waste": "padding rows / all rows replayed in the timed rounds (0 = no waste)",
