@@ -2,7 +2,9 @@
 # Everything that needs the GPU, in one call of the device tool (device time is scarce):
 # the GPU tests, then the benchmarks, each under its own time limit, logs and JSON into $OUT.
 #   bash experiments/gpu_suite.sh [tests] [e2b] [e2b_twice] [e4b] [31b] [moe] [moe32] [bnb4]   (default: all)
-# Expects the wheels of ../shared/device/fetch-wheels in .whl/ (carried with the call).
+# Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
+# in .whl/ (carried with the call: run(carry=[".whl"])); wandb is optional there (without it the
+# jobs warn and go on), submitit only matters for `-m` sweeps.
 set -u
 OUT=${OUT:-/tmp/flexgemma_gpu}
 mkdir -p "$OUT"

@@ -43,7 +43,12 @@ class WandbRun:
         kind = logger_kind(cfg)
         if kind not in _MODES:
             return None
-        import wandb
+        try:
+            import wandb
+        except ImportError:
+            log.error("logger=%s but wandb is not installed (pip install wandb): the job goes on without W&B and "
+                      "is recorded in %s; logger=none silences this.", kind, out_dir)
+            return None
 
         config = {"config": _resolved(cfg), "env": environment, "choices": identity.get("choices", {}),
                   "overrides": identity.get("overrides", [])}
