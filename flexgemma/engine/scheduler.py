@@ -5,7 +5,8 @@ Each step is either a packed prefill (chunks of requests whose prompt lacks KV, 
 comes first whenever a request can be admitted or continued, so the batch refills as soon as
 pages free up. When decode needs a page and none is free, the most recently admitted request is
 preempted: its pages are freed and it waits at the head of the queue to be recomputed from
-prompt + generated tokens, which it keeps.
+prompt + generated tokens, which it keeps. After every step, sliding-window pages that no later
+query of a request can see go back to the free list (`reclaim`).
 """
 
 from __future__ import annotations
