@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device tool (device time is scarce):
 # the GPU tests, then the benchmarks, each under its own time limit, logs and JSON into $OUT.
-#   bash experiments/gpu_suite.sh [tests] [e2b] [e2b_twice] [e4b] [31b] [moe] [moe32] [bnb4]   (default: all)
+#   bash experiments/gpu_suite.sh [tests] [e2b] [e2b_twice] [e2b_async] [e4b] [31b] [moe] [moe32] [bnb4]
+# (default: all, ~35 min: more than one device call may hold; pick names, e.g. `tests e2b e2b_async`)
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
 # in .whl/ (carried with the call: run(carry=[".whl"])); wandb is optional there (without it the
 # jobs warn and go on), submitit only matters for `-m` sweeps.
@@ -25,6 +26,8 @@ bench=experiments/bench_vs_hf.py
 run tests 300 python3 -m pytest -q -p no:logging -m gpu tests
 run e2b 240 python3 $bench +model=e2b +experiment=speed_e2b --hf-rounds 1 --out "$OUT/e2b.json"
 run e2b_twice 150 python3 $bench +model=e2b +experiment=speed_e2b --no-hf --out "$OUT/e2b_again.json"
+run e2b_async 150 python3 $bench +model=e2b +experiment=speed_e2b engine.async_decode=true --no-hf \
+  --out "$OUT/e2b_async.json"
 run e4b 240 python3 $bench +model=e4b +experiment=speed_e2b --hf-rounds 1 --out "$OUT/e4b.json"
 run 31b 300 python3 $bench +model=31b +experiment=speed_e2b workload.num_prompts=32 engine.max_batch_size=32 \
   kv.max_pages=520 cudagraph=ladder16 --hf-rounds 1 --out "$OUT/31b.json"

@@ -45,7 +45,7 @@ def place_batch(engine, batch: int, context: int) -> list[Sequence]:
     seqs = []
     for i in range(batch):
         s = Sequence(10_000 + i, i, [2] * context, SamplingParams(max_new_tokens=8, temperature=0.0), seed=i)
-        assert engine.scheduler._grow(s, context + 1)
+        assert engine.scheduler.grow(s, context + 1)
         s.num_computed = context - 1
         s.status = Status.RUNNING
         seqs.append(s)

@@ -133,6 +133,7 @@ def build_engine(cfg: DictConfig) -> Engine:
     )
     engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info)
     engine.compile_counter = counter
+    engine.async_decode = bool(cfg.engine.async_decode)
     engine.lora = lora
     info["build_seconds"] = time.perf_counter() - t0
     log.info(

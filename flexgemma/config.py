@@ -135,6 +135,8 @@ class EngineConfig:
     max_model_len: int = 4096
     max_prefill_tokens: int = 8192  # token budget of one packed prefill step; long prompts are chunked
     compile: Optional[bool] = None  # torch.compile the fused norm/RoPE/activation glue and the sampler; null = GPU only
+    # queue decode step N+1 before reading step N's tokens (host work overlaps the GPU; no sync a step)
+    async_decode: bool = False
 
 
 @dataclass

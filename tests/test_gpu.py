@@ -51,3 +51,14 @@ def test_graphs_equal_no_graphs(model, dtype, compile_glue):
     if dtype == "float32":
         for p, o in zip(ps, with_graphs):
             assert o == hf_greedy(engine.model, p, 40)
+
+
+def test_async_decode_with_graphs_equals_sync():
+    engine = engine_for("+model=tiny", "cudagraph.buckets=[1,2,4,8]")
+    ps = prompts(engine.spec.vocab_size, lengths=(3, 20, 45, 70, 9))
+    params = [SamplingParams(max_new_tokens=40, temperature=t, seed=i, ignore_eos=True)
+              for i, t in enumerate((0.0, 1.0, 0.0, 0.8, 0.0))]
+    sync = [(o.token_ids, o.finish_reason) for o in engine.generate(ps, params)]
+    engine.async_decode = True
+    asyn = [(o.token_ids, o.finish_reason) for o in engine.generate(ps, params)]
+    assert asyn == sync and engine.stats.chained_steps > 0

@@ -114,3 +114,30 @@ def test_kv_in_use_is_reported_and_smaller_with_reclaiming(tmp_path):
             engine.stats.kv_peak_pages[g.name] * cache.group_page_bytes(g) for g in cache.page_groups)
     # tiny: sliding layers hold 3 of the 4 KV-writing layers' bytes (32-wide vs 64-wide heads, 3 vs 1)
     assert used["true"] < 0.75 * used["false"]
+
+
+def test_async_decode_gives_the_same_outputs():
+    """Queuing step N+1 before reading step N: same tokens, logprobs and finish reasons, also when
+    requests stop on a stop token or EOS mid-batch, at max_new_tokens, and under preemption."""
+    prompts = mixed_prompts(512, seed=7)
+    sync, asyn = make_engine(), make_engine("engine.async_decode=true")
+    assert asyn.async_decode and not sync.async_decode
+    greedy = sync.generate(prompts, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True))
+    params = [
+        SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=30, temperature=0.0, stop_token_ids=(greedy[1].token_ids[7],)),
+        SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True),
+        SamplingParams(max_new_tokens=30, temperature=0.7, top_k=20, seed=4, ignore_eos=True),
+        SamplingParams(max_new_tokens=1, temperature=0.0),
+        SamplingParams(max_new_tokens=25, temperature=0.0, stop_token_ids=(greedy[5].token_ids[0],)),
+    ]
+    a, b = sync.generate(prompts, params), asyn.generate(prompts, params)
+    for x, y in zip(a, b):
+        assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    assert b[1].finish_reason == "stop" and b[4].finish_reason == "length" and len(b[4].token_ids) == 1
+    assert asyn.stats.chained_steps > 0  # steps really were queued ahead of reading their inputs
+    tight = make_engine("kv.cpu_pages=20", "engine.max_model_len=150", "engine.max_prefill_tokens=32",
+                        "engine.async_decode=true")
+    check_parity(tight, mixed_prompts(512, seed=2))
+    assert tight.stats.preemptions > 0

@@ -123,6 +123,7 @@ class MaskBuilder:
 
     def fill_decode(self, buf: MaskBuffers, seqs: list[Sequence], rows: int) -> None:
         """Writes the decode masks of `seqs` into rows [0, rows) of `buf` (rows past len(seqs) pad)."""
+        buf.staged.begin_write()
         n, width, page = len(seqs), self.max_pages_per_seq, self.page_size
         pos = np.zeros(rows, dtype=np.int64)
         q_seq = buf.host["q_seq"]

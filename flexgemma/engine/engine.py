@@ -11,10 +11,12 @@ from tqdm.auto import tqdm
 
 from flexgemma.engine.runner import ModelRunner
 from flexgemma.engine.scheduler import Scheduler
-from flexgemma.engine.sequence import RequestOutput, SamplingParams, Sequence
+from flexgemma.engine.sequence import RequestOutput, SamplingParams, Sequence, Status
 from flexgemma.model.spec import ModelSpec
 
 log = logging.getLogger("flexgemma")
+
+PENDING = -1  # the token of a queued decode step, until the host reads it
 
 
 class RequestError(ValueError):
@@ -34,10 +36,14 @@ class StepStats:
     preemptions: int = 0
     decode_batch_sizes: list[int] = field(default_factory=list)
     kv_peak_pages: dict[str, int] = field(default_factory=dict)  # page group -> most pages in use at once
+    chained_steps: int = 0  # async decode: steps queued before the previous step's tokens were read
 
 
 class Engine:
     compile_counter = None  # a compiled.CompileCounter when the decode step is compiled
+    # queue decode step N+1 (its input tokens taken on the device) before reading step N's tokens,
+    # so the host's bookkeeping overlaps the GPU instead of stalling it once a step
+    async_decode = False
     lora = None  # a model.lora.LoraAdapters when built with a LoRA adapter
 
     def __init__(self, model, spec: ModelSpec, runner: ModelRunner, scheduler: Scheduler, max_model_len: int,
@@ -126,7 +132,33 @@ class Engine:
             self.scheduler.add(s)
         bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm, leave=False)
         generated = 0
-        while self.scheduler.has_work:
+        inflight = None  # an asynchronous decode step whose tokens are not read yet
+        mark = start
+        while self.scheduler.has_work or inflight is not None:
+            if inflight is not None:
+                # queue the next step before reading this one's tokens, when the batch stays the same
+                nxt = self._launch(inflight.seqs, inflight) if self._can_chain(inflight.seqs) else None
+                self.stats.chained_steps += nxt is not None
+                tokens, logprobs = self.runner.collect(inflight)
+                now = time.perf_counter()
+                self._account_decode(len(inflight.seqs), now - mark)
+                mark = now
+                for s, i, tok, lp in zip(inflight.seqs, inflight.index, tokens, logprobs):
+                    if s.status is Status.FINISHED:
+                        continue  # finished by the step before: this row was computed in vain
+                    s.generated[i], s.logprobs[i] = tok, lp
+                    generated += 1
+                    if s.first_token_time is None:
+                        s.first_token_time = now - start
+                    reason = self._finish_reason(s, tok, count=i + 1)
+                    if reason:
+                        del s.generated[i + 1:], s.logprobs[i + 1:]  # a queued step's placeholder
+                        s.finish_time = now - start
+                        self.scheduler.finish(s, reason)
+                        outputs[s.index] = s.to_output()
+                        bar.update(1)
+                inflight = nxt
+                continue
             plan = self.scheduler.schedule()
             if not plan.seqs:
                 stuck = self.scheduler.waiting[0]
@@ -134,6 +166,10 @@ class Engine:
                     f"request {stuck.index} ({stuck.num_tokens} tokens) cannot get KV pages even with nothing else "
                     f"running: the pool is too small for it (raise kv.max_pages or lower engine.max_prefill_tokens)"
                 )
+            if plan.kind == "decode" and self.async_decode:
+                mark = time.perf_counter()
+                inflight = self._launch(plan.seqs, None)
+                continue
             t0 = time.perf_counter()
             tokens, logprobs = self.runner.run(plan)
             dt = time.perf_counter() - t0
@@ -170,6 +206,37 @@ class Engine:
         self.stats.kv_peak_pages = {g.name: g.peak_in_use for g in self.runner.cache.page_groups}
         return outputs  # type: ignore[return-value]
 
+    # -- asynchronous decode (engine.async_decode) ---------------------------------------------------
+    def _launch(self, seqs: list[Sequence], chained):
+        """Queues a decode step for `seqs` and gives each a placeholder token until it is read."""
+        launch = self.runner.launch_decode(seqs, chained)
+        for s in seqs:
+            launch.index.append(len(s.generated))
+            s.generated.append(PENDING)
+            s.logprobs.append(float("nan"))
+            s.num_computed += 1
+        return launch
+
+    def _can_chain(self, seqs: list[Sequence]) -> bool:
+        """The next step is a decode of exactly these sequences: nothing waits to be admitted or
+        prefilled, none reaches a known limit with the queued token, and pages are free for all."""
+        sch = self.scheduler
+        if sch.waiting or len(sch.running) != len(seqs):
+            return False
+        for s in seqs:
+            if s.status is not Status.RUNNING or s.needs_prefill:
+                return False
+            if len(s.generated) >= s.params.max_new_tokens or s.num_tokens >= self.max_model_len:
+                return False
+        return all(sch.grow(s, s.num_tokens) for s in seqs)
+
+    def _account_decode(self, batch: int, dt: float) -> None:
+        st = self.stats
+        st.decode_steps += 1
+        st.decode_tokens += batch
+        st.decode_time += dt
+        st.decode_batch_sizes.append(batch)
+
     def _account(self, plan, dt: float) -> None:
         st = self.stats
         if plan.kind == "prefill":
@@ -182,11 +249,13 @@ class Engine:
             st.decode_time += dt
             st.decode_batch_sizes.append(len(plan.seqs))
 
-    def _finish_reason(self, s: Sequence, tok: int) -> Optional[str]:
+    def _finish_reason(self, s: Sequence, tok: int, count: Optional[int] = None) -> Optional[str]:
+        """Why `s` stops after its `count`-th generated token `tok` (default: the last one), if it does."""
+        count = len(s.generated) if count is None else count
         if (not s.params.ignore_eos and tok in self.spec.eos_token_ids) or tok in s.params.stop_token_ids:
             return "stop"
-        if len(s.generated) >= s.params.max_new_tokens:
+        if count >= s.params.max_new_tokens:
             return "length"
-        if s.num_tokens >= self.max_model_len:
+        if len(s.prompt) + count >= self.max_model_len:
             return "max_model_len"
         return None

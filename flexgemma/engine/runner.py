@@ -8,6 +8,7 @@ decides.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
@@ -29,9 +30,18 @@ class Staged:
         self.dev = torch.zeros(shape, dtype=dtype, device=device)
         self.host = torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
         self.np = self.host.numpy()
+        self._uploaded = None  # CUDA event after the last upload
+
+    def begin_write(self) -> None:
+        """Waits until the last upload has read the mirror (it may still be queued behind a step)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
 
     def upload(self) -> None:
         self.dev.copy_(self.host, non_blocking=True)
+        if self.dev.is_cuda:
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
 
 
 class DecodeInputs:
@@ -151,6 +161,8 @@ class ModelRunner:
         """Writes the step's values into the persistent decode buffers (rows past len(seqs) pad).
         Returns (some row needs top-k / top-p filtering, every row is greedy)."""
         d = self.decode_in
+        d.ints.begin_write()
+        d.floats.begin_write()
         ints, floats = d.ints.np, d.floats.np
         ints[:, :rows] = 0
         ints[2:4, :rows] = SINK_PAGE * self.page_size  # padding rows write their KV to the sink page
@@ -183,10 +195,12 @@ class ModelRunner:
             d.seed[:rows], greedy_only,
         )
 
-    def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, seqs: list[Sequence], chained: Optional["DecodeLaunch"] = None):
         n = len(seqs)
         rows = self.graphs.bucket_for(n) if self.graphs is not None else n
         needs_filter, greedy_only = self.fill_decode(seqs, rows)
+        if chained is not None:  # the input tokens are the previous step's, still on the device
+            self.decode_in.input_ids[:n].copy_(chained.tokens)
         if self.graphs is not None:
             logits, tokens, logprobs = self.graphs.replay(rows, n, greedy_only)
         else:
@@ -197,3 +211,42 @@ class ModelRunner:
                                   needs_filter=True)
             return self.sample_fn(logits[:n], batch)
         return tokens[:n], logprobs[:n]
+
+    # -- asynchronous decode: launch a step, read its tokens later ------------------------------
+    @torch.inference_mode()
+    def launch_decode(self, seqs: list[Sequence], chained: Optional["DecodeLaunch"] = None) -> "DecodeLaunch":
+        """Queues a decode step and the copy of its tokens to the host; returns without waiting.
+        With `chained`, the step's input tokens are `chained`'s (same sequences, same order), so it
+        can be queued before the host has read them."""
+        tokens, logprobs = self._decode(seqs, chained)
+        if not hasattr(self, "_out_host"):  # two pinned mirrors: a step's copy never overwrites unread tokens
+            pin = self.device.type == "cuda"
+            self._out_host = [(torch.zeros(self.max_batch, dtype=torch.long, pin_memory=pin),
+                               torch.zeros(self.max_batch, dtype=torch.float32, pin_memory=pin)) for _ in range(2)]
+            self._out_turn = 0
+        tok_host, lp_host = self._out_host[self._out_turn]
+        self._out_turn ^= 1
+        n = len(seqs)
+        tok_host[:n].copy_(tokens, non_blocking=True)
+        lp_host[:n].copy_(logprobs, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return DecodeLaunch(list(seqs), tokens, tok_host[:n], lp_host[:n], done)
+
+    @staticmethod
+    def collect(launch: "DecodeLaunch") -> tuple[list[int], list[float]]:
+        if launch.done is not None:
+            launch.done.synchronize()
+        return launch.host_tokens.tolist(), launch.host_logprobs.tolist()
+
+
+@dataclass
+class DecodeLaunch:
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [n] on the device: the next chained step's input
+    host_tokens: torch.Tensor  # pinned mirrors, valid once `done` has passed
+    host_logprobs: torch.Tensor
+    done: Optional[torch.cuda.Event]
+    index: list[int] = field(default_factory=list)  # per sequence: where its token goes in `generated`

@@ -51,7 +51,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _grow(self, seq: Sequence, upto_tokens: int) -> bool:
+    def grow(self, seq: Sequence, upto_tokens: int) -> bool:
         """Gives `seq` pages for its first `upto_tokens` positions in every page group, or nothing."""
         need = [(g, max(0, -(-upto_tokens // self.page_size) - len(g.pages_of(seq)))) for g in self.cache.page_groups]
         if any(n > g.allocator.num_free for g, n in need):
@@ -87,14 +87,14 @@ class Scheduler:
         for seq in self.running:  # chunked prompts continue first
             if budget and seq.needs_prefill:
                 n = min(seq.num_tokens - seq.num_computed, budget)
-                if self._grow(seq, seq.num_computed + n):
+                if self.grow(seq, seq.num_computed + n):
                     seqs.append(seq)
                     lens.append(n)
                     budget -= n
         while self.waiting and budget and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._grow(seq, seq.num_computed + n):
+            if not self.grow(seq, seq.num_computed + n):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -116,7 +116,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.needs_prefill:
                 continue  # preempted while making room for an earlier one, or waiting for prefill budget
-            while not self._grow(seq, seq.num_tokens):
+            while not self.grow(seq, seq.num_tokens):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
