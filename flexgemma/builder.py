@@ -22,6 +22,7 @@ from flexgemma.model.attention import AttentionKernels
 from flexgemma.model.forward import GemmaForward
 from flexgemma.model.fused import make_ops
 from flexgemma.model.load import build_model
+from flexgemma.model.fuse import fuse_projections
 from flexgemma.model.lora import attach_lora
 from flexgemma.model.spec import ModelSpec
 
@@ -95,6 +96,8 @@ def build_engine(cfg: DictConfig) -> Engine:
     # quantisation: quant=bnb4 quantises inside build_model, module by module as weights are made or
     # loaded (never the whole bf16 model on the device); info gets quant/fraction_4bit
     model, tokenizer, info = build_model(cfg.model, device, quant_cfg=cfg.quant)
+    if cfg.engine.fuse_projections:  # before peft wraps the modules: adapters then merge into the fused rows
+        info["fused_projections"] = fuse_projections(model)
     # LoRA
     lora = attach_lora(model, cfg.lora, info)  # merged into the weights before the KV pool and graphs
     spec = ModelSpec.from_hf_config(model.config)

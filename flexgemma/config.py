@@ -137,6 +137,7 @@ class EngineConfig:
     compile: Optional[bool] = None  # torch.compile the fused norm/RoPE/activation glue and the sampler; null = GPU only
     # queue decode step N+1 before reading step N's tokens (host work overlaps the GPU; no sync a step)
     async_decode: bool = False
+    fuse_projections: bool = True  # one GEMM for q/k/v and one for gate/up (plain bf16/fp32 weights)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexgemma.engine.kv_cache import KVCache
+from flexgemma.model.fuse import fused_weight
 from flexgemma.model.spec import LayerSpec
 
 
@@ -61,14 +62,26 @@ class PagedAttention:
                  options: dict[str, Optional[dict]]):
         self.spec, self.m, self.cache, self.k, self.ops, self.eps = spec, hf_attn, cache, kernels, ops, eps
         self.options = options  # phase -> flex kernel options for this layer's head_dim
+        projections = [m for m in (hf_attn.q_proj, getattr(hf_attn, "k_proj", None), getattr(hf_attn, "v_proj", None))
+                       if m is not None]
+        self.qkv = fused_weight(hf_attn, "fused_qkv", projections)  # one GEMM for q, k and v when possible
+        self.split = [p.weight.shape[0] for p in projections]
 
     def __call__(self, x, cos, sin, slots, mask: BlockMask, decode: bool) -> torch.Tensor:
         s, m, ops = self.spec, self.m, self.ops
         t = x.shape[0]
-        q = ops.norm_rope(m.q_proj(x).view(t, s.num_heads, s.head_dim), m.q_norm.weight, cos, sin, self.eps)
+        if self.qkv is not None:
+            parts = F.linear(x, self.qkv).split(self.split, dim=-1)
+            q_lin, k_lin = parts[0], parts[1]
+            v_lin = parts[2] if len(parts) > 2 else k_lin
+        else:
+            q_lin = m.q_proj(x)
+            k_lin = m.k_proj(x) if s.writes_kv else None
+            v_lin = k_lin if s.k_eq_v or not s.writes_kv else m.v_proj(x)
+        q = ops.norm_rope(q_lin.reshape(t, s.num_heads, s.head_dim), m.q_norm.weight, cos, sin, self.eps)
         if s.writes_kv:
-            raw_k = m.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
-            raw_v = raw_k if s.k_eq_v else m.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
+            raw_k = k_lin.reshape(t, s.num_kv_heads, s.head_dim)
+            raw_v = v_lin.reshape(t, s.num_kv_heads, s.head_dim)
             k = ops.norm_rope(raw_k, m.k_norm.weight, cos, sin, self.eps)
             v = ops.rms_norm(raw_v, None, self.eps)  # values: a scale-free norm, no RoPE
             self.cache.write(s.index, k, v, slots[s.layer_type])  # each layer type's own page group

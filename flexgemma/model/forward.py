@@ -11,10 +11,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexgemma.engine.kv_cache import KVCache
 from flexgemma.model.attention import AttentionKernels, PagedAttention, kernel_options, rope_tables
+from flexgemma.model.fuse import fused_weight
 from flexgemma.model.moe import moe_block
 from flexgemma.model.spec import ModelSpec
 
@@ -35,6 +37,8 @@ class GemmaForward(torch.nn.Module):
             )
             for s, layer in zip(spec.layers, self.layers)
         ]
+        self.gate_up = [fused_weight(layer.mlp, "fused_gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
+                        for layer in self.layers]
         p = hf_model.model.embed_tokens.weight
         self.rope = rope_tables(hf_model, max_len, p.dtype, p.device)
 
@@ -64,8 +68,12 @@ class GemmaForward(torch.nn.Module):
             a = attn(ops.rms_norm(h, layer.input_layernorm.weight, eps), cos, sin, slots, masks[s.layer_type], decode)
             h = ops.add_norm(h, a, layer.post_attention_layernorm.weight, eps)
             x = ops.rms_norm(h, layer.pre_feedforward_layernorm.weight, eps)
-            mlp = layer.mlp
-            m = mlp.down_proj(ops.gelu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+            mlp, gate_up = layer.mlp, self.gate_up[s.index]
+            if gate_up is not None:  # one GEMM for gate and up
+                g, u = F.linear(x, gate_up).chunk(2, dim=-1)
+            else:
+                g, u = mlp.gate_proj(x), mlp.up_proj(x)
+            m = mlp.down_proj(ops.gelu_mul(g, u))
             if s.moe:
                 m = moe_block(layer, h, m)
             end_of_layer = None if s.per_layer_input else layer.layer_scalar
