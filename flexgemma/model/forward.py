@@ -63,11 +63,15 @@ class GemmaForward(torch.nn.Module):
             per_layer = base.project_per_layer_inputs(embeds[None], base.get_per_layer_inputs(input_ids[None], None))[0]
         rope = {t: (cos[positions], sin[positions]) for t, (cos, sin) in self.rope.items()}
         h = embeds
-        for s, layer, attn in zip(self.spec.layers, self.layers, self.attn):
+        # x is always h normed for what reads it next: each residual add also norms for the next
+        # consumer in the same kernel (add_norm_norm), the last one for the final norm
+        x = ops.rms_norm(h, self.layers[0].input_layernorm.weight, eps)
+        next_norm = [layer.input_layernorm.weight for layer in self.layers[1:]] + [base.norm.weight]
+        for s, layer, attn, w_next in zip(self.spec.layers, self.layers, self.attn, next_norm):
             cos, sin = rope[s.layer_type]
-            a = attn(ops.rms_norm(h, layer.input_layernorm.weight, eps), cos, sin, slots, masks[s.layer_type], decode)
-            h = ops.add_norm(h, a, layer.post_attention_layernorm.weight, eps)
-            x = ops.rms_norm(h, layer.pre_feedforward_layernorm.weight, eps)
+            a = attn(x, cos, sin, slots, masks[s.layer_type], decode)
+            h, x = ops.add_norm_norm(h, a, layer.post_attention_layernorm.weight, eps,
+                                     layer.pre_feedforward_layernorm.weight)
             mlp, gate_up = layer.mlp, self.gate_up[s.index]
             if gate_up is not None:  # one GEMM for gate and up
                 g, u = F.linear(x, gate_up).chunk(2, dim=-1)
@@ -76,15 +80,16 @@ class GemmaForward(torch.nn.Module):
             m = mlp.down_proj(ops.gelu_mul(g, u))
             if s.moe:
                 m = moe_block(layer, h, m)
-            end_of_layer = None if s.per_layer_input else layer.layer_scalar
-            h = ops.add_norm(h, m, layer.post_feedforward_layernorm.weight, eps, end_of_layer)
             if s.per_layer_input:
+                h = ops.add_norm(h, m, layer.post_feedforward_layernorm.weight, eps)
                 g = ops.gelu_mul(layer.per_layer_input_gate(h), per_layer[:, s.index, :])
-                h = ops.add_norm(h, layer.per_layer_projection(g), layer.post_per_layer_input_norm.weight, eps,
-                                 layer.layer_scalar)
+                m, w_end = layer.per_layer_projection(g), layer.post_per_layer_input_norm.weight
+            else:
+                w_end = layer.post_feedforward_layernorm.weight
+            h, x = ops.add_norm_norm(h, m, w_end, eps, w_next, layer.layer_scalar)
         if logits_index is not None:
-            h = h[logits_index]
-        logits = self.model.lm_head(ops.rms_norm(h, base.norm.weight, eps)).float()
+            x = x[logits_index]
+        logits = self.model.lm_head(x).float()
         if self.spec.softcap is not None:
             logits = torch.tanh(logits / self.spec.softcap) * self.spec.softcap
         return logits

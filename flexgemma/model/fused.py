@@ -31,6 +31,13 @@ def add_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps:
     return out * scale if scale is not None else out
 
 
+def add_norm_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  next_weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_norm, and the result normed again for whatever reads it next, in one kernel."""
+    out = add_norm(residual, x, weight, eps, scale)
+    return out, rms_norm(out, next_weight, eps)
+
+
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-head RMSNorm then rotate-half RoPE; x [T, heads, D], cos/sin [T, D]."""
     x = rms_norm(x, weight, eps)
@@ -46,7 +53,8 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def make_ops(counter=None) -> SimpleNamespace:
     """The glue functions: compiled with `counter` as backend (GPU), or plain (the CPU reference)."""
-    fns = dict(rms_norm=rms_norm, add_norm=add_norm, norm_rope=norm_rope, gelu_mul=gelu_mul)
+    fns = dict(rms_norm=rms_norm, add_norm=add_norm, add_norm_norm=add_norm_norm, norm_rope=norm_rope,
+               gelu_mul=gelu_mul)
     if counter is not None:
         from flexgemma.engine.compiled import compile_fn
 
