@@ -60,16 +60,21 @@ class DecodeInputs:
         self.mask_buffers = masks.decode_buffers(max_batch)
 
 
-def sampling_arrays(seqs: list[Sequence], rows: int):
-    """Per-row sampling parameters (padding rows are greedy) and whether any row filters."""
-    temp = np.zeros(rows, dtype=np.float32)
-    top_k = np.zeros(rows, dtype=np.int64)
-    top_p = np.ones(rows, dtype=np.float32)
-    seed = np.zeros(rows, dtype=np.int64)
-    for i, s in enumerate(seqs):
-        temp[i], top_k[i], top_p[i], seed[i] = s.params.temperature, s.params.top_k, s.params.top_p, s.seed
-    needs_filter = bool(((temp > 0) & ((top_k > 0) | (top_p < 1))).any())
-    return temp, top_k, top_p, seed, needs_filter
+def needs_filter(seqs: list[Sequence]) -> bool:
+    """Some request samples with top-k or top-p (the only case that sorts the vocabulary)."""
+    return any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
+
+
+def greedy_only(seqs: list[Sequence]) -> bool:
+    return all(s.params.temperature == 0 for s in seqs)
+
+
+def sampling_arrays(seqs: list[Sequence]):
+    """Per-request sampling parameters as arrays: temperature, top_k, top_p, seed."""
+    return (np.array([s.params.temperature for s in seqs], dtype=np.float32),
+            np.array([s.params.top_k for s in seqs], dtype=np.int64),
+            np.array([s.params.top_p for s in seqs], dtype=np.float32),
+            np.array([s.seed for s in seqs], dtype=np.int64))
 
 
 def decode_step(forward: GemmaForward, sample_fn, input_ids, positions, slots, masks, temperature, top_k, top_p,
@@ -117,10 +122,10 @@ class ModelRunner:
         seqs = [s for s, smp in zip(plan.seqs, sampled) if smp]
         if not seqs:
             return [], []
-        temp, top_k, top_p, seed, needs_filter = sampling_arrays(seqs, len(seqs))
+        temp, top_k, top_p, seed = sampling_arrays(seqs)
         batch = SamplingBatch(self._to_dev(temp), self._to_dev(top_k), self._to_dev(top_p), self._to_dev(seed),
-                              self._to_dev(np.asarray(positions, dtype=np.int64)), needs_filter,
-                              greedy_only=bool((temp == 0).all()))
+                              self._to_dev(np.asarray(positions, dtype=np.int64)), needs_filter(seqs),
+                              greedy_only=greedy_only(seqs))
         tokens, logprobs = self.sample_fn(logits, batch)
         return tokens.tolist(), logprobs.tolist()
 
@@ -173,13 +178,11 @@ class ModelRunner:
             ints[:, i] = (s.last_token, p, self.cache.slot(full, s, p), self.cache.slot(window, s, p),
                           s.params.top_k, s.seed)
             floats[:, i] = (s.params.temperature, s.params.top_p)
-        needs_filter = any(s.params.temperature > 0 and (s.params.top_k > 0 or s.params.top_p < 1) for s in seqs)
-        greedy_only = all(s.params.temperature == 0 for s in seqs)
         d.ints.upload()
         d.floats.upload()
         # masks cover the rows attention runs at (all of them when it is padded to a fixed count)
         self.masks.fill_decode(d.mask_buffers, seqs, self.attn_rows or rows)
-        return needs_filter, greedy_only
+        return needs_filter(seqs), greedy_only(seqs)
 
     def decode_masks(self, rows: int) -> dict:
         if rows not in self._decode_masks:
@@ -198,14 +201,14 @@ class ModelRunner:
     def _decode(self, seqs: list[Sequence], chained: Optional["DecodeLaunch"] = None):
         n = len(seqs)
         rows = self.graphs.bucket_for(n) if self.graphs is not None else n
-        needs_filter, greedy_only = self.fill_decode(seqs, rows)
+        filtered, greedy = self.fill_decode(seqs, rows)
         if chained is not None:  # the input tokens are the previous step's, still on the device
             self.decode_in.input_ids[:n].copy_(chained.tokens)
         if self.graphs is not None:
-            logits, tokens, logprobs = self.graphs.replay(rows, n, greedy_only)
+            logits, tokens, logprobs = self.graphs.replay(rows, n, greedy)
         else:
-            logits, tokens, logprobs = self.decode_step(rows, greedy_only)
-        if needs_filter:  # top-k / top-p sort the vocabulary: only for batches that ask for it
+            logits, tokens, logprobs = self.decode_step(rows, greedy)
+        if filtered:  # top-k / top-p sort the vocabulary: only for batches that ask for it
             d = self.decode_in
             batch = SamplingBatch(d.temperature[:n], d.top_k[:n], d.top_p[:n], d.seed[:n], d.positions[:n] + 1,
                                   needs_filter=True)
