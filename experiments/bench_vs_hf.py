@@ -27,6 +27,18 @@ from flexgemma.tracking import environment  # noqa: E402
 from flexgemma.workload import synthetic  # noqa: E402
 
 GB = 1e9
+CUDA = torch.cuda.is_available()  # the numbers are GPU numbers; on the CPU the script only smoke-tests
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def peak(kind: str = "allocated") -> float:
+    if not CUDA:
+        return float("nan")
+    return (torch.cuda.max_memory_allocated() if kind == "allocated" else torch.cuda.max_memory_reserved()) / GB
 
 
 def weight_bytes_per_step(model) -> int:
@@ -65,19 +77,20 @@ def hf_generate(model, prompts, max_new: int, rounds: int) -> dict:
     gen = lambda n: GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=[],  # noqa: E731
                                      pad_token_id=0)
     model.generate(ids, attention_mask=mask, generation_config=gen(8))  # warm-up
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, generation_config=gen(max_new))
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     new_tokens = (out.shape[1] - width) * len(prompts)
     return {
         "hf/round_seconds": times,
         "hf/tok_s_median": new_tokens / statistics.median(times),
-        "hf/peak_allocated_gb": torch.cuda.max_memory_allocated() / GB,
+        "hf/peak_allocated_gb": peak(),
         "hf/generated_tokens": new_tokens,
     }
 
@@ -88,7 +101,8 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--out", default=None)
     args, overrides = ap.parse_known_args()
-    torch.cuda.reset_peak_memory_stats()
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     cfg = compose(overrides)
     engine = build_engine(cfg)
@@ -97,7 +111,7 @@ def main() -> None:
     work = synthetic(w, engine.spec.vocab_size)
     for _ in range(int(w.warmup_rounds)):
         engine.generate(work.prompts, work.params)
-    torch.cuda.synchronize()
+    sync()
     rounds = []
     for _ in range(int(w.rounds)):
         t1 = time.perf_counter()
@@ -124,8 +138,8 @@ def main() -> None:
         "flexgemma/tok_s_median": statistics.median(tok_s),
         "flexgemma/decode_step_ms_median": step_ms,
         "flexgemma/prefill_seconds_median": med("prefill_time"),
-        "flexgemma/peak_allocated_gb": torch.cuda.max_memory_allocated() / GB,
-        "flexgemma/peak_reserved_gb": torch.cuda.max_memory_reserved() / GB,
+        "flexgemma/peak_allocated_gb": peak(),
+        "flexgemma/peak_reserved_gb": peak("reserved"),
         "roofline/weight_gb_per_step": wbytes / GB,
         "roofline/kv_gb_per_step_mean": kvbytes / GB,
         "roofline/achieved_tb_s": (wbytes + kvbytes) / (step_ms / 1e3) / 1e12,
