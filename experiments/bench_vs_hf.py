@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma import build_engine, compose  # noqa: E402
+from flexgemma.tasks.common import weight_bytes_per_decode_step  # noqa: E402
 from flexgemma.tracking import environment  # noqa: E402
 from flexgemma.workload import synthetic  # noqa: E402
 
@@ -39,16 +40,6 @@ def peak(kind: str = "allocated") -> float:
     if not CUDA:
         return float("nan")
     return (torch.cuda.max_memory_allocated() if kind == "allocated" else torch.cuda.max_memory_reserved()) / GB
-
-
-def weight_bytes_per_step(model) -> int:
-    """Bytes of weights a decode step reads: every parameter once (the tied embedding as lm_head),
-    except the per-layer-input table, of which a step gathers only B rows."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    ple = getattr(model.model, "embed_tokens_per_layer", None)
-    if ple is not None:
-        total -= ple.weight.numel() * ple.weight.element_size()
-    return total
 
 
 def kv_bytes_per_step(spec, contexts: list[int], element_size: int, page: int) -> float:
@@ -127,7 +118,7 @@ def main() -> None:
     step_ms = med("decode_time") / med("decode_steps") * 1e3
     esize = next(engine.model.parameters()).element_size()
     contexts = [len(p) + w.max_new_tokens // 2 for p in work.prompts]
-    wbytes = weight_bytes_per_step(engine.model)
+    wbytes = weight_bytes_per_decode_step(engine.model)
     kvbytes = kv_bytes_per_step(engine.spec, contexts, esize, cfg.kv.page_size)
     res = {
         "model": cfg.model.name,

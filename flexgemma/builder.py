@@ -61,16 +61,15 @@ def _pool_sizes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: to
         per_seq = -(-window // page) + 2  # the window, the page being filled, one boundary page
         chunk = -(-min(cfg.engine.max_prefill_tokens, max_len) // page)  # a prefill chunk's pages, briefly
         window_pages = cfg.engine.max_batch_size * per_seq + chunk + 1
-    full_types = [t for t in spec.layer_types if window is None or all(s.window != window for s in spec.layers
-                                                                           if s.layer_type == t)]
+    window_types = {s.layer_type for s in spec.layers if window is not None and s.window == window}
+    full_types = [t for t in spec.layer_types if t not in window_types]
     if cfg.kv.max_pages is not None:
         n = int(cfg.kv.max_pages)
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = free * cfg.kv.memory_fraction - _ACTIVATION_RESERVE
         if window_pages is not None:
-            sliding_types = [t for t in spec.layer_types if t not in full_types]
-            budget -= window_pages * KVCache.page_bytes(spec, page, dtype, sliding_types)
+            budget -= window_pages * KVCache.page_bytes(spec, page, dtype, window_types)
         n = int(budget // KVCache.page_bytes(spec, page, dtype, full_types))
     else:
         n = int(cfg.kv.cpu_pages)
@@ -131,7 +130,8 @@ def build_engine(cfg: DictConfig) -> Engine:
         compile_glue=use_compile, compiled_graphs=counter.count,
         cudagraphs=runner.graphs is not None,
         capture_seconds=runner.graphs.capture_seconds if runner.graphs else 0.0,
-        device=str(device), kv_pages=num_pages, kv_window_pages=window_pages or 0, page_size=cfg.kv.page_size, kv_pool_bytes=cache.nbytes,
+        device=str(device), kv_pages=num_pages, kv_window_pages=window_pages or 0, page_size=cfg.kv.page_size,
+        kv_pool_bytes=cache.nbytes,
         max_model_len=max_len, attention_backend=backend,
     )
     engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info)

@@ -137,6 +137,8 @@ def test_async_decode_gives_the_same_outputs():
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
     assert b[1].finish_reason == "stop" and b[4].finish_reason == "length" and len(b[4].token_ids) == 1
     assert asyn.stats.chained_steps > 0  # steps really were queued ahead of reading their inputs
+    # sliding-window pages are reclaimed as steps are read: at most one queued step's page more
+    assert asyn.stats.kv_peak_pages["window"] <= sync.stats.kv_peak_pages["window"] + len(prompts)
     tight = make_engine("kv.cpu_pages=20", "engine.max_model_len=150", "engine.max_prefill_tokens=32",
                         "engine.async_decode=true")
     check_parity(tight, mixed_prompts(512, seed=2))

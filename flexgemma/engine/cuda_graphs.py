@@ -1,4 +1,5 @@
-"""CUDA graphs for decode: one graph per batch bucket of a ladder, sharing one memory pool.
+"""CUDA graphs for decode: two graphs per batch bucket of a ladder (all-greedy, and sampling),
+sharing one memory pool.
 
 A batch of n runs in the smallest bucket >= n; its padding rows read token 0, write their KV to
 the sink page and see no page. Every graph reads the runner's persistent DecodeInputs and the

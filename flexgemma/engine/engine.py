@@ -148,15 +148,8 @@ class Engine:
                         continue  # finished by the step before: this row was computed in vain
                     s.generated[i], s.logprobs[i] = tok, lp
                     generated += 1
-                    if s.first_token_time is None:
-                        s.first_token_time = now - start
-                    reason = self._finish_reason(s, tok, count=i + 1)
-                    if reason:
-                        del s.generated[i + 1:], s.logprobs[i + 1:]  # a queued step's placeholder
-                        s.finish_time = now - start
-                        self.scheduler.finish(s, reason)
-                        outputs[s.index] = s.to_output()
-                        bar.update(1)
+                    if not self._finish_if_done(s, i, now - start, outputs, bar):
+                        self.scheduler.reclaim(s)
                 inflight = nxt
                 continue
             plan = self.scheduler.schedule()
@@ -186,19 +179,11 @@ class Engine:
                 else:
                     s.num_computed += 1
                     self.scheduler.reclaim(s)
-                tok, lp = tokens[k], logprobs[k]
+                s.generated.append(tokens[k])
+                s.logprobs.append(logprobs[k])
                 k += 1
-                s.generated.append(tok)
-                s.logprobs.append(lp)
                 generated += 1
-                if s.first_token_time is None:
-                    s.first_token_time = now
-                reason = self._finish_reason(s, tok)
-                if reason:
-                    s.finish_time = now
-                    self.scheduler.finish(s, reason)
-                    outputs[s.index] = s.to_output()
-                    bar.update(1)
+                self._finish_if_done(s, len(s.generated) - 1, now, outputs, bar)
             if use_tqdm and dt > 0:
                 bar.set_postfix(tok_s=f"{generated / max(now, 1e-9):.0f}", refresh=False)
         bar.close()
@@ -249,9 +234,23 @@ class Engine:
             st.decode_time += dt
             st.decode_batch_sizes.append(len(plan.seqs))
 
-    def _finish_reason(self, s: Sequence, tok: int, count: Optional[int] = None) -> Optional[str]:
-        """Why `s` stops after its `count`-th generated token `tok` (default: the last one), if it does."""
-        count = len(s.generated) if count is None else count
+    def _finish_if_done(self, s: Sequence, i: int, now: float, outputs: list, bar) -> bool:
+        """After s's token i arrived at `now` (s after start): finishes s if that token stops it
+        (dropping a queued step's placeholder behind it). Returns whether s finished."""
+        if s.first_token_time is None:
+            s.first_token_time = now
+        reason = self._finish_reason(s, s.generated[i], count=i + 1)
+        if not reason:
+            return False
+        del s.generated[i + 1:], s.logprobs[i + 1:]
+        s.finish_time = now
+        self.scheduler.finish(s, reason)
+        outputs[s.index] = s.to_output()
+        bar.update(1)
+        return True
+
+    def _finish_reason(self, s: Sequence, tok: int, count: int) -> Optional[str]:
+        """Why `s` stops after its `count`-th generated token `tok`, if it does."""
         if (not s.params.ignore_eos and tok in self.spec.eos_token_ids) or tok in s.params.stop_token_ids:
             return "stop"
         if count >= s.params.max_new_tokens:

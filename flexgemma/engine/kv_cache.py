@@ -1,9 +1,9 @@
 """Paged KV cache: a free list of physical pages (CPU) and the physical pools (device).
 
-One page table serves every layer: page p of a sequence holds that sequence's tokens
-[p*P, (p+1)*P) in every KV-writing layer. Pools are shaped by their layer's KV (sliding layers
-head_dim 256, full-attention layers 512, with their own KV head counts). KV-shared layers own
-nothing: they read their source layer's pool.
+A page group (ids from one allocator) indexes the pools of the layers it serves: page p of a
+sequence holds that sequence's tokens [p*P, (p+1)*P) in each of them. Pools are shaped by their
+layer's KV (sliding layers head_dim 256, full-attention layers 512, with their own KV head
+counts). KV-shared layers own nothing: they read their source layer's pool.
 
 Page 0 is never handed out: padded rows (CUDA-graph buckets, prefill padding) write there.
 Two small device tensors describe every page for the attention masks: its owner (a sequence id,
@@ -127,6 +127,11 @@ class KVCache:
     def num_pages(self) -> int:
         """Pages of the group that holds every position (the full-attention layers')."""
         return self.page_groups[0].num_pages
+
+    @property
+    def window_group(self) -> Optional[PageGroup]:
+        """The sliding layers' own page group, when they have one."""
+        return next((g for g in self.page_groups if g.window is not None), None)
 
     @staticmethod
     def page_bytes(spec: ModelSpec, page_size: int, dtype: torch.dtype, layer_types=None) -> int:

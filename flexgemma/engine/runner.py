@@ -106,9 +106,6 @@ class ModelRunner:
         """Each layer type writes its KV at the slots of its own page group."""
         return {t: window_slots if g.window is not None else slots for t, g in self.cache.group_for.items()}
 
-    def _window_group(self):
-        return next((g for g in self.cache.page_groups if g.window is not None), None)
-
     def _to_dev(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
 
@@ -137,7 +134,7 @@ class ModelRunner:
         sink = SINK_PAGE * self.page_size
         slots = np.full(padded, sink, dtype=np.int64)
         window_slots = np.full(padded, sink, dtype=np.int64)
-        wg, page = self._window_group(), self.page_size
+        wg, page = self.cache.window_group, self.page_size
         last, sampled, draw_pos = [], [], []
         t = 0
         for s, n in zip(plan.seqs, plan.chunk_lens):
@@ -171,7 +168,8 @@ class ModelRunner:
         ints, floats = d.ints.np, d.floats.np
         ints[:, :rows] = 0
         ints[2:4, :rows] = SINK_PAGE * self.page_size  # padding rows write their KV to the sink page
-        full, window = self.cache.page_groups[0], self._window_group() or self.cache.page_groups[0]
+        full = self.cache.page_groups[0]
+        window = self.cache.window_group or full
         floats[0, :rows], floats[1, :rows] = 0.0, 1.0  # padding rows are greedy
         for i, s in enumerate(seqs):
             p = s.num_tokens - 1
