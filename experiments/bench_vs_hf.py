@@ -86,10 +86,80 @@ def hf_generate(model, prompts, max_new: int, rounds: int) -> dict:
     }
 
 
+def time_engine(engine, prompts, params, warmup: int, rounds: int) -> list[dict]:
+    for _ in range(warmup):
+        engine.generate(prompts, params)
+    sync()
+    out = []
+    for _ in range(rounds):
+        t1 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        sync()
+        wall = time.perf_counter() - t1
+        st = engine.stats
+        out.append({
+            "wall": wall, "tokens": sum(len(o.token_ids) for o in outs), "decode_steps": st.decode_steps,
+            "decode_time": st.decode_time, "prefill_time": st.prefill_time, "prefill_tokens": st.prefill_tokens,
+        })
+    return out
+
+
+def engine_numbers(engine, cfg, prompts, rounds: list[dict], prefix: str) -> dict:
+    med = lambda key: statistics.median(r[key] for r in rounds)  # noqa: E731
+    tok_s = [r["tokens"] / r["wall"] for r in rounds]
+    step_ms = med("decode_time") / med("decode_steps") * 1e3
+    esize = next(engine.model.parameters()).element_size()
+    contexts = [len(p) + cfg.workload.max_new_tokens // 2 for p in prompts]
+    wbytes = weight_bytes_per_decode_step(engine.model, len(prompts))  # MoE: the experts this batch routes to
+    kvbytes = kv_bytes_per_step(engine.spec, contexts, esize, cfg.kv.page_size)
+    return {
+        f"{prefix}flexgemma/tok_s_rounds": tok_s,
+        f"{prefix}flexgemma/tok_s_median": statistics.median(tok_s),
+        f"{prefix}flexgemma/decode_step_ms_median": step_ms,
+        f"{prefix}flexgemma/prefill_seconds_median": med("prefill_time"),
+        f"{prefix}roofline/weight_gb_per_step": wbytes / GB,
+        f"{prefix}roofline/kv_gb_per_step_mean": kvbytes / GB,
+        f"{prefix}roofline/achieved_tb_s": (wbytes + kvbytes) / (step_ms / 1e3) / 1e12,
+        f"{prefix}roofline/cap_tok_s_at_4.3TBs": len(prompts) * 4.3e12 / (wbytes + kvbytes),
+    }
+
+
+@torch.inference_mode()
+def greedy_parity(engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """flexgemma's greedy tokens against transformers `generate` (one prompt at a time, no padding) on
+    the same weights: free-running agreement up to the first divergence, and teacher-forced top-1
+    agreement (flexgemma's next token after each prefix of transformers' own continuation)."""
+    from flexgemma import SamplingParams
+    from flexgemma.tasks.parity import compare, hf_greedy
+
+    greedy = lambda n: SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    ours = [o.token_ids for o in engine.generate(prompts, greedy(new_tokens))]
+    ref = [hf_greedy(engine.model, p, new_tokens) for p in prompts]
+    res = compare(ours, ref)
+    prefixes = [p + r[:j] for p, r in zip(prompts, ref) for j in range(len(r))]
+    forced = [o.token_ids[0] for o in engine.generate(prefixes, greedy(1))]
+    wanted = [t for r in ref for t in r]
+    res["parity/teacher_forced_top1_pct"] = 100.0 * sum(a == b for a, b in zip(forced, wanted)) / len(wanted)
+    res["parity/first_divergence_per_prompt"] = [
+        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), -1) for x, y in zip(ours, ref)]
+    res["parity/new_tokens"] = new_tokens
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hf-rounds", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--batch-sizes", default=None,
+                    help="comma list: time the engine at each batch size (the first N prompts of the workload, "
+                         "which then needs workload.num_prompts >= the largest) in one build")
+    ap.add_argument("--hf-batch-sizes", default=None, help="comma list: the batch sizes transformers runs "
+                    "(default: the smallest of --batch-sizes)")
+    ap.add_argument("--parity", type=int, default=0, metavar="N",
+                    help="also compare greedy tokens with transformers on the first N prompts")
+    ap.add_argument("--parity-tokens", type=int, default=32)
+    ap.add_argument("--async-too", action="store_true",
+                    help="time each batch size again with the asynchronous decode loop (the same build)")
     ap.add_argument("--out", default=None)
     args, overrides = ap.parse_known_args()
     if CUDA:
@@ -100,57 +170,54 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     w = cfg.workload
     work = synthetic(w, engine.spec.vocab_size)
-    for _ in range(int(w.warmup_rounds)):
-        engine.generate(work.prompts, work.params)
-    sync()
-    rounds = []
-    for _ in range(int(w.rounds)):
-        t1 = time.perf_counter()
-        outs = engine.generate(work.prompts, work.params)
-        wall = time.perf_counter() - t1
-        st = engine.stats
-        rounds.append({
-            "wall": wall, "tokens": sum(len(o.token_ids) for o in outs), "decode_steps": st.decode_steps,
-            "decode_time": st.decode_time, "prefill_time": st.prefill_time, "prefill_tokens": st.prefill_tokens,
-        })
-    med = lambda key: statistics.median(r[key] for r in rounds)  # noqa: E731
-    tok_s = [r["tokens"] / r["wall"] for r in rounds]
-    step_ms = med("decode_time") / med("decode_steps") * 1e3
-    esize = next(engine.model.parameters()).element_size()
-    contexts = [len(p) + w.max_new_tokens // 2 for p in work.prompts]
-    wbytes = weight_bytes_per_decode_step(engine.model)
-    kvbytes = kv_bytes_per_step(engine.spec, contexts, esize, cfg.kv.page_size)
-    res = {
-        "model": cfg.model.name,
-        "overrides": overrides,
-        "build_seconds": build_s,
-        "engine": engine.info,
-        "flexgemma/tok_s_rounds": tok_s,
-        "flexgemma/tok_s_median": statistics.median(tok_s),
-        "flexgemma/decode_step_ms_median": step_ms,
-        "flexgemma/prefill_seconds_median": med("prefill_time"),
-        "flexgemma/peak_allocated_gb": peak(),
-        "flexgemma/peak_reserved_gb": peak("reserved"),
-        "roofline/weight_gb_per_step": wbytes / GB,
-        "roofline/kv_gb_per_step_mean": kvbytes / GB,
-        "roofline/achieved_tb_s": (wbytes + kvbytes) / (step_ms / 1e3) / 1e12,
-        "roofline/cap_tok_s_at_4.3TBs": len(work.prompts) * 4.3e12 / (wbytes + kvbytes),
-    }
+    sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [len(work.prompts)]
+    if max(sizes) > len(work.prompts):
+        sys.exit(f"--batch-sizes {args.batch_sizes}: the workload has {len(work.prompts)} prompts; "
+                 f"set workload.num_prompts={max(sizes)}")
+    res = {"model": cfg.model.name, "overrides": overrides, "build_seconds": build_s, "engine": engine.info,
+           "batch_sizes": sizes}
+    loops = [bool(engine.async_decode)] + ([not engine.async_decode] if args.async_too else [])
+    for bs in sizes:
+        for async_decode in loops:
+            engine.async_decode = async_decode
+            rounds = time_engine(engine, work.prompts[:bs], work.params[:bs], int(w.warmup_rounds), int(w.rounds))
+            prefix = ("" if len(sizes) == 1 else f"bs{bs}/") + ("async/" if async_decode != loops[0] else "")
+            res.update(engine_numbers(engine, cfg, work.prompts[:bs], rounds, prefix))
+            print(f"bs {bs:3d}{' async' if async_decode else ''}: {res[prefix + 'flexgemma/tok_s_median']:9.1f} tok/s, "
+                  f"step {res[prefix + 'flexgemma/decode_step_ms_median']:.2f} ms, "
+                  f"roofline cap {res[prefix + 'roofline/cap_tok_s_at_4.3TBs']:.0f} tok/s", flush=True)
+    engine.async_decode = loops[0]
+    res["flexgemma/peak_allocated_gb"] = peak()
+    res["flexgemma/peak_reserved_gb"] = peak("reserved")
+    if len(sizes) > 1:
+        curve = [res[f"bs{b}/flexgemma/tok_s_median"] for b in sizes]
+        res["flexgemma/monotone_in_batch"] = all(b >= a for a, b in zip(curve, curve[1:]))
     if engine.runner.graphs is not None:
         res.update(engine.runner.graphs.metrics())
     if engine.compile_counter is not None:
         res["compile/graphs"] = engine.compile_counter.count
     res.update(environment())
+    if args.parity:
+        res.update(greedy_parity(engine, work.prompts[:args.parity], args.parity_tokens))
+        print(f"parity: {res['parity/token_match_pct']:.1f}% free-running, teacher-forced top-1 "
+              f"{res['parity/teacher_forced_top1_pct']:.1f}%, first divergence per prompt "
+              f"{res['parity/first_divergence_per_prompt']}", flush=True)
     if not args.no_hf:
         engine.runner.graphs = None  # free nothing, but make sure only HF runs now
-        res.update(hf_generate(engine.model, work.prompts, int(w.max_new_tokens), args.hf_rounds))
-        res["speedup_vs_hf"] = res["flexgemma/tok_s_median"] / res["hf/tok_s_median"]
+        hf_sizes = [int(b) for b in args.hf_batch_sizes.split(",")] if args.hf_batch_sizes else [min(sizes)]
+        for bs in hf_sizes:
+            prefix = "" if len(sizes) == 1 else f"bs{bs}/"
+            hf = hf_generate(engine.model, work.prompts[:bs], int(w.max_new_tokens), args.hf_rounds)
+            res.update({prefix + k: v for k, v in hf.items()})
+            if prefix + "flexgemma/tok_s_median" in res:
+                res[prefix + "speedup_vs_hf"] = res[prefix + "flexgemma/tok_s_median"] / hf["hf/tok_s_median"]
     print(json.dumps(res, indent=1, default=str))
-    keys = ["build_seconds", "flexgemma/tok_s_median", "flexgemma/decode_step_ms_median", "flexgemma/peak_allocated_gb",
-            "roofline/achieved_tb_s", "roofline/cap_tok_s_at_4.3TBs", "hf/tok_s_median", "hf/peak_allocated_gb",
-            "speedup_vs_hf", "cudagraph/capture_seconds", "compile/graphs"]
-    print("\n".join(f"{k:34s} {res[k]:.3f}" if isinstance(res.get(k), float) else f"{k:34s} {res.get(k)}"
-                    for k in keys))
+    keys = ["build_seconds", "flexgemma/peak_allocated_gb", "cudagraph/capture_seconds", "compile/graphs"]
+    per_bs = ["flexgemma/tok_s_median", "flexgemma/decode_step_ms_median", "roofline/achieved_tb_s",
+              "roofline/cap_tok_s_at_4.3TBs", "hf/tok_s_median", "hf/peak_allocated_gb", "speedup_vs_hf"]
+    keys += per_bs if len(sizes) == 1 else [f"bs{b}/{k}" for b in sizes for k in per_bs]
+    print("\n".join(f"{k:40s} {res[k]:.3f}" if isinstance(res.get(k), float) else f"{k:40s} {res.get(k)}"
+                    for k in keys if k in res or not k.startswith("bs")))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1, default=str))
 

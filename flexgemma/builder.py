@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from flexgemma.config import ConfigError, validate_kernels
 from flexgemma.engine.block_mask import MaskBuilder
 from flexgemma.engine.engine import Engine
-from flexgemma.engine.kv_cache import KVCache
+from flexgemma.engine.kv_cache import KVCache, PoolDemand
 from flexgemma.engine.compiled import CompileCounter, compile_fn
 from flexgemma.engine.cuda_graphs import DecodeGraphs
 from flexgemma.engine.runner import ModelRunner
@@ -51,16 +51,23 @@ def _reclaim_window(cfg: DictConfig, spec: ModelSpec, max_len: int) -> Optional[
 
 
 def _pool_sizes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                max_len: int) -> tuple[int, Optional[int]]:
-    """(pages of the group that holds every position, pages of the sliding layers' own group or None)."""
+                max_len: int, demand: PoolDemand = PoolDemand()) -> tuple[int, Optional[int]]:
+    """(pages of the group that holds every position, pages of the sliding layers' own group or None).
+
+    On a GPU without kv.max_pages: what `demand` needs (at most engine.max_batch_size sequences of at
+    most engine.max_model_len tokens), never less than one sequence of max_model_len, and never more
+    than kv.memory_fraction of the free memory allows."""
     page = cfg.kv.page_size
-    need = -(-max_len // page) + 1  # one sequence of max_model_len, plus the sink page
+    pages = lambda tokens: -(-tokens // page)  # noqa: E731
+    need = pages(max_len) + 1  # one sequence of max_model_len, plus the sink page
+    seqs = min(cfg.engine.max_batch_size, demand.seqs or cfg.engine.max_batch_size)
+    tokens = min(max_len, demand.tokens or max_len)
     window = _reclaim_window(cfg, spec, max_len)
     window_pages = None
     if window is not None:
-        per_seq = -(-window // page) + 2  # the window, the page being filled, one boundary page
-        chunk = -(-min(cfg.engine.max_prefill_tokens, max_len) // page)  # a prefill chunk's pages, briefly
-        window_pages = cfg.engine.max_batch_size * per_seq + chunk + 1
+        per_seq = pages(window) + 2  # the window, the page being filled, one boundary page
+        chunk = pages(min(cfg.engine.max_prefill_tokens, max_len))  # a prefill chunk's pages, briefly
+        window_pages = seqs * min(per_seq, pages(tokens) + 1) + chunk + 1
     window_types = {s.layer_type for s in spec.layers if window is not None and s.window == window}
     full_types = [t for t in spec.layer_types if t not in window_types]
     if cfg.kv.max_pages is not None:
@@ -71,6 +78,8 @@ def _pool_sizes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: to
         if window_pages is not None:
             budget -= window_pages * KVCache.page_bytes(spec, page, dtype, window_types)
         n = int(budget // KVCache.page_bytes(spec, page, dtype, full_types))
+        if cfg.kv.fit_demand:
+            n = min(n, max(seqs * pages(tokens) + 1, need))
     else:
         n = int(cfg.kv.cpu_pages)
     if n < need:
@@ -85,8 +94,9 @@ def _pool_sizes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: to
     return n, window_pages
 
 
-def build_engine(cfg: DictConfig) -> Engine:
-    """Builds the engine a composed config describes (see flexgemma.compose)."""
+def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
+    """Builds the engine a composed config describes (see flexgemma.compose); `demand` sizes the KV
+    pool on a GPU (the run orchestrator passes its workload's)."""
     from flexgemma.compose import ensure_model
 
     cfg = ensure_model(cfg)
@@ -102,7 +112,7 @@ def build_engine(cfg: DictConfig) -> Engine:
     spec = ModelSpec.from_hf_config(model.config)
     dtype = model.model.embed_tokens.weight.dtype
     max_len = min(int(cfg.engine.max_model_len), spec.max_position)
-    num_pages, window_pages = _pool_sizes(cfg, spec, dtype, device, max_len)
+    num_pages, window_pages = _pool_sizes(cfg, spec, dtype, device, max_len, demand)
     cache = KVCache(spec, num_pages, cfg.kv.page_size, dtype, device, window_pages)
     backend = str(getattr(cfg.attn.backend, "value", cfg.attn.backend))
     if backend == "auto":

@@ -28,7 +28,7 @@ from flexgemma.config import ConfigError, validate
 from flexgemma.tasks import bench, determinism, drift, parity
 from flexgemma.tracking import RunRecorder, environment, format_table, read_summary
 from flexgemma.wandb_logger import WandbRun
-from flexgemma.workload import build_workload
+from flexgemma.workload import build_workload, pool_demand
 
 log = logging.getLogger("flexgemma")
 
@@ -60,7 +60,7 @@ def run_job(cfg: DictConfig, out_dir: str | Path, identity: Optional[dict] = Non
         recorder.write_config()
         validate(cfg)
         t0 = time.perf_counter()
-        engine = build_engine(cfg)
+        engine = build_engine(cfg, pool_demand(cfg.workload))
         summary["build/seconds"] = time.perf_counter() - t0
         summary.update({f"engine/{k}": v for k, v in engine.info.items()})
         workload = build_workload(cfg, engine)

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import numpy as np
 
 from flexgemma.config import ConfigError
+from flexgemma.engine.kv_cache import PoolDemand
 from flexgemma.engine.sequence import SamplingParams
 
 FIRST_ORDINARY_TOKEN = 3  # 0 pad, 1 eos, 2 bos in every Gemma-4 vocabulary
@@ -145,3 +146,12 @@ def build_workload(cfg, engine) -> Workload:
     if w.path:
         return jsonl(w, engine.tokenizer)
     return synthetic(w, engine.spec.vocab_size)
+
+
+def pool_demand(wcfg) -> PoolDemand:
+    """What the workload asks of the KV pool at once: every request in flight (a GRPO group counts n
+    times), each as long as the longest prompt plus its new tokens. A prompts file's lengths are not
+    known before its tokenizer exists: then the engine's max_model_len bounds them."""
+    seqs = int(wcfg.num_prompts) * int(wcfg.n) if wcfg.num_prompts else None
+    tokens = None if wcfg.path else int(wcfg.max_prompt_len) + int(wcfg.max_new_tokens)
+    return PoolDemand(seqs, tokens)

@@ -23,3 +23,35 @@ def test_bench_vs_hf_smoke(tmp_path):
     assert res["flexgemma/tok_s_median"] > 0 and res["hf/tok_s_median"] > 0
     assert res["hf/generated_tokens"] == 3 * 6
     assert res["roofline/weight_gb_per_step"] > 0
+
+
+def test_bench_vs_hf_batch_sizes_and_parity_moe(tmp_path):
+    """One build timed at several batch sizes, transformers at one of them, and greedy parity (exact in
+    float32 on the CPU, so a broken parity path fails here)."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "bench_vs_hf.py"), "+model=tiny_moe", "workload.num_prompts=4",
+         "workload.max_new_tokens=5", "workload.rounds=1", "workload.warmup_rounds=0", "logger=none",
+         "--batch-sizes", "2,4", "--async-too", "--hf-batch-sizes", "2", "--hf-rounds", "1", "--parity", "2",
+         "--parity-tokens", "6", "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["batch_sizes"] == [2, 4]
+    assert res["bs2/flexgemma/tok_s_median"] > 0 and res["bs4/flexgemma/tok_s_median"] > 0
+    assert res["bs4/async/flexgemma/tok_s_median"] > 0  # --async-too: the same build, the other decode loop
+    assert res["bs2/hf/generated_tokens"] == 2 * 5 and "bs4/hf/tok_s_median" not in res
+    # MoE roofline: 4 rows route to more experts than 2
+    assert res["bs4/roofline/weight_gb_per_step"] > res["bs2/roofline/weight_gb_per_step"]
+    assert res["parity/token_match_pct"] == 100.0 and res["parity/teacher_forced_top1_pct"] == 100.0
+    assert res["parity/first_divergence_per_prompt"] == [-1, -1]
+
+
+def test_batch_too_large_for_workload_is_a_clear_error(tmp_path):
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "bench_vs_hf.py"), "+model=tiny", "workload.num_prompts=2",
+         "logger=none", "--batch-sizes", "2,8", "--no-hf"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert r.returncode != 0 and "workload.num_prompts=8" in r.stderr

@@ -46,3 +46,29 @@ def test_grouped_mm_kernel_on_gpu_equals_loop():
     got = experts_grouped(x, idx, w, gate_up, down, act).float()
     ref = experts_loop(x, idx, w, gate_up, down, act).float()
     assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_expected_distinct_experts_and_moe_roofline(tiny_moe_engine):
+    from flexgemma.tasks.common import expected_distinct_experts, expert_weight_bytes, weight_bytes_per_decode_step
+
+    # the issue's figures for 26B-A4B: ~52 experts a layer at bs 8, ~112 at bs 32
+    assert round(expected_distinct_experts(128, 8, 8)) == 52
+    assert round(expected_distinct_experts(128, 8, 32)) == 112
+    model = tiny_moe_engine.model
+    experts = expert_weight_bytes(model)
+    assert experts > 0
+    full = weight_bytes_per_decode_step(model)
+    cfg = model.config
+    one = weight_bytes_per_decode_step(model, 1)
+    assert full - one == round(experts * (1 - cfg.top_k_experts / cfg.num_experts))
+    assert one < weight_bytes_per_decode_step(model, 4) < full
+
+
+def test_gathered_segment_mm_equals_the_loop():
+    """The capturable float32 path (a CUDA graph cannot loop over host offsets) on the CPU."""
+    from flexgemma.model.moe import _segment_mm, _segment_mm_gathered
+
+    torch.manual_seed(0)
+    x, w = torch.randn(11, 8), torch.randn(5, 8, 6)
+    offsets = torch.tensor([2, 2, 7, 7, 11], dtype=torch.int32)  # empty groups included
+    assert torch.allclose(_segment_mm_gathered(x, w, offsets), _segment_mm(x, w, offsets), atol=1e-5)

@@ -68,3 +68,20 @@ def test_hash_uniform_is_uniform_and_pure():
     again = hash_uniform(torch.arange(64)[[3]], torch.tensor([5]), 4096)
     assert torch.equal(again[0], u[3])
     assert not torch.equal(hash_uniform(torch.tensor([3]), torch.tensor([6]), 4096)[0], u[3])
+
+
+def test_chunked_row_reductions_equal_torch():
+    """The sampler reduces over the vocabulary in chunks (GPU parallelism): the same argmax (ties
+    resolved to the first index, as torch) and the same logsumexp."""
+    from flexgemma.engine.sampler import argmax_rows, logsumexp_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 64 * 37) * 4
+    x[1, 100] = x[1, 2000] = 50.0  # a tie across chunks
+    x[2, 7] = x[2, 8] = 50.0  # a tie inside a chunk
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    assert argmax_rows(x)[1] == 100 and argmax_rows(x)[2] == 7
+    torch.testing.assert_close(logsumexp_rows(x), torch.logsumexp(x, -1))
+    odd = torch.randn(3, 1001)  # a vocabulary that does not split into chunks
+    assert torch.equal(argmax_rows(odd), odd.argmax(-1))
+    torch.testing.assert_close(logsumexp_rows(odd), torch.logsumexp(odd, -1))

@@ -6,6 +6,9 @@ here the limit is raised, hitting it is an error, and the number of compiled gra
 
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 
 
@@ -33,7 +36,18 @@ def configure_dynamo(recompile_limit: int = 64) -> None:
         cfg.fail_on_recompile_limit_hit = True  # an error, never a silent eager fallback
 
 
+def own_code(fn):
+    """`fn` with a code object of its own. Dynamo keeps compiled entries, and counts recompiles
+    against its limit, per code object: without this every engine built in one process adds its
+    entries to the same cache (the sixth small engine of a test process hit the limit), and a freed
+    engine's entries live on with the function."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return functools.update_wrapper(copy, fn)
+
+
 def compile_fn(fn, counter: CompileCounter, dynamic=True):
-    """torch.compile with the counting backend and no graph breaks."""
+    """torch.compile with the counting backend and no graph breaks; the compiled entries belong to
+    this call alone (see own_code)."""
     configure_dynamo()
-    return torch.compile(fn, backend=counter, fullgraph=True, dynamic=dynamic)
+    return torch.compile(own_code(fn), backend=counter, fullgraph=True, dynamic=dynamic)

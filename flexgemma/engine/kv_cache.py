@@ -17,6 +17,7 @@ per token) stop growing with the sequence.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -25,6 +26,15 @@ from flexgemma.model.spec import ModelSpec
 
 SINK_PAGE = 0
 NO_OWNER = -1
+
+
+@dataclass(frozen=True)
+class PoolDemand:
+    """The most a job asks of the KV pool at once: `seqs` sequences of up to `tokens` tokens each
+    (None: as many as the engine's limits allow). A pool bigger than that is memory no step can use."""
+
+    seqs: Optional[int] = None
+    tokens: Optional[int] = None
 
 
 class PageAllocator:

@@ -45,21 +45,49 @@ class SamplingBatch:
     greedy_only: bool = False  # every row is greedy: no noise over the vocabulary is drawn
 
 
+# Reductions over the vocabulary run as [B, CHUNKS, V/CHUNKS]: B * 64 programs instead of B. One
+# program a row over 262,144 logits left most of the H200 idle: 2.0 ms a bs-64 step (39% of it).
+_CHUNKS = 64
+
+
+def _chunks(x: torch.Tensor) -> torch.Tensor:
+    b, v = x.shape
+    return x.view(b, _CHUNKS, v // _CHUNKS) if v % _CHUNKS == 0 else x.view(b, 1, v)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) of a [B, V] tensor, the first maximum as torch's: the best chunk's best index."""
+    c = _chunks(x)
+    values, index = c.max(dim=-1)  # [B, C]
+    best = values.argmax(dim=-1)  # the first chunk holding the maximum
+    return best * c.shape[-1] + index.gather(-1, best[:, None])[:, 0]
+
+
+def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp(x, -1) of a [B, V] tensor, per chunk first."""
+    c = _chunks(x)
+    peak = c.amax(dim=-1)  # [B, C]
+    total = peak.amax(dim=-1)  # [B]
+    mass = torch.exp(c - peak[..., None]).sum(dim=-1) * torch.exp(peak - total[:, None])
+    return total + torch.log(mass.sum(dim=-1))
+
+
 def sample(logits: torch.Tensor, p: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] float32 -> (tokens [B] int64, logprobs [B] float32)."""
     logits = logits.float()
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax_rows(logits)
     if p.greedy_only:
-        return greedy, torch.log_softmax(logits, dim=-1).gather(-1, greedy[:, None])[:, 0]
-    temp = p.temperature.clamp_min(1e-5)[:, None]
-    scaled = logits / temp
-    if p.needs_filter:
-        scaled = _filter_top_k_top_p(scaled, p.top_k, p.top_p)
-    u = hash_uniform(p.seed, p.position, logits.shape[-1])
-    gumbel = -torch.log(-torch.log(u))
-    drawn = (scaled + gumbel).argmax(dim=-1)
-    tokens = torch.where(p.temperature > 0, drawn, greedy)
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+        tokens = greedy
+    else:
+        temp = p.temperature.clamp_min(1e-5)[:, None]
+        scaled = logits / temp
+        if p.needs_filter:
+            scaled = _filter_top_k_top_p(scaled, p.top_k, p.top_p)
+        u = hash_uniform(p.seed, p.position, logits.shape[-1])
+        gumbel = -torch.log(-torch.log(u))
+        drawn = argmax_rows(scaled + gumbel)
+        tokens = torch.where(p.temperature > 0, drawn, greedy)
+    logprobs = logits.gather(-1, tokens[:, None])[:, 0] - logsumexp_rows(logits)
     return tokens, logprobs
 
 

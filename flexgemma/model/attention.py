@@ -28,16 +28,21 @@ def rope_tables(hf_model, max_len: int, dtype: torch.dtype, device: torch.device
     return tables
 
 
+# config field -> flex kernel option: tile sizes are template constants (upper case), warps and
+# stages are Triton launch parameters (lower case); a wrongly cased key is silently ignored
+_KERNEL_KEYS = {"block_m": "BLOCK_M", "block_n": "BLOCK_N", "num_warps": "num_warps", "num_stages": "num_stages"}
+
+
 def kernel_options(phase_cfg: Any, head_dim: int, page_size: int, dtype: torch.dtype = torch.bfloat16) -> Optional[dict]:
     """torch flex kernel options for one phase, with the head_dim-512 overrides on those layers.
 
-    float32 tiles take twice the shared memory: on head_dim-512 layers the tiles are halved and
-    single-staged so they fit the H200's 227 KiB (the bf16 options need 325 KiB in float32).
+    float32 tiles take twice the shared memory of bf16: on head_dim >= 256 layers they are capped
+    (32, or 16 and one stage at head_dim 512) so they fit the H200's 227 KiB (torch's own float32
+    prefill tile for head_dim 256 needs 297 KiB; the bf16 head_dim-512 options need 325 KiB).
     """
 
     def opts(k) -> dict:
-        out = {name.upper(): getattr(k, name) for name in ("block_m", "block_n", "num_warps", "num_stages")}
-        out = {k2: v for k2, v in out.items() if v is not None}
+        out = {key: getattr(k, name) for name, key in _KERNEL_KEYS.items() if getattr(k, name) is not None}
         out.update(dict(k.extra or {}))
         return out
 
@@ -47,10 +52,11 @@ def kernel_options(phase_cfg: Any, head_dim: int, page_size: int, dtype: torch.d
     merged.setdefault("BLOCK_N", min(page_size, 64))
     if head_dim >= 512:
         merged.update(opts(phase_cfg.full_attention))
-        if dtype == torch.float32:
-            for key in ("BLOCK_M", "BLOCK_N"):
-                merged[key] = min(merged.get(key, 16), 16)
-            merged["num_stages"] = 1
+    if dtype == torch.float32 and head_dim >= 256:
+        cap = 16 if head_dim >= 512 else 32
+        for key in ("BLOCK_M", "BLOCK_N"):
+            merged[key] = min(merged.get(key, cap), cap)
+        merged["num_stages"] = 1 if head_dim >= 512 else min(merged.get("num_stages", 2), 2)
     return merged or None
 
 

@@ -89,7 +89,4 @@ class GemmaForward(torch.nn.Module):
             h, x = ops.add_norm_norm(h, m, w_end, eps, w_next, layer.layer_scalar)
         if logits_index is not None:
             x = x[logits_index]
-        logits = self.model.lm_head(x).float()
-        if self.spec.softcap is not None:
-            logits = torch.tanh(logits / self.spec.softcap) * self.spec.softcap
-        return logits
+        return self.ops.final_logits(self.model.lm_head(x), self.spec.softcap)

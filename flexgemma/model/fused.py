@@ -51,10 +51,16 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def final_logits(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """lm_head output -> float32 logits, soft-capped (cap * tanh(x / cap)) when the model caps them."""
+    x = x.float()
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
 def make_ops(counter=None) -> SimpleNamespace:
     """The glue functions: compiled with `counter` as backend (GPU), or plain (the CPU reference)."""
     fns = dict(rms_norm=rms_norm, add_norm=add_norm, add_norm_norm=add_norm_norm, norm_rope=norm_rope,
-               gelu_mul=gelu_mul)
+               gelu_mul=gelu_mul, final_logits=final_logits)
     if counter is not None:
         from flexgemma.engine.compiled import compile_fn
 

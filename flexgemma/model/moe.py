@@ -20,10 +20,20 @@ def _grouped_mm_available(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
+def _segment_mm_gathered(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """_segment_mm without a host loop (a CUDA graph cannot hold one): every row takes its group's
+    matrix. [N, K, M] of weights: fine for decode-sized N (float32 graphs), not for big prefills."""
+    rows = torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype)
+    group = torch.searchsorted(offsets, rows, right=True)
+    return torch.bmm(x[:, None, :], w[group])[:, 0]
+
+
 def _segment_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [N, K] rows grouped by expert, w [E, K, M], offsets [E] cumulative ends -> [N, M]."""
     if _grouped_mm_available(x):
         return torch._grouped_mm(x, w, offs=offsets)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _segment_mm_gathered(x, w, offsets)
     # where torch has no grouped kernel (the CPU, float32): the same product, expert by expert
     out = x.new_empty(x.shape[0], w.shape[-1])
     start = 0

@@ -73,9 +73,31 @@ def gpu_peak_bandwidth_gb_s(device_index: int = 0) -> float | None:
     return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9 if clock_khz and bus_bits else None
 
 
-def weight_bytes_per_decode_step(model) -> int:
+def expert_weight_bytes(model) -> int:
+    """Bytes held by the routed experts' weights (0 for a dense model), 4-bit packing included."""
+    from flexgemma.model.quant import PackedExpertWeight
+
+    total = 0
+    for m in model.modules():
+        if type(m).__name__ != "Gemma4TextExperts":
+            continue
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(m, name)
+            total += w.storage_bytes() if isinstance(w, PackedExpertWeight) else w.numel() * w.element_size()
+    return total
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Experts a layer reads for `batch` rows when routing is uniform (random weights route so):
+    each expert is missed by one row with probability 1 - k/E."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def weight_bytes_per_decode_step(model, batch: int | None = None) -> int:
     """Bytes of weights one decode step reads: every matrix once, but of embedding tables only the
-    looked-up rows (negligible), except a tied LM head, which reads the whole token embedding."""
+    looked-up rows (negligible), except a tied LM head, which reads the whole token embedding.
+    With `batch`, a MoE model's experts count only the share that `batch` rows route to (expected,
+    uniform routing); without it, every expert."""
     from flexgemma.model.quant import storage_census
 
     embeddings = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)}
@@ -85,6 +107,11 @@ def weight_bytes_per_decode_step(model) -> int:
     if model.config.tie_word_embeddings:
         w = model.get_input_embeddings().weight
         total += w.numel() * w.element_size()
+    experts = expert_weight_bytes(model)
+    if batch is not None and experts:
+        cfg = model.config
+        read = expected_distinct_experts(cfg.num_experts, cfg.top_k_experts, batch) / cfg.num_experts
+        total -= round(experts * (1.0 - read))
     return total
 
 
@@ -112,7 +139,8 @@ def bandwidth_metrics(engine, outputs, stats) -> dict:
     if not stats.decode_time:
         return {}
     elem = engine.model.model.embed_tokens.weight.element_size()
-    moved = stats.decode_steps * weight_bytes_per_decode_step(engine.model) + decode_kv_bytes(engine.spec, outputs, elem)
+    batch = round(stats.decode_tokens / stats.decode_steps) if stats.decode_steps else None
+    moved = stats.decode_steps * weight_bytes_per_decode_step(engine.model, batch) + decode_kv_bytes(engine.spec, outputs, elem)
     out = {"bandwidth/decode_gb_s": moved / stats.decode_time / 1e9}
     if torch.cuda.is_available() and engine.info.get("device", "").startswith("cuda"):
         peak = gpu_peak_bandwidth_gb_s(torch.cuda.current_device())
