@@ -1,57 +1,77 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one call of the device tool (device time is scarce):
-# the GPU tests, then the benchmarks, each under its own time limit, logs and JSON into $OUT.
-#   bash experiments/gpu_suite.sh [tests] [e2b] [e2b_twice] [e2b_async] [profile] [e4b] [31b] [moe] [moe32] [bnb4]
-# (default: all, ~35 min: more than one device call may hold; pick names, e.g. `tests e2b e2b_async`)
+# Everything that needs the GPU, stage by stage, each under its own time limit (device time is
+# scarce: a call may run 10 minutes, so pick the stages of one call by name).
+#   bash experiments/gpu_suite.sh STAGE...
+# Stages: tests e2b lora lora_bnb4 sweep profile moe moe_bnb4 31b e4b lora_26b
+# Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
+# $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
-# in .whl/ (carried with the call: run(carry=[".whl"])); wandb is optional there (without it the
-# jobs warn and go on), submitit only matters for `-m` sweeps.
+# in .whl/ (carried with the call: run(carry=[".whl"])).
 set -u
-OUT=${OUT:-/tmp/flexgemma_gpu}
-mkdir -p "$OUT"
+OUT=${OUT:-/tmp/flexgemma_out}
+WORK=${WORK:-/tmp/flexgemma_gpu}
+mkdir -p "$OUT" "$WORK"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
+export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE WORK
+pack() { tar czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null; }
+trap pack EXIT
 ARGS=" $* "
+# the whole call ends by $BUDGET seconds (the device tool's limit is 600 per call): a stage's limit is
+# cut to what is left, and a stage with under 30 s left is skipped
+DEADLINE=$(( $(date +%s) + ${BUDGET:-575} ))
 run() {  # name timeout command...
   local name=$1 limit=$2; shift 2
-  if [ "$ARGS" != "  " ] && [[ "$ARGS" != *" $name "* ]]; then return; fi
-  local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  [[ "$ARGS" == *" $name "* ]] || return 0
+  local t0=$(date +%s) left=$(( DEADLINE - $(date +%s) ))
+  (( left < limit )) && limit=$left
+  if (( limit < 30 )); then echo "== $name skipped: ${left}s left"; return 0; fi
+  timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - t0 ))s"
-  grep -E "passed|failed|^FAILED|Error:|tok_s_median|speedup|peak_allocated|build_seconds|capture_seconds" "$OUT/$name.log" \
-    | grep -v DEBUG | tail -12
+  grep -E "passed|failed|^FAILED|Error:|tok/s|tok_s_median|speedup|peak|parity|ratio|refresh|build_seconds|capture_seconds|best" \
+    "$WORK/$name.log" | grep -v DEBUG | tail -25
+  pack
 }
 bench=experiments/bench_vs_hf.py
-# the GPU tests: three pytest processes at once (they are correctness checks, not timings; the card
-# and 16 cores hold them side by side), each with its own log
+# 26B-A4B cut to its first six layers (five sliding, one full) so that float32 fits beside the tests
+L6="model.hf_config.num_hidden_layers=6 model.hf_config.layer_types=[sliding_attention,sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]"
+
+# correctness, not timings: the GPU test files and the float32 26B-A4B parity job side by side
 gpu_tests() {
   local pids=() f
   for f in "gpu tests/test_gpu.py" "moe_quant tests/test_moe.py tests/test_quant.py" "lora tests/test_lora_gpu.py"; do
     set -- $f
     local name=$1; shift
-    timeout 270 python3 -m pytest -q -p no:logging -m gpu --durations=0 "$@" > "$OUT/tests_$name.log" 2>&1 &
+    timeout 400 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s "$@" > "$WORK/tests_$name.log" 2>&1 &
     pids+=($!)
   done
+  timeout 400 python3 -m flexgemma +model=26b_a4b model.dtype=float32 $L6 task=parity task.max_prompts=4 \
+    workload.num_prompts=4 workload.max_new_tokens=48 cudagraph=off logger=none device=cuda \
+    hydra.run.dir="$WORK/parity26_fp32" > "$WORK/tests_parity26_fp32.log" 2>&1 &
+  pids+=($!)
   local rc=0 p
   for p in "${pids[@]}"; do wait "$p" || rc=1; done
-  cat "$OUT"/tests_*.log
+  grep -hE "passed|failed|^FAILED|^E  .{0,200}$|parity/|fraction_4bit|peak_allocated" "$WORK"/tests_*.log | head -60
   return $rc
 }
 export -f gpu_tests
-export OUT
-run tests 290 bash -c gpu_tests
-run e2b 240 python3 $bench +model=e2b +experiment=speed_e2b --hf-rounds 1 --out "$OUT/e2b.json"
-run e2b_twice 150 python3 $bench +model=e2b +experiment=speed_e2b --no-hf --out "$OUT/e2b_again.json"
-run e2b_async 150 python3 $bench +model=e2b +experiment=speed_e2b engine.async_decode=true --no-hf \
-  --out "$OUT/e2b_async.json"
+export L6
+run tests 420 bash -c gpu_tests
+run e2b 240 python3 $bench +model=e2b +experiment=speed_e2b --async-too --hf-rounds 1 --out "$WORK/e2b.json"
+run lora 200 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=3 lora=r32 --out "$WORK/lora_e2b.json"
+run lora_bnb4 240 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=3 quant=bnb4 lora=r32 \
+  --out "$WORK/lora_e2b_bnb4.json"
+run sweep 300 bash -c 'python3 -m flexgemma -m +model=e2b +experiment=block_sweep attn.decode.block_n=32,64 \
+  attn.decode.num_warps=4,8 attn.decode.num_stages=2 workload.rounds=1 logger=none hydra.sweep.dir="$WORK/sweep" \
+  && python3 -m flexgemma.report "$WORK/sweep"'
 run profile 120 python3 experiments/profile_decode.py +model=e2b +experiment=speed_e2b cudagraph.buckets=[64] \
-  --batch 64 --context 544 --out "$OUT/profile.json"
-run e4b 240 python3 $bench +model=e4b +experiment=speed_e2b --hf-rounds 1 --out "$OUT/e4b.json"
-run 31b 300 python3 $bench +model=31b +experiment=speed_e2b workload.num_prompts=32 engine.max_batch_size=32 \
-  kv.max_pages=520 cudagraph=ladder16 --hf-rounds 1 --out "$OUT/31b.json"
-run moe 300 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=8 --hf-rounds 1 \
-  --out "$OUT/26b_bs8.json"
-run moe32 240 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=32 --no-hf \
-  --out "$OUT/26b_bs32.json"
-run bnb4 400 python3 experiments/bench_bnb4.py --cases 26b_bs8,26b_bs32,e2b --bf16 --out "$OUT/bnb4.json"
+  --batch 64 --context 544 --out "$WORK/profile.json"
+run moe 330 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 --batch-sizes 8,16,32,64 \
+  --hf-batch-sizes 8 --hf-rounds 1 --parity 4 --parity-tokens 32 --out "$WORK/moe.json"
+run moe_bnb4 240 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b quant=bnb4 workload.num_prompts=32 \
+  engine.max_batch_size=32 --batch-sizes 8,32 --no-hf --out "$WORK/moe_bnb4.json"
+run 31b 240 python3 $bench +model=31b +experiment=speed_e2b workload.num_prompts=32 engine.max_batch_size=32 \
+  kv.max_pages=520 cudagraph=ladder16 workload.rounds=2 workload.max_new_tokens=256 --no-hf --out "$WORK/31b.json"
+run e4b 180 python3 $bench +model=e4b +experiment=speed_e2b workload.rounds=3 --no-hf --out "$WORK/e4b.json"
+run lora_26b 240 python3 experiments/bench_lora.py +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=32 \
+  engine.max_batch_size=32 lora=r32 --skip-base --refresh-iters 5 --out "$WORK/lora_26b.json"
