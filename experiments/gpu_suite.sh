@@ -2,7 +2,7 @@
 # Everything that needs the GPU, stage by stage, each under its own time limit (device time is
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
-# Stages: tests e2b lora lora_bnb4 sweep profile moe moe_bnb4 31b e4b lora_26b
+# Stages: tests retest e2b lora lora_bnb4 sweep profile moe moe_bnb4 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -57,17 +57,31 @@ gpu_tests() {
 export -f gpu_tests
 export L6
 run tests 420 bash -c gpu_tests
+# the tests that failed on the last run, side by side
+retest() {
+  timeout 300 python3 -m pytest -q -p no:logging -s -m gpu tests/test_gpu.py -k e2b_eager > "$WORK/retest_e2b.log" 2>&1 &
+  local a=$!
+  timeout 300 python3 -m pytest -q -p no:logging -s -m gpu tests/test_quant.py -k cli_job > "$WORK/retest_bnb4.log" 2>&1 &
+  local b=$! rc=0
+  wait $a || rc=1
+  wait $b || rc=1
+  grep -hE "passed|failed|^FAILED|^E  .{0,200}$|divergence|peak_allocated" "$WORK"/retest_*.log | head -30
+  return $rc
+}
+export -f retest
+run retest 300 bash -c retest
 run e2b 240 python3 $bench +model=e2b +experiment=speed_e2b --async-too --hf-rounds 1 --out "$WORK/e2b.json"
+run moe 330 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 --batch-sizes 8,16,32,64 \
+  --hf-batch-sizes 8 --hf-rounds 1 --parity 4 --parity-tokens 32 --out "$WORK/moe.json"
 run lora 200 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=3 lora=r32 --out "$WORK/lora_e2b.json"
 run lora_bnb4 240 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=3 quant=bnb4 lora=r32 \
   --out "$WORK/lora_e2b_bnb4.json"
 run sweep 300 bash -c 'python3 -m flexgemma -m +model=e2b +experiment=block_sweep attn.decode.block_n=32,64 \
-  attn.decode.num_warps=4,8 attn.decode.num_stages=2 workload.rounds=1 logger=none hydra.sweep.dir="$WORK/sweep" \
-  && python3 -m flexgemma.report "$WORK/sweep"'
+  attn.decode.full_attention.block_n=16,32 attn.decode.num_warps=null attn.decode.num_stages=null \
+  cudagraph.buckets=[64] workload.rounds=2 logger=none \
+  hydra.sweep.dir="$WORK/sweep" && python3 -m flexgemma.report "$WORK/sweep"'
 run profile 120 python3 experiments/profile_decode.py +model=e2b +experiment=speed_e2b cudagraph.buckets=[64] \
   --batch 64 --context 544 --out "$WORK/profile.json"
-run moe 330 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 --batch-sizes 8,16,32,64 \
-  --hf-batch-sizes 8 --hf-rounds 1 --parity 4 --parity-tokens 32 --out "$WORK/moe.json"
 run moe_bnb4 240 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b quant=bnb4 workload.num_prompts=32 \
   engine.max_batch_size=32 --batch-sizes 8,32 --no-hf --out "$WORK/moe_bnb4.json"
 run 31b 240 python3 $bench +model=31b +experiment=speed_e2b workload.num_prompts=32 engine.max_batch_size=32 \

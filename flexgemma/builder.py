@@ -66,7 +66,8 @@ def _pool_sizes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: to
     window_pages = None
     if window is not None:
         per_seq = pages(window) + 2  # the window, the page being filled, one boundary page
-        chunk = pages(min(cfg.engine.max_prefill_tokens, max_len))  # a prefill chunk's pages, briefly
+        # a prefill chunk's pages, held briefly: the job's longest prompt bounds it when it is known
+        chunk = pages(min(cfg.engine.max_prefill_tokens, tokens))
         window_pages = seqs * min(per_seq, pages(tokens) + 1) + chunk + 1
     window_types = {s.layer_type for s in spec.layers if window is not None and s.window == window}
     full_types = [t for t in spec.layer_types if t not in window_types]

@@ -8,6 +8,7 @@ KV block equal to the page size, a ladder without holes) are checked by `validat
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -215,6 +216,19 @@ GROUP_SCHEMAS = {
     "task": TaskConfig,
     "logger": LoggerConfig,
 }
+
+
+def short_dirname(name: str, limit: int = 120) -> str:
+    """A sweep job's folder name: its overrides, cut with a digest of the rest when they are long
+    (a folder name may have at most 255 bytes; a sweep over a preset with a few overrides exceeds it)."""
+    name = str(name)
+    if len(name) <= limit:
+        return name
+    return f"{name[:limit - 9]}~{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+
+
+# at import, not in register_configs: a launcher's job process resolves hydra.sweep.subdir too
+OmegaConf.register_new_resolver("fg_short", short_dirname, replace=True)
 
 
 def register_configs() -> None:

@@ -78,3 +78,18 @@ def test_unknown_model_is_a_clear_error():
 def test_off_ladder_needs_no_buckets():
     cfg = compose(["cudagraph=off", "engine.max_batch_size=200"])
     assert not cfg.cudagraph.enabled
+
+
+def test_sweep_job_folder_names_stay_short():
+    """A sweep over a preset with many overrides named its job folders past 255 bytes ("File name
+    too long" on the H200); long names are now cut with a digest that still tells jobs apart."""
+    from omegaconf import OmegaConf
+
+    from flexgemma.compose import conf_dir
+    from flexgemma.config import short_dirname
+
+    assert short_dirname("a=1,b=2") == "a=1,b=2"
+    long_a, long_b = "x" * 300 + ",k=1", "x" * 300 + ",k=2"
+    assert len(short_dirname(long_a)) == 120 and short_dirname(long_a) != short_dirname(long_b)
+    subdir = OmegaConf.load(conf_dir() / "config.yaml").hydra.sweep.subdir
+    assert "fg_short" in subdir

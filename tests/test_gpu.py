@@ -20,15 +20,36 @@ def engine_for(*overrides):
                                  "engine.max_batch_size=8", *overrides]))
 
 
+@torch.inference_mode()
+def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
+    dev = next(model.parameters()).device
+    return model(torch.tensor([ids], device=dev)).logits[0, -1].float()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_e2b_eager_generates_and_fp32_matches_transformers(dtype):
+    """float32: the same greedy tokens as transformers, except where transformers' own top two logits
+    are a near tie (random weights give a flat distribution over 262k tokens: the two kernels' summation
+    orders may then pick differently). At a divergence the tie must be within float32 noise, and our
+    logprob of our token must equal transformers' logprob of it."""
     engine = engine_for("+model=e2b", f"model.dtype={dtype}", "cudagraph=off", "engine.compile=false")
     ps = prompts(engine.spec.vocab_size)
     outs = engine.generate(ps, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
     assert all(len(o.token_ids) == 16 for o in outs)
     if dtype == "float32":
         for p, o in zip(ps, outs):
-            assert o.token_ids == hf_greedy(engine.model, p, 16)
+            ref = hf_greedy(engine.model, p, 16)
+            d = next((i for i, (a, b) in enumerate(zip(o.token_ids, ref)) if a != b), None)
+            if d is None:
+                continue
+            logits = hf_last_logits(engine.model, p + ref[:d])
+            margin = (logits[ref[d]] - logits[o.token_ids[d]]).item()
+            ours_lp = o.logprobs[d]
+            hf_lp = torch.log_softmax(logits, -1)[o.token_ids[d]].item()
+            print(f"prompt {len(p)}: first divergence at {d}, transformers' margin {margin:.2e}, "
+                  f"logprob ours {ours_lp:.6f} vs transformers {hf_lp:.6f}")
+            assert margin < 2e-3, f"diverged at {d} where transformers' choice leads by {margin} (no near tie)"
+            assert abs(ours_lp - hf_lp) < 2e-3
     del engine
     torch.cuda.empty_cache()
 

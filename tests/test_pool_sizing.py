@@ -34,7 +34,8 @@ def test_pool_holds_what_the_engine_limits_allow_not_the_whole_card(monkeypatch)
 def test_pool_sized_for_the_workload_but_always_holds_one_longest_sequence(monkeypatch):
     _, _, (full, window) = sizes(monkeypatch, 80e9, demand=PoolDemand(seqs=4, tokens=20))
     assert full == 256 // 8 + 1  # 4 x 3 pages is less than one max_model_len sequence needs
-    assert window == 4 * (20 // 8 + 2) + 64 // 8 + 1  # its 4 sequences, and one prefill chunk's pages
+    # its 4 sequences, and one prefill chunk's pages: of the job's longest prompt, not of max_prefill_tokens
+    assert window == 4 * (20 // 8 + 2) + -(-20 // 8) + 1
     _, _, (full, _) = sizes(monkeypatch, 80e9, demand=PoolDemand(seqs=20, tokens=100))
     assert full == 20 * 13 + 1
     _, _, (full, _) = sizes(monkeypatch, 80e9, demand=PoolDemand(seqs=500, tokens=10_000))
