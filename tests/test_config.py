@@ -91,5 +91,5 @@ def test_sweep_job_folder_names_stay_short():
     assert short_dirname("a=1,b=2") == "a=1,b=2"
     long_a, long_b = "x" * 300 + ",k=1", "x" * 300 + ",k=2"
     assert len(short_dirname(long_a)) == 120 and short_dirname(long_a) != short_dirname(long_b)
-    subdir = OmegaConf.load(conf_dir() / "config.yaml").hydra.sweep.subdir
-    assert "fg_short" in subdir
+    subdir = OmegaConf.to_container(OmegaConf.load(conf_dir() / "config.yaml"))["hydra"]["sweep"]["subdir"]
+    assert subdir.startswith("${hydra:job.num}_${fg_short:")
