@@ -11,7 +11,8 @@ from flexgemma.model.attention import kernel_options
 def test_kernel_option_keys_are_the_ones_torch_reads():
     attn = compose(["+model=tiny"]).attn
     # Triton launch parameters are lower case; tile sizes upper case (a wrong case is silently ignored)
-    assert kernel_options(attn.decode, 512, 64) == {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    assert kernel_options(attn.decode, 512, 64) == {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+    assert kernel_options(attn.decode, 256, 64) == {"BLOCK_N": 32}  # the H200 sweep's best
     assert kernel_options(attn.prefill, 512, 64) == {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 2}
     assert kernel_options(attn.prefill, 256, 64) == {"BLOCK_N": 64}  # torch's own choice, capped at the page
     assert kernel_options(attn.prefill, 256, 16) == {"BLOCK_N": 16}

@@ -62,3 +62,20 @@ def test_workload_demand():
     assert pool_demand(cfg.workload) == PoolDemand(seqs=32, tokens=80)
     cfg = compose(["+model=tiny", "workload=jsonl", "workload.path=prompts.jsonl", "workload.num_prompts=null"])
     assert pool_demand(cfg.workload) == PoolDemand(seqs=None, tokens=None)
+
+
+def test_idle_allocator_hands_out_pages_in_id_order_again():
+    from flexgemma.engine.kv_cache import PageAllocator
+
+    a = PageAllocator(6)
+    first = a.allocate(3)
+    second = a.allocate(2)
+    a.release(second)
+    a.release(first)  # the free list is now 4, 5, 1, 2, 3
+    a.reset_order()
+    assert a.allocate(5) == [1, 2, 3, 4, 5]  # placement no longer depends on what ran before
+    b = PageAllocator(6)
+    held = b.allocate(2)
+    b.release(b.allocate(2)[::-1])
+    b.reset_order()  # pages still in use: nothing moves
+    assert b.allocate(2) == [5, 4] and held == [1, 2]

@@ -38,6 +38,10 @@ class DecodeGraphs:
     def capture(self, warmup: int = 2) -> None:
         r = self.runner
         t0 = time.perf_counter()
+        # cached free blocks released on both sides, so the difference is the graphs' private pool
+        # (and the outputs they keep), not what warm-up or the caller happened to leave cached
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         for rows in reversed(self.buckets):  # largest first: the shared pool is sized by it
             for greedy_only in (False, True):
@@ -56,6 +60,7 @@ class DecodeGraphs:
                 self.graphs[rows, greedy_only], self.outputs[rows, greedy_only] = graph, out
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
+        torch.cuda.empty_cache()
         self.pool_bytes = torch.cuda.memory_reserved() - before
 
     def replay(self, rows: int, n: int, greedy_only: bool = False):

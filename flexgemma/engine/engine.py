@@ -127,6 +127,7 @@ class Engine:
         self.stats = StepStats()
         for g in self.runner.cache.page_groups:
             g.peak_in_use = g.in_use
+            g.allocator.reset_order()
         start = time.perf_counter()
         for s in seqs:
             self.scheduler.add(s)

@@ -157,7 +157,7 @@ def throughput_rounds(coll: Collection, out_dir: Path) -> Plot:
             ax.scatter([job.get(TOTAL)], [y], marker="|", s=400, color="black", linewidths=2,
                        label="median" if y == 0 else None)
     ax.set_yticks(range(len(jobs)), [f"{job_label(j, coll)}  (job {j.name})" for j in jobs])
-    ax.set_xlabel("total tokens/s (prompt + generated tokens over round wall time)")
+    ax.set_xlabel("total tokens/s (generated tokens over round wall time, prefill included)")
     ax.set_title("Total throughput per timed round (best job in red)")
     ax.set_xlim(left=0)
     ax.set_ylim(-0.6, len(jobs) - 0.4)
