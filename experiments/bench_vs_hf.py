@@ -158,8 +158,9 @@ def main() -> None:
     ap.add_argument("--parity", type=int, default=0, metavar="N",
                     help="also compare greedy tokens with transformers on the first N prompts")
     ap.add_argument("--parity-tokens", type=int, default=32)
-    ap.add_argument("--async-too", action="store_true",
-                    help="time each batch size again with the asynchronous decode loop (the same build)")
+    ap.add_argument("--both-loops", action="store_true",
+                    help="time each batch size again with the other decode loop (engine.async_decode flipped; the "
+                         "same build); its numbers are prefixed sync/ or async/")
     ap.add_argument("--out", default=None)
     args, overrides = ap.parse_known_args()
     if CUDA:
@@ -176,14 +177,15 @@ def main() -> None:
                  f"set workload.num_prompts={max(sizes)}")
     res = {"model": cfg.model.name, "overrides": overrides, "build_seconds": build_s, "engine": engine.info,
            "batch_sizes": sizes}
-    loops = [bool(engine.async_decode)] + ([not engine.async_decode] if args.async_too else [])
+    loops = [bool(engine.async_decode)] + ([not engine.async_decode] if args.both_loops else [])
     for bs in sizes:
         for async_decode in loops:
             engine.async_decode = async_decode
             rounds = time_engine(engine, work.prompts[:bs], work.params[:bs], int(w.warmup_rounds), int(w.rounds))
-            prefix = ("" if len(sizes) == 1 else f"bs{bs}/") + ("async/" if async_decode != loops[0] else "")
+            loop = "async" if async_decode else "sync"
+            prefix = ("" if len(sizes) == 1 else f"bs{bs}/") + (f"{loop}/" if async_decode != loops[0] else "")
             res.update(engine_numbers(engine, cfg, work.prompts[:bs], rounds, prefix))
-            print(f"bs {bs:3d}{' async' if async_decode else ''}: {res[prefix + 'flexgemma/tok_s_median']:9.1f} tok/s, "
+            print(f"bs {bs:3d} {loop:5s}: {res[prefix + 'flexgemma/tok_s_median']:9.1f} tok/s, "
                   f"step {res[prefix + 'flexgemma/decode_step_ms_median']:.2f} ms, "
                   f"roofline cap {res[prefix + 'roofline/cap_tok_s_at_4.3TBs']:.0f} tok/s", flush=True)
     engine.async_decode = loops[0]

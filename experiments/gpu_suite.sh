@@ -70,7 +70,7 @@ retest() {
 }
 export -f retest
 run retest 300 bash -c retest
-run e2b 240 python3 $bench +model=e2b +experiment=speed_e2b --async-too --hf-rounds 1 --out "$WORK/e2b.json"
+run e2b 240 python3 $bench +model=e2b +experiment=speed_e2b --both-loops --hf-rounds 1 --out "$WORK/e2b.json"
 run moe 330 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 --batch-sizes 8,16,32,64 \
   --hf-batch-sizes 8 --hf-rounds 1 --parity 4 --parity-tokens 32 --out "$WORK/moe.json"
 run lora 200 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=3 lora=r32 --out "$WORK/lora_e2b.json"

@@ -32,7 +32,7 @@ def test_bench_vs_hf_batch_sizes_and_parity_moe(tmp_path):
     r = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "bench_vs_hf.py"), "+model=tiny_moe", "workload.num_prompts=4",
          "workload.max_new_tokens=5", "workload.rounds=1", "workload.warmup_rounds=0", "logger=none",
-         "--batch-sizes", "2,4", "--async-too", "--hf-batch-sizes", "2", "--hf-rounds", "1", "--parity", "2",
+         "--batch-sizes", "2,4", "--both-loops", "--hf-batch-sizes", "2", "--hf-rounds", "1", "--parity", "2",
          "--parity-tokens", "6", "--out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -40,7 +40,7 @@ def test_bench_vs_hf_batch_sizes_and_parity_moe(tmp_path):
     res = json.loads(out.read_text())
     assert res["batch_sizes"] == [2, 4]
     assert res["bs2/flexgemma/tok_s_median"] > 0 and res["bs4/flexgemma/tok_s_median"] > 0
-    assert res["bs4/async/flexgemma/tok_s_median"] > 0  # --async-too: the same build, the other decode loop
+    assert res["bs4/sync/flexgemma/tok_s_median"] > 0  # --both-loops: the same build, the other decode loop
     assert res["bs2/hf/generated_tokens"] == 2 * 5 and "bs4/hf/tok_s_median" not in res
     # MoE roofline: 4 rows route to more experts than 2
     assert res["bs4/roofline/weight_gb_per_step"] > res["bs2/roofline/weight_gb_per_step"]

@@ -86,6 +86,7 @@ def test_async_decode_with_graphs_equals_sync():
     ps = prompts(engine.spec.vocab_size, lengths=(3, 20, 45, 70, 9))
     params = [SamplingParams(max_new_tokens=40, temperature=t, seed=i, ignore_eos=True)
               for i, t in enumerate((0.0, 1.0, 0.0, 0.8, 0.0))]
+    engine.async_decode = False
     sync = [(o.token_ids, o.finish_reason) for o in engine.generate(ps, params)]
     engine.async_decode = True
     asyn = [(o.token_ids, o.finish_reason) for o in engine.generate(ps, params)]

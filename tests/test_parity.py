@@ -120,7 +120,7 @@ def test_async_decode_gives_the_same_outputs():
     """Queuing step N+1 before reading step N: same tokens, logprobs and finish reasons, also when
     requests stop on a stop token or EOS mid-batch, at max_new_tokens, and under preemption."""
     prompts = mixed_prompts(512, seed=7)
-    sync, asyn = make_engine(), make_engine("engine.async_decode=true")
+    sync, asyn = make_engine("engine.async_decode=false"), make_engine()  # async is the default
     assert asyn.async_decode and not sync.async_decode
     greedy = sync.generate(prompts, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True))
     params = [
