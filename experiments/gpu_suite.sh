@@ -2,7 +2,7 @@
 # Everything that needs the GPU, stage by stage, each under its own time limit (device time is
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
-# Stages (in this order): tests retest e2b moe lora lora_bnb4 sweep profile profile_moe moe_bnb4 31b e4b lora_26b
+# Stages (in this order): tests retest e2b moe moe_triton lora lora_bnb4 sweep profile profile_moe moe_bnb4 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -73,6 +73,8 @@ run retest 300 bash -c retest
 run e2b 240 python3 $bench +model=e2b +experiment=speed_e2b --both-loops --hf-rounds 1 --out "$WORK/e2b.json"
 run moe 330 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 --batch-sizes 8,16,32,64 \
   --hf-batch-sizes 8 --hf-rounds 1 --parity 4 --parity-tokens 32 --out "$WORK/moe.json"
+run moe_triton 300 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 \
+  engine.moe_kernel=triton --batch-sizes 8,16,32,64 --no-hf --parity 4 --parity-tokens 32 --out "$WORK/moe_triton.json"
 run lora 200 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=3 lora=r32 --out "$WORK/lora_e2b.json"
 run lora_bnb4 240 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=3 quant=bnb4 lora=r32 \
   --out "$WORK/lora_e2b_bnb4.json"

@@ -95,6 +95,22 @@ def _pool_sizes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: to
     return n, window_pages
 
 
+def _moe_kernel(cfg: DictConfig, device: torch.device) -> str:
+    kernel = str(cfg.engine.moe_kernel)
+    if kernel == "triton":
+        import os
+
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            raise ConfigError("engine.moe_kernel=triton needs the triton package (it comes with CUDA builds of "
+                              "torch): use engine.moe_kernel=grouped_mm") from None
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(f"engine.moe_kernel=triton runs on a GPU, not on {device.type} (the tests run it "
+                              "there through TRITON_INTERPRET=1): use engine.moe_kernel=grouped_mm")
+    return kernel
+
+
 def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
     """Builds the engine a composed config describes (see flexgemma.compose); `demand` sizes the KV
     pool on a GPU (the run orchestrator passes its workload's)."""
@@ -123,7 +139,7 @@ def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
     use_compile = cfg.engine.compile if cfg.engine.compile is not None else device.type == "cuda"
     counter = CompileCounter()
     kernels = AttentionKernels(backend, decode_rows=cfg.engine.max_batch_size, counter=counter)
-    ops = make_ops(counter if use_compile else None)
+    ops = make_ops(counter if use_compile else None, _moe_kernel(cfg, device))
     forward = GemmaForward(model, spec, cache, cfg.attn, max_len, kernels, ops)
     masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len)
     sample_fn = compile_fn(sample, counter) if use_compile else sample
@@ -143,8 +159,10 @@ def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
         capture_seconds=runner.graphs.capture_seconds if runner.graphs else 0.0,
         device=str(device), kv_pages=num_pages, kv_window_pages=window_pages or 0, page_size=cfg.kv.page_size,
         kv_pool_bytes=cache.nbytes,
-        max_model_len=max_len, attention_backend=backend,
+        max_model_len=max_len, attention_backend=backend, async_decode=bool(cfg.engine.async_decode),
     )
+    if any(s.moe for s in spec.layers):
+        info["moe_kernel"] = str(cfg.engine.moe_kernel)
     engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info)
     engine.compile_counter = counter
     engine.async_decode = bool(cfg.engine.async_decode)

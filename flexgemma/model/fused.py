@@ -57,12 +57,18 @@ def final_logits(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-def make_ops(counter=None) -> SimpleNamespace:
-    """The glue functions: compiled with `counter` as backend (GPU), or plain (the CPU reference)."""
+def make_ops(counter=None, moe_kernel: str = "grouped_mm") -> SimpleNamespace:
+    """The glue functions: compiled with `counter` as backend (GPU), or plain (the CPU reference);
+    and the routed experts' GEMM (`expert_rows_mm`: None for torch's grouped GEMM)."""
     fns = dict(rms_norm=rms_norm, add_norm=add_norm, add_norm_norm=add_norm_norm, norm_rope=norm_rope,
                gelu_mul=gelu_mul, final_logits=final_logits)
     if counter is not None:
         from flexgemma.engine.compiled import compile_fn
 
         fns = {k: compile_fn(f, counter) for k, f in fns.items()}
+    fns["expert_rows_mm"] = None
+    if moe_kernel == "triton":
+        from flexgemma.model.moe_kernel import expert_rows_mm
+
+        fns["expert_rows_mm"] = expert_rows_mm
     return SimpleNamespace(**fns)
