@@ -56,7 +56,10 @@ def _pool_sizes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: to
 
     On a GPU without kv.max_pages: what `demand` needs (at most engine.max_batch_size sequences of at
     most engine.max_model_len tokens), never less than one sequence of max_model_len, and never more
-    than kv.memory_fraction of the free memory allows."""
+    than kv.memory_fraction of the free memory allows. The sliding layers' group is sized by `demand`
+    on every device: a later request longer than the job's prompts may then find too few of its
+    pages for one prefill chunk, and the engine says so (raise kv.max_pages or lower
+    engine.max_prefill_tokens)."""
     page = cfg.kv.page_size
     pages = lambda tokens: -(-tokens // page)  # noqa: E731
     need = pages(max_len) + 1  # one sequence of max_model_len, plus the sink page

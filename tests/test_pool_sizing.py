@@ -79,3 +79,15 @@ def test_idle_allocator_hands_out_pages_in_id_order_again():
     b.release(b.allocate(2)[::-1])
     b.reset_order()  # pages still in use: nothing moves
     assert b.allocate(2) == [5, 4] and held == [1, 2]
+
+
+def test_request_longer_than_the_demand_gets_a_clear_error():
+    """A pool sized for a job's short prompts: a longer prompt later is refused by name, not hung."""
+    from flexgemma import SamplingParams, build_engine
+
+    engine = build_engine(compose(["+model=tiny", "kv.page_size=8", "engine.max_model_len=512",
+                                   "engine.max_prefill_tokens=256"]), PoolDemand(seqs=2, tokens=20))
+    ok = engine.generate([[2, 5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0.0))
+    assert ok[0].finish_reason == "length"
+    with pytest.raises(RuntimeError, match="raise kv.max_pages or lower engine.max_prefill_tokens"):
+        engine.generate([[2] + [5] * 199], SamplingParams(max_new_tokens=4, temperature=0.0))
