@@ -2,7 +2,7 @@
 # Everything that needs the GPU, stage by stage, each under its own time limit (device time is
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
-# Stages (in this order): tests retest e2b moe moe_triton lora lora_bnb4 sweep profile profile_moe moe_bnb4 31b e4b lora_26b
+# Stages (in this order): tests retest e2b moe moe_triton lora lora_bnb4 sweep profile profile_moe moe_bnb4 moe_bnb4_triton 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -88,6 +88,8 @@ run profile_moe 150 python3 experiments/profile_decode.py +model=26b_a4b +experi
   workload.num_prompts=8 cudagraph.buckets=[8] --batch 8 --context 384 --out "$WORK/profile_moe.json"
 run moe_bnb4 240 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b quant=bnb4 workload.num_prompts=32 \
   engine.max_batch_size=32 --batch-sizes 8,32 --no-hf --out "$WORK/moe_bnb4.json"
+run moe_bnb4_triton 240 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b quant=bnb4 engine.moe_kernel=triton workload.num_prompts=32 \
+  engine.max_batch_size=32 --batch-sizes 8,32 --no-hf --out "$WORK/moe_bnb4_triton.json"
 run 31b 240 python3 $bench +model=31b +experiment=speed_e2b workload.num_prompts=32 engine.max_batch_size=32 \
   kv.max_pages=520 cudagraph=ladder16 workload.rounds=2 workload.max_new_tokens=256 --no-hf --out "$WORK/31b.json"
 run e4b 180 python3 $bench +model=e4b +experiment=speed_e2b workload.rounds=3 --no-hf --out "$WORK/e4b.json"

@@ -51,7 +51,7 @@ def test_triton_experts_path_equals_loop_and_engine_wiring_interpreted():
         import torch
         from flexgemma import build_engine, compose
         from flexgemma.model.moe import experts_grouped, experts_loop
-        from flexgemma.model.moe_kernel import expert_rows_mm
+        from flexgemma.model.moe_kernel import TritonExperts
         torch.manual_seed(0)
         e, h, i, k = 8, 64, 32, 2
         gate_up, down = (torch.randn(e, 2 * i, h) * 0.1).half(), (torch.randn(e, h, i) * 0.1).half()
@@ -59,15 +59,52 @@ def test_triton_experts_path_equals_loop_and_engine_wiring_interpreted():
         for t in (1, 5):
             x = torch.randn(t, h).half()
             w, idx = torch.softmax(torch.randn(t, e), -1).topk(k, dim=-1)
-            got = experts_grouped(x, idx, w, gate_up, down, act, rows_mm=expert_rows_mm).float()
+            got = experts_grouped(x, idx, w, gate_up, down, act, kernel=TritonExperts()).float()
             ref = experts_loop(x.float(), idx, w, gate_up.float(), down.float(), act).float()
             print("err", float((got - ref).norm() / ref.norm()))
         engine = build_engine(compose(["+model=tiny_moe", "device=cpu", "engine.moe_kernel=triton"]))
-        print("wired", engine.runner.forward.ops.expert_rows_mm is expert_rows_mm, engine.info["moe_kernel"])
+        print("wired", isinstance(engine.runner.forward.ops.experts_kernel, TritonExperts), engine.info["moe_kernel"])
     """)
     errs = [float(line.split()[1]) for line in out.splitlines() if line.startswith("err")]
     assert len(errs) == 2 and max(errs) < 5e-3, out
     assert "wired True triton" in out, out
+
+
+def test_packed_4bit_experts_decoded_in_the_kernel_interpreted():
+    """4-bit experts (NF4 and FP4, with and without double quantisation) decoded tile by tile inside
+    the kernel equal bitsandbytes' own dequantisation followed by the plain product, for all experts
+    and for a routed subset (padding slots included), and through experts_grouped."""
+    out = run_interpreted("""
+        import torch
+        from flexgemma.model.moe import _segment_mm, experts_grouped, experts_loop
+        from flexgemma.model.moe_kernel import TritonExperts, expert_rows_mm_4bit
+        from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+        torch.manual_seed(0)
+        cpu = torch.device("cpu")
+        w = torch.randn(5, 48, 128) * 0.1
+        for qt in ("nf4", "fp4"):
+            for dq in (False, True):
+                pw = PackedExpertWeight.pack(w.half(), Bnb4Settings(quant_type=qt, double_quant=dq,
+                                                                   compute_dtype=torch.float16), cpu)
+                for ids, counts in ((None, [2, 0, 5, 0, 4]), (torch.tensor([3, 0, 4, 1]), [3, 2, 0, 0])):
+                    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+                    x = torch.randn(sum(counts), 128).half()
+                    ref = _segment_mm(x.float(), pw.dequantize(ids).float().transpose(1, 2), ends)
+                    got = expert_rows_mm_4bit(x, pw, ids, ends, block_n=32, block_k=32).float()
+                    print("err", float((got - ref).abs().max() / ref.abs().max()))
+        s = Bnb4Settings(double_quant=True, compute_dtype=torch.float16)
+        gate_up = PackedExpertWeight.pack((torch.randn(8, 64, 64) * 0.1).half(), s, cpu)
+        down = PackedExpertWeight.pack((torch.randn(8, 64, 32) * 0.1).half(), s, cpu)
+        act = torch.nn.functional.gelu
+        for t in (1, 3):  # 2 and 6 rows: fewer than the 8 experts, so a routed subset with padding slots
+            x = torch.randn(t, 64).half()
+            wts, idx = torch.softmax(torch.randn(t, 8), -1).topk(2, dim=-1)
+            got = experts_grouped(x, idx, wts, gate_up, down, act, kernel=TritonExperts()).float()
+            ref = experts_loop(x.float(), idx, wts, gate_up.dequantize().float(), down.dequantize().float(), act)
+            print("err", float((got - ref).norm() / ref.norm()))
+    """)
+    errs = [float(line.split()[1]) for line in out.splitlines() if line.startswith("err")]
+    assert len(errs) == 10 and max(errs) < 5e-3, out
 
 
 def test_triton_kernel_on_the_cpu_without_the_interpreter_is_a_clear_error():
@@ -82,7 +119,7 @@ def test_triton_kernel_on_the_cpu_without_the_interpreter_is_a_clear_error():
 @pytest.mark.gpu
 def test_gpu_triton_experts_equal_loop_and_run_in_graphs():
     from flexgemma.model.moe import experts_grouped, experts_loop
-    from flexgemma.model.moe_kernel import expert_rows_mm
+    from flexgemma.model.moe_kernel import TritonExperts
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -93,7 +130,7 @@ def test_gpu_triton_experts_equal_loop_and_run_in_graphs():
     for t in (1, 8, 64):
         x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
         w, idx = torch.softmax(torch.randn(t, e, device=dev), -1).topk(k, dim=-1)
-        got = experts_grouped(x, idx, w, gate_up, down, act, rows_mm=expert_rows_mm).float()
+        got = experts_grouped(x, idx, w, gate_up, down, act, kernel=TritonExperts()).float()
         ref = experts_loop(x.float(), idx, w, gate_up.float(), down.float(), act).float()
         assert ((got - ref).norm() / ref.norm()).item() < 1e-2
     sp = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
@@ -106,3 +143,33 @@ def test_gpu_triton_experts_equal_loop_and_run_in_graphs():
         assert sum(engine.runner.graphs.hits.values()) > 0
     agree = sum(a == b for x, y in zip(toks["grouped_mm"], toks["triton"]) for a, b in zip(x, y))
     assert agree >= 0.9 * 24 * len(prompts)  # bf16: summation order may flip a near tie late in a sequence
+
+
+@pytest.mark.gpu
+def test_gpu_triton_4bit_experts_equal_dequantised_and_shrink_the_graph_pool():
+    from flexgemma.model.moe import experts_grouped, experts_loop
+    from flexgemma.model.moe_kernel import TritonExperts
+    from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    s = Bnb4Settings(double_quant=True)
+    gate_up = PackedExpertWeight.pack((torch.randn(16, 256, 256) * 0.05).bfloat16(), s, dev)
+    down = PackedExpertWeight.pack((torch.randn(16, 256, 128) * 0.05).bfloat16(), s, dev)
+    act = torch.nn.functional.gelu
+    for t in (1, 3, 64):
+        x = torch.randn(t, 256, device=dev, dtype=torch.bfloat16)
+        w, idx = torch.softmax(torch.randn(t, 16, device=dev), -1).topk(4, dim=-1)
+        got = experts_grouped(x, idx, w, gate_up, down, act, kernel=TritonExperts()).float()
+        ref = experts_loop(x.float(), idx, w, gate_up.dequantize().float(), down.dequantize().float(), act)
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+    pools = {}
+    for kernel in ("grouped_mm", "triton"):
+        engine = build_engine(compose(["+model=tiny_moe", "quant=bnb4", "device=cuda", "kv.max_pages=64",
+                                       "engine.max_batch_size=8", "cudagraph.buckets=[1,2,4,8]",
+                                       f"engine.moe_kernel={kernel}"]))
+        outs = engine.generate([[2, 5, 9, 14, 3]] * 3, SamplingParams(max_new_tokens=8, temperature=0.0))
+        assert all(len(o.token_ids) == 8 for o in outs)
+        pools[kernel] = engine.runner.graphs.pool_bytes
+    print(pools)
+    assert pools["triton"] <= pools["grouped_mm"]

@@ -59,16 +59,16 @@ def final_logits(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
 
 def make_ops(counter=None, moe_kernel: str = "grouped_mm") -> SimpleNamespace:
     """The glue functions: compiled with `counter` as backend (GPU), or plain (the CPU reference);
-    and the routed experts' GEMM (`expert_rows_mm`: None for torch's grouped GEMM)."""
+    and the routed experts' GEMMs (`experts_kernel`: None for torch's grouped GEMM)."""
     fns = dict(rms_norm=rms_norm, add_norm=add_norm, add_norm_norm=add_norm_norm, norm_rope=norm_rope,
                gelu_mul=gelu_mul, final_logits=final_logits)
     if counter is not None:
         from flexgemma.engine.compiled import compile_fn
 
         fns = {k: compile_fn(f, counter) for k, f in fns.items()}
-    fns["expert_rows_mm"] = None
+    fns["experts_kernel"] = None
     if moe_kernel == "triton":
-        from flexgemma.model.moe_kernel import expert_rows_mm
+        from flexgemma.model.moe_kernel import TritonExperts
 
-        fns["expert_rows_mm"] = expert_rows_mm
+        fns["experts_kernel"] = TritonExperts()
     return SimpleNamespace(**fns)

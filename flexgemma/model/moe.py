@@ -54,17 +54,18 @@ def routed_experts(counts: torch.Tensor, slots: int) -> torch.Tensor:
 
 # the Triton expert kernel (engine.moe_kernel=triton) takes decode-sized steps; bigger ones (prefill)
 # go to torch's grouped GEMM, whose large tiles suit many rows per expert
-ROWS_MM_MAX_ROWS = 2048
+KERNEL_MAX_ROWS = 2048
 
 
 def experts_grouped(
-    x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up, down, act, rows_mm=None,
+    x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up, down, act, kernel=None,
 ) -> torch.Tensor:
     """x [T, H]; top_k_* [T, K]; gate_up [E, 2I, H]; down [E, H, I] -> [T, H].
 
     gate_up / down are tensors (bf16, fp32) or packed 4-bit weights with `.dequantize(ids)`.
-    rows_mm: an expert GEMM over weights in their stored [G, N, K] layout (moe_kernel.expert_rows_mm),
-    used for bf16/fp16 steps of at most ROWS_MM_MAX_ROWS rows; None: torch's grouped GEMM."""
+    kernel: the experts' GEMMs over weights as stored (moe_kernel.TritonExperts: `.dense` for [G, N, K]
+    tensors, `.packed` for 4-bit ones, decoded in the kernel), used for bf16/fp16 steps of at most
+    KERNEL_MAX_ROWS rows; None: torch's grouped GEMM (4-bit experts dequantised first)."""
     t, k = top_k_index.shape
     n_exp = gate_up.shape[0]
     flat = top_k_index.reshape(-1)
@@ -73,9 +74,9 @@ def experts_grouped(
     # scatter_add, not bincount: bincount syncs with the host to size its output (no graph capture)
     counts = torch.zeros(n_exp, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     rows = x[token]
-    if rows_mm is not None and (rows.shape[0] > ROWS_MM_MAX_ROWS or rows.dtype not in (torch.bfloat16, torch.float16)):
-        rows_mm = None
-    mm = rows_mm or (lambda a, w, ends: _segment_mm(a, w.transpose(1, 2), ends))
+    if kernel is not None and (rows.shape[0] > KERNEL_MAX_ROWS or rows.dtype not in (torch.bfloat16, torch.float16)):
+        kernel = None
+    mm = kernel.dense if kernel is not None else (lambda a, w, ends: _segment_mm(a, w.transpose(1, 2), ends))
     if isinstance(gate_up, torch.Tensor):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         h = mm(rows, gate_up, offsets)
@@ -90,9 +91,14 @@ def experts_grouped(
             experts = routed_experts(counts, t * k)
             group_counts = counts[experts]
         offsets = torch.cumsum(group_counts, 0).to(torch.int32)
-        h = mm(rows, gate_up.dequantize(experts), offsets)
-        g, u = h.chunk(2, dim=-1)
-        h = mm(act(g) * u, down.dequantize(experts), offsets)
+        if kernel is not None:  # decoded tile by tile inside the kernel: no bf16 copy of the experts
+            h = kernel.packed(rows, gate_up, experts, offsets)
+            g, u = h.chunk(2, dim=-1)
+            h = kernel.packed(act(g) * u, down, experts, offsets)
+        else:
+            h = mm(rows, gate_up.dequantize(experts), offsets)
+            g, u = h.chunk(2, dim=-1)
+            h = mm(act(g) * u, down.dequantize(experts), offsets)
     h = h * top_k_weights.reshape(-1)[order, None]  # float32 router weights, as transformers multiplies
     return torch.zeros_like(x).index_add_(0, token, h.to(x.dtype))
 
@@ -110,7 +116,7 @@ def experts_loop(x, top_k_index, top_k_weights, gate_up, down, act) -> torch.Ten
     return out
 
 
-def moe_block(layer, residual: torch.Tensor, dense_out: torch.Tensor, rows_mm=None) -> torch.Tensor:
+def moe_block(layer, residual: torch.Tensor, dense_out: torch.Tensor, kernel=None) -> torch.Tensor:
     """Gemma-4's MLP + experts: both normed, summed (before the post-feedforward norm)."""
     _, weights, index = layer.router(residual)
     experts = layer.experts
@@ -118,6 +124,6 @@ def moe_block(layer, residual: torch.Tensor, dense_out: torch.Tensor, rows_mm=No
         experts = experts.get_base_layer()
     routed = experts_grouped(
         layer.pre_feedforward_layernorm_2(residual), index, weights,
-        experts.gate_up_proj, experts.down_proj, experts.act_fn, rows_mm,
+        experts.gate_up_proj, experts.down_proj, experts.act_fn, kernel,
     )
     return layer.post_feedforward_layernorm_1(dense_out) + layer.post_feedforward_layernorm_2(routed)
