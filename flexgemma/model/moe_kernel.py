@@ -28,56 +28,32 @@ BLOCK_M = 16  # rows of one expert per tile: tl.dot's smallest M
 
 
 @triton.jit
-def _expert_rows_kernel(x_ptr, w_ptr, out_ptr, ends_ptr, N: tl.constexpr, K: tl.constexpr, stride_x, stride_we, stride_wn, stride_out,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    group = tl.program_id(0)
-    end = tl.load(ends_ptr + group)
-    start = tl.where(group > 0, tl.load(ends_ptr + tl.maximum(group - 1, 0)), 0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + group * stride_we + cols[:, None] * stride_wn
-    m0 = start
-    while m0 < end:  # (a while loop: Triton's interpreter takes no loaded value as a range bound)
-        rows = m0 + tl.arange(0, BLOCK_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            a = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :],
-                        mask=(rows[:, None] < end) & (k[None, :] < K), other=0.0)
-            b = tl.load(w_rows + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
-            acc += tl.dot(a, tl.trans(b))
-        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < end) & (cols[None, :] < N))
-        m0 += BLOCK_M
-
-
-def expert_rows_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, block_n: int = 64, block_k: int = 128,
-                   num_warps: int = 4) -> torch.Tensor:
-    """x [R, K] rows grouped by expert; w [G, N, K] (group g's matrix, as stored); ends [G] int32
-    cumulative row ends (group g owns rows [ends[g-1], ends[g])) -> [R, N] = x_g @ w[g].T per group.
-    bf16/fp16 inputs, float32 accumulation."""
-    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
-        raise TypeError(f"expert_rows_mm takes bf16/fp16 rows and weights of the same dtype, got {x.dtype} / {w.dtype}")
-    x = x.contiguous()
-    if w.stride(2) != 1:
-        w = w.contiguous()
-    r, k = x.shape
-    g, n, _ = w.shape
-    out = torch.empty(r, n, dtype=x.dtype, device=x.device)
-    if r == 0:
-        return out
-    grid = (g, triton.cdiv(n, block_n))
-    _expert_rows_kernel[grid](x, w, out, ends, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                              BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
-    return out
+def _packed_tile(packed_ptr, absmax_ptr, code4_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, expert, cols, k, inside,
+                 K: tl.constexpr, stride_pe, stride_ae, stride_ne, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
+                 DOUBLE_QUANT: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] float32 weights of a 4-bit expert: code[nibble] x its block's scale."""
+    flat = cols[:, None] * K + k[None, :]  # element index inside the expert, as bitsandbytes packs it
+    byte = tl.load(packed_ptr + expert * stride_pe + flat // 2, mask=inside, other=0).to(tl.int32)
+    nibble = tl.where(flat % 2 == 0, byte >> 4, byte & 15)  # the first element in the high half
+    value = tl.load(code4_ptr + nibble)
+    blk = flat // QBLOCK
+    if DOUBLE_QUANT:
+        code8 = tl.load(absmax_ptr + expert * stride_ae + blk, mask=inside, other=0).to(tl.int32)
+        scale = tl.load(ncode_ptr + code8) * tl.load(nabsmax_ptr + expert * stride_ne + blk // NESTED,
+                                                       mask=inside, other=0.0) + tl.load(noffset_ptr + expert)
+    else:
+        scale = tl.load(absmax_ptr + expert * stride_ae + blk, mask=inside, other=0.0)
+    return value * scale
 
 
 @triton.jit
-def _expert_rows_4bit_kernel(x_ptr, packed_ptr, absmax_ptr, code4_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, ids_ptr,
-                             out_ptr, ends_ptr, N: tl.constexpr, K: tl.constexpr, stride_x, stride_pe, stride_ae,
-                             stride_ne, stride_out, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
-                             DOUBLE_QUANT: tl.constexpr, HAS_IDS: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _expert_rows_kernel(x_ptr, w_ptr, absmax_ptr, code4_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, ids_ptr,
+                        out_ptr, ends_ptr, N: tl.constexpr, K: tl.constexpr, stride_x, stride_we, stride_wn,
+                        stride_ae, stride_ne, stride_out, PACKED: tl.constexpr, QBLOCK: tl.constexpr,
+                        NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, HAS_IDS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (g, j): the rows of group g times output features [j*BLOCK_N, (j+1)*BLOCK_N) of the
+    group's expert (ids[g], or g). Plain weights: w [G, N, K]; packed: w [E, N*K/2] uint8."""
     group = tl.program_id(0)
     end = tl.load(ends_ptr + group)
     start = tl.where(group > 0, tl.load(ends_ptr + tl.maximum(group - 1, 0)), 0)
@@ -88,7 +64,7 @@ def _expert_rows_4bit_kernel(x_ptr, packed_ptr, absmax_ptr, code4_ptr, ncode_ptr
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     m0 = start
-    while m0 < end:
+    while m0 < end:  # (a while loop: Triton's interpreter takes no loaded value as a range bound)
         rows = m0 + tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -96,22 +72,44 @@ def _expert_rows_4bit_kernel(x_ptr, packed_ptr, absmax_ptr, code4_ptr, ncode_ptr
             a = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :],
                         mask=(rows[:, None] < end) & (k[None, :] < K), other=0.0)
             inside = (cols[:, None] < N) & (k[None, :] < K)
-            flat = cols[:, None] * K + k[None, :]  # element index inside the expert, as bitsandbytes packs it
-            byte = tl.load(packed_ptr + expert * stride_pe + flat // 2, mask=inside, other=0).to(tl.int32)
-            nibble = tl.where(flat % 2 == 0, byte >> 4, byte & 15)  # the first element in the high half
-            value = tl.load(code4_ptr + nibble)
-            blk = flat // QBLOCK
-            if DOUBLE_QUANT:
-                code8 = tl.load(absmax_ptr + expert * stride_ae + blk, mask=inside, other=0).to(tl.int32)
-                scale = tl.load(ncode_ptr + code8) * tl.load(nabsmax_ptr + expert * stride_ne + blk // NESTED,
-                                                               mask=inside, other=0.0) + tl.load(noffset_ptr + expert)
+            if PACKED:
+                b = _packed_tile(w_ptr, absmax_ptr, code4_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, expert, cols, k,
+                                 inside, K, stride_we, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
             else:
-                scale = tl.load(absmax_ptr + expert * stride_ae + blk, mask=inside, other=0.0)
-            b = (value * scale).to(x_ptr.dtype.element_ty)
-            acc += tl.dot(a, tl.trans(b))
+                b = tl.load(w_ptr + expert * stride_we + cols[:, None] * stride_wn + k[None, :], mask=inside, other=0.0)
+            acc += tl.dot(a, tl.trans(b.to(x_ptr.dtype.element_ty)))
         tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(rows[:, None] < end) & (cols[None, :] < N))
         m0 += BLOCK_M
+
+
+def _launch(x: torch.Tensor, n: int, k: int, groups: int, ends: torch.Tensor, block_n: int, block_k: int,
+            num_warps: int, **weights) -> torch.Tensor:
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"the Triton expert kernel takes bf16/fp16 rows, got {x.dtype}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    _expert_rows_kernel[(groups, triton.cdiv(n, block_n))](
+        x_ptr=x, out_ptr=out, ends_ptr=ends, N=n, K=k, stride_x=x.stride(0), stride_out=out.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **weights)
+    return out
+
+
+def expert_rows_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, block_n: int = 64, block_k: int = 128,
+                   num_warps: int = 4) -> torch.Tensor:
+    """x [R, K] rows grouped by expert; w [G, N, K] (group g's matrix, as stored); ends [G] int32
+    cumulative row ends (group g owns rows [ends[g-1], ends[g])) -> [R, N] = x_g @ w[g].T per group.
+    bf16/fp16 inputs, float32 accumulation."""
+    if w.dtype != x.dtype:
+        raise TypeError(f"expert_rows_mm takes rows and weights of one dtype, got {x.dtype} / {w.dtype}")
+    if w.stride(2) != 1:
+        w = w.contiguous()
+    g, n, k = w.shape
+    return _launch(x, n, k, g, ends, block_n, block_k, num_warps, w_ptr=w, absmax_ptr=w, code4_ptr=w, ncode_ptr=w,
+                   nabsmax_ptr=w, noffset_ptr=w, ids_ptr=ends, stride_we=w.stride(0), stride_wn=w.stride(1),
+                   stride_ae=0, stride_ne=0, PACKED=False, QBLOCK=1, NESTED=1, DOUBLE_QUANT=False, HAS_IDS=False)
 
 
 _CODES: dict = {}
@@ -131,27 +129,18 @@ def expert_rows_mm_4bit(x: torch.Tensor, weight, ids: Optional[torch.Tensor], en
                         block_n: int = 64, block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
     """expert_rows_mm over a `quant.PackedExpertWeight` [E, N, K]: group g multiplies expert ids[g]
     (expert g when ids is None), decoded tile by tile in registers."""
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"expert_rows_mm_4bit takes bf16/fp16 rows, got {x.dtype}")
-    x = x.contiguous()
     _, n, k = weight.shape
-    groups = ids.shape[0] if ids is not None else weight.shape[0]
-    r = x.shape[0]
-    out = torch.empty(r, n, dtype=x.dtype, device=x.device)
-    if r == 0:
-        return out
     dq = bool(weight.double_quant)
     absmax = weight.absmax
     nested = weight.nested_absmax if dq else absmax  # placeholders when not double-quantised (never read)
-    grid = (groups, triton.cdiv(n, block_n))
-    _expert_rows_4bit_kernel[grid](
-        x, weight.packed, absmax, _code4(weight.quant_type, x.device),
-        weight.nested_code if dq else absmax, nested, weight.nested_offset if dq else absmax,
-        ids if ids is not None else ends, out, ends, n, k,
-        x.stride(0), weight.packed.stride(0), absmax.stride(0), nested.stride(0), out.stride(0),
-        QBLOCK=weight.block_size, NESTED=weight.NESTED_BLOCK, DOUBLE_QUANT=dq, HAS_IDS=ids is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
-    return out
+    return _launch(
+        x, n, k, ids.shape[0] if ids is not None else weight.shape[0], ends, block_n, block_k, num_warps,
+        w_ptr=weight.packed, absmax_ptr=absmax, code4_ptr=_code4(weight.quant_type, x.device),
+        ncode_ptr=weight.nested_code if dq else absmax, nabsmax_ptr=nested,
+        noffset_ptr=weight.nested_offset if dq else absmax, ids_ptr=ids if ids is not None else ends,
+        stride_we=weight.packed.stride(0), stride_wn=0, stride_ae=absmax.stride(0), stride_ne=nested.stride(0),
+        PACKED=True, QBLOCK=weight.block_size, NESTED=weight.NESTED_BLOCK, DOUBLE_QUANT=dq,
+        HAS_IDS=ids is not None)
 
 
 class TritonExperts:
