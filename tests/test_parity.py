@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flexgemma import SamplingParams
+from flexgemma import SamplingParams, build_engine, compose
 from flexgemma.tasks.parity import hf_greedy
 
 from conftest import make_engine
@@ -143,3 +143,15 @@ def test_async_decode_gives_the_same_outputs():
                         "engine.async_decode=true")
     check_parity(tight, mixed_prompts(512, seed=2))
     assert tight.stats.preemptions > 0
+
+
+def test_e2b_shaped_window_long_prompts_match_transformers():
+    """E2B's geometry on the CPU path: a 512-token window (a multiple of the 64-token page and the
+    128-token query block), prompts of 7, 130 and 600 tokens packed into one prefill, the longest past
+    the window (the case that differs from transformers on the H200's flex path, RESULTS.md)."""
+    engine = build_engine(compose(["+model=tiny", "device=cpu", "model.dtype=float32", "model.hf_config.sliding_window=512",
+                                   "model.hf_config.max_position_embeddings=2048", "engine.max_model_len=1024",
+                                   "kv.cpu_pages=128"]))
+    g = torch.Generator().manual_seed(0)
+    prompts = [[2] + torch.randint(3, engine.spec.vocab_size, (n - 1,), generator=g).tolist() for n in (7, 130, 600)]
+    check_parity(engine, prompts)
