@@ -130,7 +130,7 @@ def greedy_parity(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     the same weights: free-running agreement up to the first divergence, and teacher-forced top-1
     agreement (flexgemma's next token after each prefix of transformers' own continuation)."""
     from flexgemma import SamplingParams
-    from flexgemma.tasks.parity import compare, hf_greedy
+    from flexgemma.tasks.parity import compare, first_divergence, hf_greedy
 
     greedy = lambda n: SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
     ours = [o.token_ids for o in engine.generate(prompts, greedy(new_tokens))]
@@ -141,7 +141,7 @@ def greedy_parity(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     wanted = [t for r in ref for t in r]
     res["parity/teacher_forced_top1_pct"] = 100.0 * sum(a == b for a, b in zip(forced, wanted)) / len(wanted)
     res["parity/first_divergence_per_prompt"] = [
-        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), -1) for x, y in zip(ours, ref)]
+        d if (d := first_divergence(x, y)) is not None else -1 for x, y in zip(ours, ref)]
     res["parity/new_tokens"] = new_tokens
     return res
 

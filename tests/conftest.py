@@ -17,6 +17,19 @@ def make_engine(*overrides: str, model: str = "tiny"):
     return build_engine(compose([f"+model={model}", *SMALL, *overrides]))
 
 
+def tiny_multimodal(seed: int):
+    """A multimodal Gemma4ForConditionalGeneration around the tiny text config (a small vision tower,
+    no audio): what a user's checkpoint directory holds, in miniature."""
+    from omegaconf import OmegaConf
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = OmegaConf.to_container(compose(["+model=tiny"]).model.hf_config)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(seed)
+    return Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=vision, audio_config=None))
+
+
 @pytest.fixture(scope="session")
 def tiny_engine():
     return make_engine()

@@ -10,18 +10,12 @@ from flexgemma import SamplingParams, build_engine, compose
 from flexgemma.model.load import ModelLoadError
 from flexgemma.tasks.parity import hf_greedy
 
-from conftest import SMALL
+from conftest import SMALL, tiny_multimodal
 
 
 @pytest.fixture(scope="module")
 def multimodal_checkpoint(tmp_path_factory):
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
-
-    text = OmegaConf.to_container(compose(["+model=tiny"]).model.hf_config)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=16)
-    torch.manual_seed(123)
-    model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=vision, audio_config=None))
+    model = tiny_multimodal(seed=123)
     path = tmp_path_factory.mktemp("ckpt")
     model.save_pretrained(path)
     return path, model

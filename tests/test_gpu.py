@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flexgemma import SamplingParams, build_engine, compose
-from flexgemma.tasks.parity import hf_greedy
+from flexgemma.tasks.parity import first_divergence, hf_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +46,7 @@ def test_e2b_eager_generates_and_fp32_matches_transformers(dtype, backend):
     if dtype == "float32":
         for p, o in zip(ps, outs):
             ref = hf_greedy(engine.model, p, 16)
-            d = next((i for i, (a, b) in enumerate(zip(o.token_ids, ref)) if a != b), None)
+            d = first_divergence(o.token_ids, ref)
             if d is None:
                 continue
             logits = hf_last_logits(engine.model, p + ref[:d])

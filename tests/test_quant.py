@@ -5,13 +5,12 @@ model on the same packed weights, and pre-quantised checkpoints. GPU versions ar
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
 from flexgemma import SamplingParams, build_engine, compose
 from flexgemma.model.moe import experts_grouped, experts_loop
 from flexgemma.tasks.parity import hf_greedy
 
-from conftest import SMALL
+from conftest import SMALL, tiny_multimodal
 
 bnb = pytest.importorskip("bitsandbytes")
 from flexgemma.model.quant import (  # noqa: E402
@@ -114,14 +113,10 @@ def test_bnb4_greedy_equals_transformers_on_the_quantised_model(model):
 @pytest.fixture(scope="module")
 def prequantised_multimodal(tmp_path_factory):
     """transformers quantises a tiny multimodal Gemma-4 with bitsandbytes on the CPU and saves it."""
-    from transformers import BitsAndBytesConfig, Gemma4Config, Gemma4ForConditionalGeneration
+    from transformers import BitsAndBytesConfig, Gemma4ForConditionalGeneration
 
-    text = OmegaConf.to_container(compose(["+model=tiny"]).model.hf_config)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=16)
-    torch.manual_seed(7)
     bf16 = tmp_path_factory.mktemp("bf16")
-    Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=vision, audio_config=None)).save_pretrained(bf16)
+    tiny_multimodal(seed=7).save_pretrained(bf16)
     qcfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=torch.float32)
     hf = Gemma4ForConditionalGeneration.from_pretrained(bf16, quantization_config=qcfg, device_map="cpu",

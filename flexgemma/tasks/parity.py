@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -18,12 +19,17 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
+    """The first index where two token lists differ (over their common length), or None."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def compare(ours: list[list[int]], ref: list[list[int]]) -> dict:
     match = total = exact = 0
     first_div = []
     for a, b in zip(ours, ref):
         n = min(len(a), len(b))
-        d = next((i for i in range(n) if a[i] != b[i]), None)
+        d = first_divergence(a, b)
         first_div.append(d)
         match += d if d is not None else n  # tokens agree up to the first divergence
         total += n
