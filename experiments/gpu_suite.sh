@@ -2,7 +2,7 @@
 # Everything that needs the GPU, stage by stage, each under its own time limit (device time is
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
-# Stages (in this order): tests retest e2b moe moe_triton lora lora_bnb4 sweep profile profile_moe moe_bnb4 moe_bnb4_triton 31b e4b lora_26b
+# Stages (in this order): tests moe_kernel_tests retest e2b moe moe_triton lora lora_bnb4 sweep profile profile_moe profile_moe_triton moe_bnb4 moe_bnb4_triton 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -57,6 +57,7 @@ gpu_tests() {
 export -f gpu_tests
 export L6
 run tests 420 bash -c gpu_tests
+run moe_kernel_tests 150 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s tests/test_moe_kernel.py
 # the tests that failed on the last run, side by side
 retest() {
   timeout 300 python3 -m pytest -q -p no:logging -s -m gpu tests/test_gpu.py -k e2b_eager > "$WORK/retest_e2b.log" 2>&1 &
@@ -86,6 +87,8 @@ run profile 120 python3 experiments/profile_decode.py +model=e2b +experiment=spe
   --batch 64 --context 544 --out "$WORK/profile.json"
 run profile_moe 150 python3 experiments/profile_decode.py +model=26b_a4b +experiment=speed_26b_a4b \
   workload.num_prompts=8 cudagraph.buckets=[8] --batch 8 --context 384 --out "$WORK/profile_moe.json"
+run profile_moe_triton 150 python3 experiments/profile_decode.py +model=26b_a4b +experiment=speed_26b_a4b \
+  engine.moe_kernel=triton workload.num_prompts=8 cudagraph.buckets=[8] --batch 8 --context 384 --out "$WORK/profile_moe_triton.json"
 run moe_bnb4 240 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b quant=bnb4 workload.num_prompts=32 \
   engine.max_batch_size=32 --batch-sizes 8,32 --no-hf --out "$WORK/moe_bnb4.json"
 run moe_bnb4_triton 240 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b quant=bnb4 engine.moe_kernel=triton workload.num_prompts=32 \
