@@ -84,7 +84,7 @@ def _expert_rows_kernel(x_ptr, w_ptr, absmax_ptr, code4_ptr, ncode_ptr, nabsmax_
 
 
 def _launch(x: torch.Tensor, n: int, k: int, groups: int, ends: torch.Tensor, block_n: int, block_k: int,
-            num_warps: int, **weights) -> torch.Tensor:
+            num_warps: int, num_stages: Optional[int] = None, **weights) -> torch.Tensor:
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"the Triton expert kernel takes bf16/fp16 rows, got {x.dtype}")
     x = x.contiguous()
@@ -93,12 +93,13 @@ def _launch(x: torch.Tensor, n: int, k: int, groups: int, ends: torch.Tensor, bl
         return out
     _expert_rows_kernel[(groups, triton.cdiv(n, block_n))](
         x_ptr=x, out_ptr=out, ends_ptr=ends, N=n, K=k, stride_x=x.stride(0), stride_out=out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **weights)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        **({"num_stages": num_stages} if num_stages else {}), **weights)
     return out
 
 
 def expert_rows_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, block_n: int = 64, block_k: int = 128,
-                   num_warps: int = 4) -> torch.Tensor:
+                   num_warps: int = 4, num_stages: Optional[int] = None) -> torch.Tensor:
     """x [R, K] rows grouped by expert; w [G, N, K] (group g's matrix, as stored); ends [G] int32
     cumulative row ends (group g owns rows [ends[g-1], ends[g])) -> [R, N] = x_g @ w[g].T per group.
     bf16/fp16 inputs, float32 accumulation."""
@@ -107,7 +108,7 @@ def expert_rows_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, block_n
     if w.stride(2) != 1:
         w = w.contiguous()
     g, n, k = w.shape
-    return _launch(x, n, k, g, ends, block_n, block_k, num_warps, w_ptr=w, absmax_ptr=w, code4_ptr=w, ncode_ptr=w,
+    return _launch(x, n, k, g, ends, block_n, block_k, num_warps, num_stages, w_ptr=w, absmax_ptr=w, code4_ptr=w, ncode_ptr=w,
                    nabsmax_ptr=w, noffset_ptr=w, ids_ptr=ends, stride_we=w.stride(0), stride_wn=w.stride(1),
                    stride_ae=0, stride_ne=0, PACKED=False, QBLOCK=1, NESTED=1, DOUBLE_QUANT=False, HAS_IDS=False)
 
@@ -126,7 +127,8 @@ def _code4(quant_type: str, device: torch.device) -> torch.Tensor:
 
 
 def expert_rows_mm_4bit(x: torch.Tensor, weight, ids: Optional[torch.Tensor], ends: torch.Tensor,
-                        block_n: int = 64, block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
+                        block_n: int = 64, block_k: int = 128, num_warps: int = 4,
+                        num_stages: Optional[int] = None) -> torch.Tensor:
     """expert_rows_mm over a `quant.PackedExpertWeight` [E, N, K]: group g multiplies expert ids[g]
     (expert g when ids is None), decoded tile by tile in registers."""
     _, n, k = weight.shape
@@ -134,7 +136,7 @@ def expert_rows_mm_4bit(x: torch.Tensor, weight, ids: Optional[torch.Tensor], en
     absmax = weight.absmax
     nested = weight.nested_absmax if dq else absmax  # placeholders when not double-quantised (never read)
     return _launch(
-        x, n, k, ids.shape[0] if ids is not None else weight.shape[0], ends, block_n, block_k, num_warps,
+        x, n, k, ids.shape[0] if ids is not None else weight.shape[0], ends, block_n, block_k, num_warps, num_stages,
         w_ptr=weight.packed, absmax_ptr=absmax, code4_ptr=_code4(weight.quant_type, x.device),
         ncode_ptr=weight.nested_code if dq else absmax, nabsmax_ptr=nested,
         noffset_ptr=weight.nested_offset if dq else absmax, ids_ptr=ids if ids is not None else ends,
