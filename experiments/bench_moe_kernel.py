@@ -1,12 +1,13 @@
-"""The routed experts' two GEMMs of one 26B-A4B layer at decode batch sizes, alone on the GPU:
-torch's grouped GEMM against the Triton kernel over a grid of tile options.
+"""The routed experts of one 26B-A4B layer at decode batch sizes, alone on the GPU: torch's path
+(sort by expert, two grouped GEMMs, index_add) against the two Triton kernels of
+`engine.moe_kernel=triton` over a grid of tile options, bf16 and (with --bnb4) packed 4-bit.
 
     python experiments/bench_moe_kernel.py --batch-sizes 8,32,64 --out moe_kernel.json
 
-Weights are random bf16 in the model's layout ([E, 2I, H] gate_up, [E, H, I] down); routing is
-uniform random top-8 of 128 (seeded), which spreads rows like the random-weight router does.
-Reported per GEMM: median microseconds over CUDA-event-timed launches, and the bytes of the
-experts that have rows divided by that time (the kernel's share of the H200's ~4.3 TB/s).
+Weights are random in the model's layout ([E, 2I, H] gate_up, [E, H, I] down); routing is uniform
+random top-8 of 128 (seeded), which spreads rows like the random-weight router does. Reported: the
+median microseconds of the whole routed-experts call (CUDA events), and the bytes of the experts
+that have rows divided by that time (against the H200's ~4.3 TB/s).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flexgemma.model.moe import _segment_mm  # noqa: E402
+from flexgemma.model.moe import experts_grouped  # noqa: E402
 
 
 def time_us(fn, iters: int = 40, warmup: int = 5) -> float:
@@ -47,53 +48,69 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2816)
     ap.add_argument("--intermediate", type=int, default=704)
+    ap.add_argument("--grid-batch-sizes", default="8,32", help="batch sizes (bf16) that also time the tile grid")
+    ap.add_argument("--bnb4", action="store_true", help="also the packed 4-bit experts (needs bitsandbytes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from flexgemma.model.moe_kernel import expert_rows_mm
+    from transformers.activations import GELUTanh
+
+    from flexgemma.model.moe_kernel import DOWN_TILES, UP_TILES, decode_experts
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     e, h, i, k = args.experts, args.hidden, args.intermediate, args.top_k
     g = torch.Generator(device=dev).manual_seed(0)
-    gate_up = torch.randn(e, 2 * i, h, device=dev, dtype=dt, generator=g) * 0.02
-    down = torch.randn(e, h, i, device=dev, dtype=dt, generator=g) * 0.02
-    grid = list(itertools.product((32, 64, 128), (128, 256), (4, 8), (2, 3, 4)))
-    res: dict = {"shape": {"experts": e, "hidden": h, "intermediate": i, "top_k": k}, "runs": []}
+    weights = {"bf16": ((torch.randn(e, 2 * i, h, device=dev, dtype=dt, generator=g) * 0.02),
+                        (torch.randn(e, h, i, device=dev, dtype=dt, generator=g) * 0.02))}
+    if args.bnb4:
+        from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+
+        s = Bnb4Settings(double_quant=True)
+        weights["bnb4"] = tuple(PackedExpertWeight.pack(w, s, dev) for w in weights["bf16"])
+    act = GELUTanh()
+    # (up BLOCK_N, down BLOCK_N, BLOCK_K, num_warps, num_stages); the up kernel reads a gate and an up
+    # tile per step, so its BLOCK_N streams twice as many weight rows
+    grid = list(itertools.product((32, 64), (64, 128), (128, 256), (4, 8), (3,)))
+    grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
+    res: dict = {"shape": {"experts": e, "hidden": h, "intermediate": i, "top_k": k},
+                 "default": {"up": UP_TILES, "down": DOWN_TILES}, "runs": []}
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         idx = torch.stack([torch.randperm(e, device=dev, generator=g)[:k] for _ in range(bs)])
-        flat = idx.reshape(-1)
-        counts = torch.bincount(flat, minlength=e)
-        ends = torch.cumsum(counts, 0).to(torch.int32)
-        used = int((counts > 0).sum())
-        x_up = torch.randn(bs * k, h, device=dev, dtype=dt, generator=g)
-        x_down = torch.randn(bs * k, i, device=dev, dtype=dt, generator=g)
-        for name, x, w in (("gate_up", x_up, gate_up), ("down", x_down, down)):
-            nbytes = used * w[0].numel() * w.element_size()
-            ref = _segment_mm(x, w.transpose(1, 2), ends)
-            row = {"batch": bs, "gemm": name, "experts_used": used, "bytes": nbytes,
-                   "grouped_mm_us": time_us(lambda: _segment_mm(x, w.transpose(1, 2), ends))}
-            row["grouped_mm_tb_s"] = nbytes / row["grouped_mm_us"] / 1e6
+        w = torch.softmax(torch.randn(bs, k, device=dev, generator=g), -1)
+        x = torch.randn(bs, h, device=dev, dtype=dt, generator=g)
+        used = int(idx.unique().numel())
+        for quant, (gate_up, down) in weights.items():
+            # bytes of one expert's two matrices as stored (4-bit: the packed nibbles; scales are ~1.6% more)
+            per_expert = (gate_up[0].numel() + down[0].numel()) * 2 if quant == "bf16" else \
+                (gate_up.packed[0].numel() + down.packed[0].numel())
+            nbytes = used * per_expert
+            ref = experts_grouped(x, idx, w, gate_up, down, act).float()
+            row = {"batch": bs, "quant": quant, "experts_used": used, "bytes": nbytes,
+                   "torch_us": time_us(lambda: experts_grouped(x, idx, w, gate_up, down, act))}
+            row["default_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down))
             configs = []
-            for bn, bk, warps, stages in grid:
-                fn = lambda: expert_rows_mm(x, w, ends, bn, bk, warps, stages)  # noqa: E731
+            for ubn, dbn, bk, warps, stages in (grid if quant == "bf16" and bs in grid_sizes else []):
+                up = dict(BLOCK_N=ubn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                dn = dict(BLOCK_N=dbn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                fn = lambda: decode_experts(x, idx, w, gate_up, down, up, dn)  # noqa: E731
+                c = {"up": up, "down": dn}
                 try:
-                    err = (fn().float() - ref.float()).abs().max().item()
-                    us = time_us(fn)
+                    got = fn().float()
+                    c["rel_err"] = ((got - ref).norm() / ref.norm()).item()
+                    c["us"] = time_us(fn)
                 except Exception as exc:  # noqa: BLE001 - a tile that does not fit this GPU
-                    configs.append({"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
-                                    "error": str(exc).splitlines()[0][:120]})
-                    continue
-                configs.append({"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
-                                "us": us, "tb_s": nbytes / us / 1e6, "max_abs_err": err})
-            ok = [c for c in configs if "us" in c]
+                    c["error"] = str(exc).splitlines()[0][:120]
+                configs.append(c)
+            ok = [c for c in configs if "us" in c] or [
+                {"up": UP_TILES, "down": DOWN_TILES, "us": row["default_us"],
+                 "rel_err": ((decode_experts(x, idx, w, gate_up, down).float() - ref).norm() / ref.norm()).item()}]
             best = min(ok, key=lambda c: c["us"])
-            row.update({"triton_best": best, "triton_configs": configs,
-                        "triton_default_us": next(c["us"] for c in ok if (c["block_n"], c["block_k"], c["num_warps"],
-                                                                          c["num_stages"]) == (64, 128, 4, 3))})
+            row.update({"best": best, "configs": configs})
             res["runs"].append(row)
-            print(f"bs {bs:3d} {name:7s} experts {used:3d} {nbytes / 1e6:7.1f} MB: grouped_mm {row['grouped_mm_us']:7.1f} us "
-                  f"({row['grouped_mm_tb_s']:.2f} TB/s), triton default {row['triton_default_us']:7.1f} us, best "
-                  f"{best['us']:7.1f} us ({best['tb_s']:.2f} TB/s) at block_n {best['block_n']} block_k {best['block_k']} "
-                  f"warps {best['num_warps']} stages {best['num_stages']}", flush=True)
+            print(f"bs {bs:3d} {quant:4s} experts {used:3d} {nbytes / 1e6:7.1f} MB: torch {row['torch_us']:7.1f} us "
+                  f"({nbytes / row['torch_us'] / 1e6:.2f} TB/s), triton default {row['default_us']:7.1f} us "
+                  f"({nbytes / row['default_us'] / 1e6:.2f} TB/s), best {best['us']:7.1f} us "
+                  f"({nbytes / best['us'] / 1e6:.2f} TB/s) up {best['up']} down {best['down']['BLOCK_N']}, "
+                  f"rel err {best['rel_err']:.1e}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 

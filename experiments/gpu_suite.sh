@@ -2,7 +2,7 @@
 # Everything that needs the GPU, stage by stage, each under its own time limit (device time is
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
-# Stages (in this order): tests moe_kernel_tests retest e2b moe moe_triton moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_triton moe_bnb4 moe_bnb4_triton 31b e4b lora_26b
+# Stages (in this order): tests moe_kernel_tests retest e2b moe moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -74,9 +74,9 @@ run retest 300 bash -c retest
 run e2b 240 python3 $bench +model=e2b +experiment=speed_e2b --both-loops --hf-rounds 1 --out "$WORK/e2b.json"
 run moe 330 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 --batch-sizes 8,16,32,64 \
   --hf-batch-sizes 8 --hf-rounds 1 --parity 4 --parity-tokens 32 --out "$WORK/moe.json"
-run moe_triton 300 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 \
-  engine.moe_kernel=triton --batch-sizes 8,16,32,64 --no-hf --parity 4 --parity-tokens 32 --out "$WORK/moe_triton.json"
-run moe_kernel_bench 150 python3 experiments/bench_moe_kernel.py --batch-sizes 8,32,64 --out "$WORK/moe_kernel_bench.json"
+run moe_grouped 300 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 \
+  engine.moe_kernel=grouped_mm --batch-sizes 8,16,32,64 --no-hf --parity 4 --parity-tokens 32 --out "$WORK/moe_grouped.json"
+run moe_kernel_bench 150 python3 experiments/bench_moe_kernel.py --batch-sizes 8,32,64 --bnb4 --out "$WORK/moe_kernel_bench.json"
 run lora 200 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=3 lora=r32 --out "$WORK/lora_e2b.json"
 run lora_bnb4 240 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=3 quant=bnb4 lora=r32 \
   --out "$WORK/lora_e2b_bnb4.json"
@@ -88,12 +88,12 @@ run profile 120 python3 experiments/profile_decode.py +model=e2b +experiment=spe
   --batch 64 --context 544 --out "$WORK/profile.json"
 run profile_moe 150 python3 experiments/profile_decode.py +model=26b_a4b +experiment=speed_26b_a4b \
   workload.num_prompts=8 engine.max_batch_size=8 cudagraph.buckets=[8] --batch 8 --context 384 --out "$WORK/profile_moe.json"
-run profile_moe_triton 150 python3 experiments/profile_decode.py +model=26b_a4b +experiment=speed_26b_a4b \
-  engine.moe_kernel=triton workload.num_prompts=8 engine.max_batch_size=8 cudagraph.buckets=[8] --batch 8 --context 384 --out "$WORK/profile_moe_triton.json"
+run profile_moe_grouped 150 python3 experiments/profile_decode.py +model=26b_a4b +experiment=speed_26b_a4b \
+  engine.moe_kernel=grouped_mm workload.num_prompts=8 engine.max_batch_size=8 cudagraph.buckets=[8] --batch 8 --context 384 --out "$WORK/profile_moe_grouped.json"
 run moe_bnb4 240 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b quant=bnb4 workload.num_prompts=32 \
   engine.max_batch_size=32 --batch-sizes 8,32 --no-hf --out "$WORK/moe_bnb4.json"
-run moe_bnb4_triton 240 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b quant=bnb4 engine.moe_kernel=triton workload.num_prompts=32 \
-  engine.max_batch_size=32 --batch-sizes 8,32 --no-hf --out "$WORK/moe_bnb4_triton.json"
+run moe_bnb4_grouped 240 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b quant=bnb4 engine.moe_kernel=grouped_mm \
+  workload.num_prompts=32 engine.max_batch_size=32 --batch-sizes 8,32 --no-hf --out "$WORK/moe_bnb4_grouped.json"
 run 31b 240 python3 $bench +model=31b +experiment=speed_e2b workload.num_prompts=32 engine.max_batch_size=32 \
   kv.max_pages=520 cudagraph=ladder16 workload.rounds=2 workload.max_new_tokens=256 --no-hf --out "$WORK/31b.json"
 run e4b 180 python3 $bench +model=e4b +experiment=speed_e2b workload.rounds=3 --no-hf --out "$WORK/e4b.json"

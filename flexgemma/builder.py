@@ -98,16 +98,26 @@ def _pool_sizes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: to
     return n, window_pages
 
 
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _moe_kernel(cfg: DictConfig, device: torch.device) -> str:
+    """engine.moe_kernel resolved: auto is the Triton decode kernels on a GPU (measured faster on the
+    H200, experiments/RESULTS.md), torch's grouped GEMM elsewhere."""
     kernel = str(cfg.engine.moe_kernel)
+    if kernel == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "grouped_mm"
     if kernel == "triton":
         import os
 
-        try:
-            import triton  # noqa: F401
-        except ImportError:
+        if not _triton_available():
             raise ConfigError("engine.moe_kernel=triton needs the triton package (it comes with CUDA builds of "
-                              "torch): use engine.moe_kernel=grouped_mm") from None
+                              "torch): use engine.moe_kernel=grouped_mm")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ConfigError(f"engine.moe_kernel=triton runs on a GPU, not on {device.type} (the tests run it "
                               "there through TRITON_INTERPRET=1): use engine.moe_kernel=grouped_mm")
@@ -142,7 +152,8 @@ def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
     use_compile = cfg.engine.compile if cfg.engine.compile is not None else device.type == "cuda"
     counter = CompileCounter()
     kernels = AttentionKernels(backend, decode_rows=cfg.engine.max_batch_size, counter=counter)
-    ops = make_ops(counter if use_compile else None, _moe_kernel(cfg, device))
+    moe_kernel = _moe_kernel(cfg, device)
+    ops = make_ops(counter if use_compile else None, moe_kernel)
     forward = GemmaForward(model, spec, cache, cfg.attn, max_len, kernels, ops)
     masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len)
     sample_fn = compile_fn(sample, counter) if use_compile else sample
@@ -165,7 +176,7 @@ def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
         max_model_len=max_len, attention_backend=backend, async_decode=bool(cfg.engine.async_decode),
     )
     if any(s.moe for s in spec.layers):
-        info["moe_kernel"] = str(cfg.engine.moe_kernel)
+        info["moe_kernel"] = moe_kernel
     engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info)
     engine.compile_counter = counter
     engine.async_decode = bool(cfg.engine.async_decode)

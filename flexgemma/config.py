@@ -142,9 +142,9 @@ class EngineConfig:
     # queue decode step N+1 before reading step N's tokens (host work overlaps the GPU; no sync a step)
     async_decode: bool = True  # measured on the H200: +10% on the E2B speed workload (RESULTS.md, run 8a)
     fuse_projections: bool = True  # one GEMM for q/k/v and one for gate/up (plain bf16/fp32 weights)
-    # routed experts at decode: grouped_mm (torch._grouped_mm) or triton (flexgemma/model/moe_kernel.py,
-    # one pass over each routed expert's weights for all its rows; bf16, GPU)
-    moe_kernel: str = "grouped_mm"
+    # routed experts at decode: triton (flexgemma/model/moe_kernel.py: two kernels a step, no sort; bf16
+    # or 4-bit, GPU), grouped_mm (torch's sort + grouped GEMM), or auto (triton on a GPU)
+    moe_kernel: str = "auto"
 
 
 @dataclass
@@ -282,8 +282,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"engine.max_model_len={eng.max_model_len} is invalid: at least 2")
     if eng.max_prefill_tokens < 16:
         raise ConfigError(f"engine.max_prefill_tokens={eng.max_prefill_tokens} is invalid: at least 16")
-    if eng.moe_kernel not in ("grouped_mm", "triton"):
-        raise ConfigError(f"engine.moe_kernel={eng.moe_kernel!r} is invalid: grouped_mm or triton")
+    if eng.moe_kernel not in ("auto", "grouped_mm", "triton"):
+        raise ConfigError(f"engine.moe_kernel={eng.moe_kernel!r} is invalid: auto, grouped_mm or triton")
     if cg.enabled:
         b = list(cg.buckets)
         if not b or any(x < 1 for x in b) or b != sorted(set(b)):

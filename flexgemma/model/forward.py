@@ -79,7 +79,7 @@ class GemmaForward(torch.nn.Module):
                 g, u = mlp.gate_proj(x), mlp.up_proj(x)
             m = mlp.down_proj(ops.gelu_mul(g, u))
             if s.moe:
-                m = moe_block(layer, h, m, ops.experts_kernel)
+                m = moe_block(layer, h, m, ops, eps)
             if s.per_layer_input:
                 h = ops.add_norm(h, m, layer.post_feedforward_layernorm.weight, eps)
                 g = ops.gelu_mul(layer.per_layer_input_gate(h), per_layer[:, s.index, :])

@@ -51,6 +51,27 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def moe_inputs(residual: torch.Tensor, norm_weight: torch.Tensor, router_scale: torch.Tensor, root: float,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' input (pre_feedforward_layernorm_2) and the router's (a scale-free norm, times its
+    scale and hidden_size^-0.5), from the same residual in one kernel."""
+    return rms_norm(residual, norm_weight, eps), rms_norm(residual, None, eps) * router_scale * root
+
+
+def route(scores: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma-4's router after its projection: float32 softmax, top-k, renormalised, per-expert scale."""
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    weights, index = torch.topk(probs, k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * per_expert_scale[index], index
+
+
+def add_two_norms(a: torch.Tensor, a_weight: torch.Tensor, b: torch.Tensor, b_weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """norm(a) + norm(b): the dense MLP's and the experts' outputs, each with its own norm."""
+    return rms_norm(a, a_weight, eps) + rms_norm(b, b_weight, eps)
+
+
 def final_logits(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     """lm_head output -> float32 logits, soft-capped (cap * tanh(x / cap)) when the model caps them."""
     x = x.float()
@@ -61,7 +82,8 @@ def make_ops(counter=None, moe_kernel: str = "grouped_mm") -> SimpleNamespace:
     """The glue functions: compiled with `counter` as backend (GPU), or plain (the CPU reference);
     and the routed experts' GEMMs (`experts_kernel`: None for torch's grouped GEMM)."""
     fns = dict(rms_norm=rms_norm, add_norm=add_norm, add_norm_norm=add_norm_norm, norm_rope=norm_rope,
-               gelu_mul=gelu_mul, final_logits=final_logits)
+               gelu_mul=gelu_mul, final_logits=final_logits, moe_inputs=moe_inputs, route=route,
+               add_two_norms=add_two_norms)
     if counter is not None:
         from flexgemma.engine.compiled import compile_fn
 

@@ -44,6 +44,11 @@ def _segment_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torc
     return out
 
 
+def _expert_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows grouped by expert times their experts' [E, out, in] weights."""
+    return _segment_mm(x, w.transpose(1, 2), ends)
+
+
 def routed_experts(counts: torch.Tensor, slots: int) -> torch.Tensor:
     """The ids of the experts with rows (ascending), then unused ones as padding: [slots] ids, a
     static shape whatever the routing. `slots` >= the number of distinct experts routed to."""
@@ -52,20 +57,17 @@ def routed_experts(counts: torch.Tensor, slots: int) -> torch.Tensor:
     return torch.argsort((counts == 0).to(torch.int32), stable=True)[:slots]
 
 
-# the Triton expert kernel (engine.moe_kernel=triton) takes decode-sized steps; bigger ones (prefill)
-# go to torch's grouped GEMM, whose large tiles suit many rows per expert
-KERNEL_MAX_ROWS = 2048
-
-
 def experts_grouped(
     x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up, down, act, kernel=None,
 ) -> torch.Tensor:
     """x [T, H]; top_k_* [T, K]; gate_up [E, 2I, H]; down [E, H, I] -> [T, H].
 
     gate_up / down are tensors (bf16, fp32) or packed 4-bit weights with `.dequantize(ids)`.
-    kernel: the experts' GEMMs over weights as stored (moe_kernel.TritonExperts: `.dense` for [G, N, K]
-    tensors, `.packed` for 4-bit ones, decoded in the kernel), used for bf16/fp16 steps of at most
-    KERNEL_MAX_ROWS rows; None: torch's grouped GEMM (4-bit experts dequantised first)."""
+    kernel: moe_kernel.TritonExperts (engine.moe_kernel=triton), which takes the steps it can (decode
+    sized, bf16/fp16) whole, over the weights as stored; the rest (and kernel=None) run here: rows
+    sorted by expert, torch's grouped GEMM (4-bit experts dequantised first)."""
+    if kernel is not None and kernel.takes(x, top_k_index, act, gate_up, down):
+        return kernel(x, top_k_index, top_k_weights, gate_up, down)
     t, k = top_k_index.shape
     n_exp = gate_up.shape[0]
     flat = top_k_index.reshape(-1)
@@ -74,14 +76,11 @@ def experts_grouped(
     # scatter_add, not bincount: bincount syncs with the host to size its output (no graph capture)
     counts = torch.zeros(n_exp, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     rows = x[token]
-    if kernel is not None and (rows.shape[0] > KERNEL_MAX_ROWS or rows.dtype not in (torch.bfloat16, torch.float16)):
-        kernel = None
-    mm = kernel.dense if kernel is not None else (lambda a, w, ends: _segment_mm(a, w.transpose(1, 2), ends))
     if isinstance(gate_up, torch.Tensor):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
-        h = mm(rows, gate_up, offsets)
+        h = _expert_mm(rows, gate_up, offsets)
         g, u = h.chunk(2, dim=-1)
-        h = mm(act(g) * u, down, offsets)
+        h = _expert_mm(act(g) * u, down, offsets)
     else:
         # 4-bit: at most t*k experts have rows; dequantise just those (one matrix at a time, so only
         # one of the two bf16 copies is alive), grouped in the same order as the rows
@@ -91,14 +90,9 @@ def experts_grouped(
             experts = routed_experts(counts, t * k)
             group_counts = counts[experts]
         offsets = torch.cumsum(group_counts, 0).to(torch.int32)
-        if kernel is not None:  # decoded tile by tile inside the kernel: no bf16 copy of the experts
-            h = kernel.packed(rows, gate_up, experts, offsets)
-            g, u = h.chunk(2, dim=-1)
-            h = kernel.packed(act(g) * u, down, experts, offsets)
-        else:
-            h = mm(rows, gate_up.dequantize(experts), offsets)
-            g, u = h.chunk(2, dim=-1)
-            h = mm(act(g) * u, down.dequantize(experts), offsets)
+        h = _expert_mm(rows, gate_up.dequantize(experts), offsets)
+        g, u = h.chunk(2, dim=-1)
+        h = _expert_mm(act(g) * u, down.dequantize(experts), offsets)
     h = h * top_k_weights.reshape(-1)[order, None]  # float32 router weights, as transformers multiplies
     return torch.zeros_like(x).index_add_(0, token, h.to(x.dtype))
 
@@ -116,14 +110,17 @@ def experts_loop(x, top_k_index, top_k_weights, gate_up, down, act) -> torch.Ten
     return out
 
 
-def moe_block(layer, residual: torch.Tensor, dense_out: torch.Tensor, kernel=None) -> torch.Tensor:
-    """Gemma-4's MLP + experts: both normed, summed (before the post-feedforward norm)."""
-    _, weights, index = layer.router(residual)
+def moe_block(layer, residual: torch.Tensor, dense_out: torch.Tensor, ops, eps: float) -> torch.Tensor:
+    """Gemma-4's MLP + experts: both normed, summed (before the post-feedforward norm). The router's
+    and the norms' elementwise maths are ops' fused glue; its projection is the model's module."""
+    router = layer.router
+    x, router_in = ops.moe_inputs(residual, layer.pre_feedforward_layernorm_2.weight, router.scale,
+                                  router.scalar_root_size, eps)
+    weights, index = ops.route(router.proj(router_in), router.per_expert_scale, router.config.top_k_experts)
     experts = layer.experts
     if hasattr(experts, "get_base_layer"):  # peft's expert LoRA wraps the module; the merge is in its Parameters
         experts = experts.get_base_layer()
-    routed = experts_grouped(
-        layer.pre_feedforward_layernorm_2(residual), index, weights,
-        experts.gate_up_proj, experts.down_proj, experts.act_fn, kernel,
-    )
-    return layer.post_feedforward_layernorm_1(dense_out) + layer.post_feedforward_layernorm_2(routed)
+    routed = experts_grouped(x, index, weights, experts.gate_up_proj, experts.down_proj, experts.act_fn,
+                             ops.experts_kernel)
+    return ops.add_two_norms(dense_out, layer.post_feedforward_layernorm_1.weight, routed,
+                             layer.post_feedforward_layernorm_2.weight, eps)
