@@ -93,8 +93,16 @@ def experts_grouped(
         h = _expert_mm(rows, gate_up.dequantize(experts), offsets)
         g, u = h.chunk(2, dim=-1)
         h = _expert_mm(act(g) * u, down.dequantize(experts), offsets)
-    h = h * top_k_weights.reshape(-1)[order, None]  # float32 router weights, as transformers multiplies
-    return torch.zeros_like(x).index_add_(0, token, h.to(x.dtype))
+    h = (h * top_k_weights.reshape(-1)[order, None]).to(x.dtype)  # float32 router weights, as transformers
+    # each token's k rows, in expert order, added one after another: transformers' per-expert index_add
+    # arithmetic without its atomics on the GPU (index_add_ there sums in whatever order threads land)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device)
+    per_token = h[position.view(t, k).sort(dim=1).values]  # [T, K, H]; sorted positions follow expert ids
+    out = torch.zeros_like(x)
+    for j in range(k):
+        out += per_token[:, j]
+    return out
 
 
 def experts_loop(x, top_k_index, top_k_weights, gate_up, down, act) -> torch.Tensor:
