@@ -110,31 +110,41 @@ def test_triton_kernel_on_the_cpu_without_the_interpreter_is_a_clear_error():
 
 @pytest.mark.gpu
 def test_gpu_triton_engine_agrees_with_grouped_mm_in_graphs():
-    """tiny_moe bf16 through CUDA graphs: the routed kernels' greedy tokens against torch's path."""
+    """tiny_moe bf16 through CUDA graphs, teacher-forced: after each prefix of torch's path's own greedy
+    continuation, the Triton engine picks the same next token. (Free-running agreement is not a test
+    here: the kernels round like torch's path but gelu and the choice sum differ by an ulp, and a
+    random tiny model's near-flat logits then part ways within a few tokens.)"""
     sp = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[2, 5, 9, 14, 3], [2, 77, 31], [2, 8, 8, 8]]
-    toks = {}
-    for kernel in ("grouped_mm", "triton"):
-        engine = build_engine(compose(["+model=tiny_moe", "device=cuda", "kv.max_pages=64", "engine.max_batch_size=8",
-                                       "cudagraph.buckets=[1,2,4,8]", f"engine.moe_kernel={kernel}"]))
-        toks[kernel] = [o.token_ids for o in engine.generate(prompts, sp)]
-        assert sum(engine.runner.graphs.hits.values()) > 0
-    agree = sum(a == b for x, y in zip(toks["grouped_mm"], toks["triton"]) for a, b in zip(x, y))
-    assert agree >= 0.9 * 24 * len(prompts)  # bf16: summation order may flip a near tie late in a sequence
+    engines = {kernel: build_engine(compose([
+        "+model=tiny_moe", "device=cuda", "kv.max_pages=256", "engine.max_batch_size=8", "cudagraph.buckets=[1,2,4,8]",
+        "engine.compile=false", f"engine.moe_kernel={kernel}"])) for kernel in ("grouped_mm", "triton")}
+    assert engines["triton"].info["moe_kernel"] == "triton"
+    ref = [o.token_ids for o in engines["grouped_mm"].generate(prompts, sp)]
+    prefixes = [p + r[:j] for p, r in zip(prompts, ref) for j in range(len(r))]
+    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    forced = [o.token_ids[0] for o in engines["triton"].generate(prefixes, one)]
+    wanted = [t for r in ref for t in r]
+    assert sum(engines["triton"].runner.graphs.hits.values()) > 0
+    agree = sum(a == b for a, b in zip(forced, wanted)) / len(wanted)
+    print(f"teacher-forced agreement {agree:.3f}")
+    assert agree >= 0.9
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["bf16", "bnb4"])
-def test_gpu_decode_experts_equal_loop_inside_a_graph(quant):
+@pytest.mark.parametrize("shape", [(32, 512, 192, 8), (8, 64, 32, 2)], ids=["wide", "tiny_moe"])
+def test_gpu_decode_experts_equal_loop_inside_a_graph(quant, shape):
     """The routed decode kernels in bf16 (plain and 4-bit experts), at the batch sizes the ladder
-    uses, eagerly and replayed from a CUDA graph with new routing copied in."""
+    uses and at tiny_moe's shape (every dimension under one tile), eagerly and replayed from a CUDA
+    graph with new routing copied in."""
     from flexgemma.model.moe import experts_loop
     from flexgemma.model.moe_kernel import decode_experts
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    e, h, i, k = 32, 512, 192, 8
+    e, h, i, k = shape
     gate_up = (torch.randn(e, 2 * i, h, device=dev) * 0.05).bfloat16()
     down = (torch.randn(e, h, i, device=dev) * 0.05).bfloat16()
     if quant == "bnb4":
@@ -161,7 +171,9 @@ def test_gpu_decode_experts_equal_loop_inside_a_graph(quant):
 
 
 @pytest.mark.gpu
-def test_gpu_triton_4bit_experts_equal_dequantised_and_shrink_the_graph_pool():
+def test_gpu_4bit_experts_take_torchs_path_under_the_triton_kernel():
+    """quant=bnb4 with engine.moe_kernel=triton: 4-bit experts go to torch's dequantise + grouped GEMM
+    path (the in-kernel decode measured 2-4x slower on the H200, RESULTS.md), and it equals the loop."""
     from flexgemma.model.moe import experts_grouped, experts_loop
     from flexgemma.model.moe_kernel import TritonExperts
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
@@ -175,16 +187,7 @@ def test_gpu_triton_4bit_experts_equal_dequantised_and_shrink_the_graph_pool():
     for t in (1, 3, 64):
         x = torch.randn(t, 256, device=dev, dtype=torch.bfloat16)
         w, idx = torch.softmax(torch.randn(t, 16, device=dev), -1).topk(4, dim=-1)
+        assert not TritonExperts.takes(x, idx, act, gate_up, down)
         got = experts_grouped(x, idx, w, gate_up, down, act, kernel=TritonExperts()).float()
         ref = experts_loop(x.float(), idx, w, gate_up.dequantize().float(), down.dequantize().float(), act)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-2
-    pools = {}
-    for kernel in ("grouped_mm", "triton"):
-        engine = build_engine(compose(["+model=tiny_moe", "quant=bnb4", "device=cuda", "kv.max_pages=64",
-                                       "engine.max_batch_size=8", "cudagraph.buckets=[1,2,4,8]",
-                                       f"engine.moe_kernel={kernel}"]))
-        outs = engine.generate([[2, 5, 9, 14, 3]] * 3, SamplingParams(max_new_tokens=8, temperature=0.0))
-        assert all(len(o.token_ids) == 8 for o in outs)
-        pools[kernel] = engine.runner.graphs.pool_bytes
-    print(pools)
-    assert pools["triton"] <= pools["grouped_mm"]

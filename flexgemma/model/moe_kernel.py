@@ -13,10 +13,11 @@ kernels per layer around two GEMMs that read the weights at 1.6-2.7 TB/s on the 
 - down: the same over the down projection, times the entry's router weight, in float32;
 - the K choices of each token summed (one reduction).
 
-Experts with no entries exit at once. Weights are read in their stored [E, N, K] layout. With
-quant=bnb4 the kernels read the packed 4-bit experts (`quant.PackedExpertWeight`) and decode each
-tile in registers (code[nibble] x block scale, the scale itself decoded when double quantised): no
-bf16 copy of the routed experts is made. Prefill (many rows per expert) stays on torch's grouped GEMM.
+Experts with no entries exit at once. Weights are read in their stored [E, N, K] layout. Prefill
+(many rows per expert) stays on torch's grouped GEMM. The kernels also read packed 4-bit experts
+(`quant.PackedExpertWeight`, decoded a quantisation block at a time in registers), correctly but at
+0.05 TB/s on the H200, slower than torch's dequantise-then-GEMM path, so `TritonExperts.takes` sends
+4-bit experts to that path until the in-kernel decode is fast (bench_moe_kernel.py --bnb4 measures it).
 
 Imported only when selected: Triton is a GPU dependency (the CPU runs it only through Triton's
 interpreter, TRITON_INTERPRET=1, which the tests use).
@@ -269,10 +270,13 @@ class TritonExperts:
 
     @staticmethod
     def takes(x: torch.Tensor, top_k_index: torch.Tensor, act, gate_up, down) -> bool:
-        """A decode-sized bf16/fp16 step with Gemma-4's activation, over weights the kernels read
-        (anything else: torch's path)."""
+        """A decode-sized bf16/fp16 step with Gemma-4's activation over plain weights (anything else:
+        torch's path). 4-bit experts go to torch's path too: decode_experts reads them correctly, but its
+        in-kernel decode ran at 0.05 TB/s on the H200, 2-4x slower than dequantising the routed experts
+        and running the grouped GEMM (experiments/bench_moe_kernel.py --bnb4, RESULTS.md)."""
         return (x.dtype in (torch.bfloat16, torch.float16) and top_k_index.numel() <= ROUTED_MAX_ENTRIES
-                and is_gelu_tanh(act) and weights_supported(gate_up, x.dtype) and weights_supported(down, x.dtype))
+                and is_gelu_tanh(act) and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+                and weights_supported(gate_up, x.dtype) and weights_supported(down, x.dtype))
 
     def __call__(self, x, top_k_index, top_k_weights, gate_up, down) -> torch.Tensor:
         return decode_experts(x, top_k_index, top_k_weights, gate_up, down)
