@@ -48,7 +48,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2816)
     ap.add_argument("--intermediate", type=int, default=704)
-    ap.add_argument("--grid-batch-sizes", default="8,32", help="batch sizes (bf16) that also time the tile grid")
+    ap.add_argument("--grid-batch-sizes", default="8,32", help="batch sizes that also time the tile grid")
+    ap.add_argument("--grid-quants", default="bf16,bnb4", help="weight kinds that time the tile grid")
     ap.add_argument("--bnb4", action="store_true", help="also the packed 4-bit experts (needs bitsandbytes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -71,6 +72,7 @@ def main() -> None:
     # tile per step, so its BLOCK_N streams twice as many weight rows
     grid = list(itertools.product((32, 64), (64, 128), (128, 256), (4, 8), (3,)))
     grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
+    grid_quants = set(args.grid_quants.split(","))
     res: dict = {"shape": {"experts": e, "hidden": h, "intermediate": i, "top_k": k},
                  "default": {"up": UP_TILES, "down": DOWN_TILES}, "runs": []}
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
@@ -88,7 +90,7 @@ def main() -> None:
                    "torch_us": time_us(lambda: experts_grouped(x, idx, w, gate_up, down, act))}
             row["default_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down))
             configs = []
-            for ubn, dbn, bk, warps, stages in (grid if quant == "bf16" and bs in grid_sizes else []):
+            for ubn, dbn, bk, warps, stages in (grid if quant in grid_quants and bs in grid_sizes else []):
                 up = dict(BLOCK_N=ubn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 dn = dict(BLOCK_N=dbn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 fn = lambda: decode_experts(x, idx, w, gate_up, down, up, dn)  # noqa: E731

@@ -28,22 +28,33 @@ def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype, backend", [("bfloat16", "flex"), ("float32", "flex"), ("float32", "dense")])
 def test_e2b_eager_generates_and_fp32_matches_transformers(dtype, backend):
-    """float32: the same greedy tokens as transformers, except where transformers' own top two logits
-    are a near tie (random weights give a flat distribution over 262k tokens: the two kernels' summation
-    orders may then pick differently). At a divergence the tie must be within float32 noise, and our
-    logprob of our token must equal transformers' logprob of it."""
+    """float32: the same greedy tokens as transformers, except where the two differ by no more than
+    float32 rounding does inside flexgemma itself.
+
+    Random weights give a near-flat distribution over 262k tokens, and 35 random layers amplify
+    rounding: the H200 showed ~1e-3 logprob differences to transformers on short prompts in both
+    attention backends (RESULTS.md, session 3). The yardstick is flexgemma's own noise: each prompt
+    run alone against the same prompt packed with the others (other GEMM shapes, other summation
+    orders, same maths), compared over the tokens before they part. At a divergence from
+    transformers, transformers' margin and the logprob gap must be within max(2e-3, 4 x that noise):
+    a real difference (a wrong window, a wrong page) stands far above it."""
     # backend=dense (mask_mod + SDPA, the CPU path) beside flex tells a flex kernel problem from the rest
     engine = engine_for("+model=e2b", f"model.dtype={dtype}", "cudagraph=off", "engine.compile=false",
                         f"attn.backend={backend}")
     ps = prompts(engine.spec.vocab_size)
-    outs = engine.generate(ps, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
-    if dtype == "float32":  # each prompt alone too: packing must not change a prompt's tokens
-        alone = [engine.generate([p], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))[0]
-                 for p in ps]
-        print("alone == packed:", [a.token_ids == o.token_ids for a, o in zip(alone, outs)],
-              "max |logprob| gap:", max(abs(x - y) for a, o in zip(alone, outs) for x, y in zip(a.logprobs, o.logprobs)))
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(ps, sp)
     assert all(len(o.token_ids) == 16 for o in outs)
     if dtype == "float32":
+        noise = 0.0
+        for p, o in zip(ps, outs):
+            a = engine.generate([p], sp)[0]
+            d = first_divergence(a.token_ids, o.token_ids)
+            common = len(o.token_ids) if d is None else d  # logprobs of the same tokens
+            gaps = [abs(x - y) for x, y in zip(a.logprobs[:common], o.logprobs[:common])]
+            noise = max([noise, *gaps])
+            print(f"prompt {len(p)}: alone vs packed part at {d}, max |logprob| gap before {max(gaps, default=0):.2e}")
+        tol = max(2e-3, 4 * noise)
         for p, o in zip(ps, outs):
             ref = hf_greedy(engine.model, p, 16)
             d = first_divergence(o.token_ids, ref)
@@ -53,10 +64,10 @@ def test_e2b_eager_generates_and_fp32_matches_transformers(dtype, backend):
             margin = (logits[ref[d]] - logits[o.token_ids[d]]).item()
             ours_lp = o.logprobs[d]
             hf_lp = torch.log_softmax(logits, -1)[o.token_ids[d]].item()
-            print(f"prompt {len(p)}: first divergence at {d}, transformers' margin {margin:.2e}, "
-                  f"logprob ours {ours_lp:.6f} vs transformers {hf_lp:.6f}")
-            assert margin < 2e-3, f"diverged at {d} where transformers' choice leads by {margin} (no near tie)"
-            assert abs(ours_lp - hf_lp) < 2e-3
+            print(f"prompt {len(p)}: first divergence from transformers at {d}, transformers' margin {margin:.2e}, "
+                  f"logprob ours {ours_lp:.6f} vs transformers {hf_lp:.6f}, tolerance {tol:.2e}")
+            assert margin < tol, f"diverged at {d} where transformers' choice leads by {margin} (noise {noise})"
+            assert abs(ours_lp - hf_lp) < tol
     del engine
     torch.cuda.empty_cache()
 
