@@ -48,6 +48,7 @@ def run_case(overrides: list[str]) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from flexgemma import build_engine, compose
     from flexgemma.model.quant import storage_census
+    from flexgemma.tasks.common import timed_rounds
     from flexgemma.tracking import environment
     from flexgemma.workload import synthetic
 
@@ -59,17 +60,9 @@ def run_case(overrides: list[str]) -> dict:
     build_peak = torch.cuda.max_memory_allocated()
     w = cfg.workload
     work = synthetic(w, engine.spec.vocab_size)
-    for _ in range(int(w.warmup_rounds)):
-        engine.generate(work.prompts, work.params)
-    torch.cuda.synchronize()
-    tok_s, decode_tok_s = [], []
-    for _ in range(int(w.rounds)):
-        t1 = time.perf_counter()
-        outs = engine.generate(work.prompts, work.params)
-        torch.cuda.synchronize()
-        tok_s.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t1))
-        st = engine.stats
-        decode_tok_s.append(st.decode_tokens / st.decode_time if st.decode_time else 0.0)
+    rounds = timed_rounds(engine, work.prompts, work.params, int(w.warmup_rounds), int(w.rounds))
+    tok_s = [r.tok_s for r in rounds]
+    decode_tok_s = [r.decode_tokens / r.decode_time if r.decode_time else 0.0 for r in rounds]
     census = storage_census(engine.model)
     res = {
         "overrides": overrides,

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma import build_engine, compose  # noqa: E402
+from flexgemma.tasks.common import timed_rounds  # noqa: E402
 from flexgemma.tasks.drift import perturbed  # noqa: E402
 from flexgemma.tracking import environment  # noqa: E402
 from flexgemma.workload import synthetic  # noqa: E402
@@ -35,22 +36,12 @@ GB = 1e9
 
 
 def throughput(engine, work, w) -> dict:
-    for _ in range(int(w.warmup_rounds)):
-        engine.generate(work.prompts, work.params)
-    torch.cuda.synchronize()
-    rounds, first = [], None
-    for _ in range(int(w.rounds)):
-        t0 = time.perf_counter()
-        outs = engine.generate(work.prompts, work.params)
-        wall = time.perf_counter() - t0
-        st = engine.stats
-        rounds.append((sum(len(o.token_ids) for o in outs) / wall, st.decode_time / max(st.decode_steps, 1) * 1e3))
-        first = first or [o.token_ids for o in outs]
+    rounds = timed_rounds(engine, work.prompts, work.params, int(w.warmup_rounds), int(w.rounds))
     return {
-        "tok_s_rounds": [r[0] for r in rounds],
-        "tok_s_median": statistics.median(r[0] for r in rounds),
-        "decode_step_ms_median": statistics.median(r[1] for r in rounds),
-        "tokens": first,
+        "tok_s_rounds": [r.tok_s for r in rounds],
+        "tok_s_median": statistics.median(r.tok_s for r in rounds),
+        "decode_step_ms_median": statistics.median(r.decode_step_ms for r in rounds),
+        "tokens": rounds[0].token_ids,
     }
 
 

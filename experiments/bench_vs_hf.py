@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma import build_engine, compose  # noqa: E402
-from flexgemma.tasks.common import weight_bytes_per_decode_step  # noqa: E402
+from flexgemma.tasks.common import TimedRound, timed_rounds, weight_bytes_per_decode_step  # noqa: E402
 from flexgemma.tracking import environment  # noqa: E402
 from flexgemma.workload import synthetic  # noqa: E402
 
@@ -86,28 +86,9 @@ def hf_generate(model, prompts, max_new: int, rounds: int) -> dict:
     }
 
 
-def time_engine(engine, prompts, params, warmup: int, rounds: int) -> list[dict]:
-    for _ in range(warmup):
-        engine.generate(prompts, params)
-    sync()
-    out = []
-    for _ in range(rounds):
-        t1 = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        sync()
-        wall = time.perf_counter() - t1
-        st = engine.stats
-        out.append({
-            "wall": wall, "tokens": sum(len(o.token_ids) for o in outs), "decode_steps": st.decode_steps,
-            "decode_time": st.decode_time, "prefill_time": st.prefill_time, "prefill_tokens": st.prefill_tokens,
-        })
-    return out
-
-
-def engine_numbers(engine, cfg, prompts, rounds: list[dict], prefix: str) -> dict:
-    med = lambda key: statistics.median(r[key] for r in rounds)  # noqa: E731
-    tok_s = [r["tokens"] / r["wall"] for r in rounds]
-    step_ms = med("decode_time") / med("decode_steps") * 1e3
+def engine_numbers(engine, cfg, prompts, rounds: list[TimedRound], prefix: str) -> dict:
+    tok_s = [r.tok_s for r in rounds]
+    step_ms = statistics.median(r.decode_time for r in rounds) / statistics.median(r.decode_steps for r in rounds) * 1e3
     esize = next(engine.model.parameters()).element_size()
     contexts = [len(p) + cfg.workload.max_new_tokens // 2 for p in prompts]
     wbytes = weight_bytes_per_decode_step(engine.model, len(prompts))  # MoE: the experts this batch routes to
@@ -116,7 +97,7 @@ def engine_numbers(engine, cfg, prompts, rounds: list[dict], prefix: str) -> dic
         f"{prefix}flexgemma/tok_s_rounds": tok_s,
         f"{prefix}flexgemma/tok_s_median": statistics.median(tok_s),
         f"{prefix}flexgemma/decode_step_ms_median": step_ms,
-        f"{prefix}flexgemma/prefill_seconds_median": med("prefill_time"),
+        f"{prefix}flexgemma/prefill_seconds_median": statistics.median(r.prefill_time for r in rounds),
         f"{prefix}roofline/weight_gb_per_step": wbytes / GB,
         f"{prefix}roofline/kv_gb_per_step_mean": kvbytes / GB,
         f"{prefix}roofline/achieved_tb_s": (wbytes + kvbytes) / (step_ms / 1e3) / 1e12,
@@ -186,7 +167,7 @@ def main() -> None:
     for bs in sizes:
         for async_decode in loops:
             engine.async_decode = async_decode
-            rounds = time_engine(engine, work.prompts[:bs], work.params[:bs], int(w.warmup_rounds), int(w.rounds))
+            rounds = timed_rounds(engine, work.prompts[:bs], work.params[:bs], int(w.warmup_rounds), int(w.rounds))
             loop = "async" if async_decode else "sync"
             prefix = ("" if len(sizes) == 1 else f"bs{bs}/") + (f"{loop}/" if async_decode != loops[0] else "")
             res.update(engine_numbers(engine, cfg, work.prompts[:bs], rounds, prefix))

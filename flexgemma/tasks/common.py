@@ -4,11 +4,53 @@ from __future__ import annotations
 
 import resource
 import sys
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 GIB = float(2**30)
+
+
+@dataclass
+class TimedRound:
+    """One timed engine.generate over a workload, with the engine's step counters of that round."""
+
+    wall: float  # seconds, the GPU synchronised at both ends
+    tokens: int  # generated tokens
+    token_ids: list  # per request
+    decode_steps: int
+    decode_time: float
+    decode_tokens: int
+    prefill_time: float
+    prefill_tokens: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall
+
+    @property
+    def decode_step_ms(self) -> float:
+        return self.decode_time / max(self.decode_steps, 1) * 1e3
+
+
+def timed_rounds(engine, prompts, params, warmup: int, rounds: int) -> list[TimedRound]:
+    """`warmup` untimed rounds, then `rounds` timed ones (the benchmark scripts' shared loop)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        engine.generate(prompts, params)
+    sync()
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        sync()
+        wall = time.perf_counter() - t0
+        st = engine.stats
+        out.append(TimedRound(wall, sum(len(o.token_ids) for o in outs), [o.token_ids for o in outs],
+                              st.decode_steps, st.decode_time, st.decode_tokens, st.prefill_time, st.prefill_tokens))
+    return out
 
 
 def round_metrics(outputs, stats, wall: float) -> tuple[dict, dict]:
