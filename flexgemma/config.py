@@ -143,7 +143,8 @@ class EngineConfig:
     async_decode: bool = True  # measured on the H200: +10% on the E2B speed workload (RESULTS.md, run 8a)
     fuse_projections: bool = True  # one GEMM for q/k/v and one for gate/up (plain bf16/fp32 weights)
     # routed experts at decode: triton (flexgemma/model/moe_kernel.py: two kernels a step, no sort; bf16
-    # or 4-bit, GPU), grouped_mm (torch's sort + grouped GEMM), or auto (triton on a GPU)
+    # on a GPU, 4-bit experts and prefill still on torch's path), grouped_mm (torch's sort + grouped GEMM),
+    # or auto (triton on a GPU)
     moe_kernel: str = "auto"
 
 
