@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,21 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma import SamplingParams, build_engine, compose  # noqa: E402
 from flexgemma.engine.sequence import Sequence, Status  # noqa: E402
-
-
-def cuda_time_ms(fn, iters: int = 50, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from flexgemma.tasks.common import cuda_time_ms  # noqa: E402
 
 
 def place_batch(engine, batch: int, context: int) -> list[Sequence]:

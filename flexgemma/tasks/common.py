@@ -35,6 +35,23 @@ class TimedRound:
         return self.decode_time / max(self.decode_steps, 1) * 1e3
 
 
+def cuda_time_ms(fn, iters: int = 50, warmup: int = 5) -> float:
+    """Median milliseconds of fn() on the GPU, each call between two CUDA events (the kernel
+    benchmarks' and the decode profiler's timer)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return float(np.median(times))
+
+
 def timed_rounds(engine, prompts, params, warmup: int, rounds: int) -> list[TimedRound]:
     """`warmup` untimed rounds, then `rounds` timed ones (the benchmark scripts' shared loop)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
