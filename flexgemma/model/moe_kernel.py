@@ -93,6 +93,16 @@ def _match_tile(offs, match, rank, m0, count, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _weight_index(slots_ptr, expert, HAS_SLOTS: tl.constexpr):
+    """Where expert's matrix sits in the weights the kernel reads: its own id, or its slot among the
+    dequantised 4-bit experts."""
+    if HAS_SLOTS:
+        return tl.load(slots_ptr + expert)
+    else:
+        return expert
+
+
+@triton.jit
 def _routed_up_kernel(x_ptr, index_ptr, n_flat, w_ptr, slots_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr,
                       TOPK: tl.constexpr, stride_x, stride_we, stride_wn, HAS_SLOTS: tl.constexpr,
                       NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -103,10 +113,7 @@ def _routed_up_kernel(x_ptr, index_ptr, n_flat, w_ptr, slots_ptr, out_ptr, I: tl
     expert = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
     offs, match, rank, count = _expert_matches(index_ptr, n_flat, expert, NFLAT)
-    if HAS_SLOTS:
-        widx = tl.load(slots_ptr + expert)
-    else:
-        widx = expert
+    widx = _weight_index(slots_ptr, expert, HAS_SLOTS)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     m0 = 0
@@ -140,10 +147,7 @@ def _routed_down_kernel(inter_ptr, index_ptr, weights_ptr, n_flat, w_ptr, slots_
     expert = tl.program_id(0)
     dt = inter_ptr.dtype.element_ty
     offs, match, rank, count = _expert_matches(index_ptr, n_flat, expert, NFLAT)
-    if HAS_SLOTS:
-        widx = tl.load(slots_ptr + expert)
-    else:
-        widx = expert
+    widx = _weight_index(slots_ptr, expert, HAS_SLOTS)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     m0 = 0
