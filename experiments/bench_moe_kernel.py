@@ -1,6 +1,7 @@
 """The routed experts of one 26B-A4B layer at decode batch sizes, alone on the GPU: torch's path
 (sort by expert, two grouped GEMMs, index_add) against the two Triton kernels of
-`engine.moe_kernel=triton` over a grid of tile options, bf16 and (with --bnb4) packed 4-bit.
+`engine.moe_kernel=triton` over a grid of tile options, bf16 and (with --bnb4) packed 4-bit, the
+latter both decoded inside the GEMM kernels (the default) and dequantised into slots first.
 
     python experiments/bench_moe_kernel.py --batch-sizes 8,32,64 --out moe_kernel.json
 
@@ -38,8 +39,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2816)
     ap.add_argument("--intermediate", type=int, default=704)
     ap.add_argument("--grid-batch-sizes", default="8,32", help="batch sizes that also time the tile grid")
-    ap.add_argument("--grid-quants", default="bf16", help="weight kinds that time the tile grid (bnb4 runs the "
-                    "same GEMM kernels after its dequantise kernel)")
+    ap.add_argument("--grid-quants", default="bf16", help="weight kinds that time a tile grid (bnb4: "
+                    "the fused 4-bit kernels' BLOCK_N, warps and pipeline depth)")
     ap.add_argument("--bnb4", action="store_true", help="also the packed 4-bit experts (needs bitsandbytes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -61,6 +62,8 @@ def main() -> None:
     # (up BLOCK_N, down BLOCK_N, BLOCK_K, num_warps, num_stages); the up kernel reads a gate and an up
     # tile per step, so its BLOCK_N streams twice as many weight rows
     grid = list(itertools.product((32, 64), (64, 128), (128, 256), (4, 8), (3,)))
+    # fused 4-bit steps are one quantisation block each (BLOCK_K unused): pipeline depth instead
+    grid_4bit = list(itertools.product((32, 64), (64, 128), (64,), (4, 8), (2, 4)))
     grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
     grid_quants = set(args.grid_quants.split(","))
     res: dict = {"shape": {"experts": e, "hidden": h, "intermediate": i, "top_k": k},
@@ -79,8 +82,11 @@ def main() -> None:
             row = {"batch": bs, "quant": quant, "experts_used": used, "bytes": nbytes,
                    "torch_us": time_us(lambda: experts_grouped(x, idx, w, gate_up, down, act))}
             row["default_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down))
+            if quant == "bnb4":  # the default is the fused 4-bit GEMMs; the other mode dequantises into slots
+                row["slots_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, packed_mode="slots"))
             configs = []
-            for ubn, dbn, bk, warps, stages in (grid if quant in grid_quants and bs in grid_sizes else []):
+            for ubn, dbn, bk, warps, stages in (grid_4bit if quant == "bnb4" else grid) \
+                    if quant in grid_quants and bs in grid_sizes else []:
                 up = dict(BLOCK_N=ubn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 dn = dict(BLOCK_N=dbn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 fn = lambda: decode_experts(x, idx, w, gate_up, down, up, dn)  # noqa: E731
@@ -102,6 +108,7 @@ def main() -> None:
                   f"({nbytes / row['torch_us'] / 1e6:.2f} TB/s), triton default {row['default_us']:7.1f} us "
                   f"({nbytes / row['default_us'] / 1e6:.2f} TB/s), best {best['us']:7.1f} us "
                   f"({nbytes / best['us'] / 1e6:.2f} TB/s) up {best['up']} down {best['down']['BLOCK_N']}, "
+                  + (f"slots {row['slots_us']:7.1f} us, " if "slots_us" in row else "") +
                   f"rel err {best['rel_err']:.1e}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))

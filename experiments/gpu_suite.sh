@@ -76,7 +76,7 @@ run moe 330 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num
   --hf-batch-sizes 8 --hf-rounds 1 --parity 4 --parity-tokens 32 --out "$WORK/moe.json"
 run moe_grouped 300 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 \
   engine.moe_kernel=grouped_mm --batch-sizes 8,16,32,64 --no-hf --parity 4 --parity-tokens 32 --out "$WORK/moe_grouped.json"
-run moe_kernel_bench 150 python3 experiments/bench_moe_kernel.py --batch-sizes 8,32,64 --bnb4 --out "$WORK/moe_kernel_bench.json"
+run moe_kernel_bench 150 python3 experiments/bench_moe_kernel.py --batch-sizes 8,32,64 --bnb4 --grid-quants bf16,bnb4 --out "$WORK/moe_kernel_bench.json"
 run lora 200 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=3 lora=r32 --out "$WORK/lora_e2b.json"
 run lora_bnb4 240 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=3 quant=bnb4 lora=r32 \
   --out "$WORK/lora_e2b_bnb4.json"

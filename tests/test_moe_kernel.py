@@ -71,9 +71,10 @@ def test_decode_experts_equal_the_loop_interpreted():
 
 
 def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
-    """4-bit experts (NF4 and FP4, with and without double quantisation), the routed ones dequantised
-    into slots by the Triton kernel, equal bitsandbytes' own dequantisation followed by the plain
-    loop; padding slots (fewer experts than slots) are skipped."""
+    """4-bit experts (NF4 and FP4, with and without double quantisation), decoded inside the GEMM
+    kernels (fused) or dequantised into slots first, equal bitsandbytes' own dequantisation followed
+    by the plain loop, with one and with several 16-row tiles per expert; padding slots (fewer
+    experts than slots) are skipped; rows that are not whole quantisation blocks take the slots."""
     out = run_interpreted("""
         import torch
         from transformers.activations import GELUTanh
@@ -85,25 +86,42 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
         cpu = torch.device("cpu")
         e, h, i = 6, 128, 64
         gate_up, down = (torch.randn(e, 2 * i, h) * 0.1).half(), (torch.randn(e, h, i) * 0.1).half()
-        x = torch.randn(5, h).half()
-        w, idx = torch.softmax(torch.randn(5, e), -1).topk(2, dim=-1)
-        for qt in ("nf4", "fp4"):
-            for dq in (False, True):
-                s = Bnb4Settings(quant_type=qt, double_quant=dq, compute_dtype=torch.float16)
-                pg, pd = PackedExpertWeight.pack(gate_up, s, cpu), PackedExpertWeight.pack(down, s, cpu)
-                ref = experts_loop(x.float(), idx, w, pg.dequantize().float(), pd.dequantize().float(), GELUTanh())
-                got = decode_experts(x, idx, w, pg, pd, up_tiles=dict(BLOCK_N=32, BLOCK_K=32)).float()
-                print("err", float((got - ref).norm() / ref.norm()))
+        for t in (5, 40):
+            x = torch.randn(t, h).half()
+            w, idx = torch.softmax(torch.randn(t, e), -1).topk(2, dim=-1)
+            for qt in ("nf4", "fp4"):
+                for dq in (False, True):
+                    s = Bnb4Settings(quant_type=qt, double_quant=dq, compute_dtype=torch.float16)
+                    pg, pd = PackedExpertWeight.pack(gate_up, s, cpu), PackedExpertWeight.pack(down, s, cpu)
+                    ref = experts_loop(x.float(), idx, w, pg.dequantize().float(), pd.dequantize().float(), GELUTanh())
+                    for mode in ("fused", "slots"):
+                        got = decode_experts(x, idx, w, pg, pd, up_tiles=dict(BLOCK_N=32, BLOCK_K=32),
+                                             down_tiles=dict(BLOCK_N=64), packed_mode=mode).float()
+                        print("err", mode, float((got - ref).norm() / ref.norm()))
+        x, idx, w = x[:5], idx[:5], w[:5]
         # two tokens on the same two experts: 4 slots for 2 experts, two padding slots left unwritten
         x2, idx2, w2 = x[:2], torch.tensor([[4, 1], [1, 4]]), torch.rand(2, 2)
         ids, slots = moe_kernel.expert_slots(idx2, e)
         print("slots", ids.tolist(), slots.tolist())
         ref = experts_loop(x2.float(), idx2, w2, pg.dequantize().float(), pd.dequantize().float(), GELUTanh())
-        print("err", float((decode_experts(x2, idx2, w2, pg, pd).float() - ref).norm() / ref.norm()))
+        got = decode_experts(x2, idx2, w2, pg, pd, packed_mode="slots")
+        print("err slots", float((got.float() - ref).norm() / ref.norm()))
+        # I = 32: a row of down is half a 64-block, so the default for these experts is the slots
+        s = Bnb4Settings(compute_dtype=torch.float16)
+        pg, pd = PackedExpertWeight.pack(gate_up[:, :64], s, cpu), PackedExpertWeight.pack(down[:, :, :32], s, cpu)
+        print("fits", moe_kernel.fused_4bit_fits(pg, pd))
+        ref = experts_loop(x.float(), idx, w, pg.dequantize().float(), pd.dequantize().float(), GELUTanh())
+        print("err default", float((decode_experts(x, idx, w, pg, pd).float() - ref).norm() / ref.norm()))
+        try:
+            decode_experts(x, idx, w, pg, pd, packed_mode="fused")
+        except ValueError as exc:
+            print("refused", exc)
     """)
-    errs = [float(line.split()[1]) for line in out.splitlines() if line.startswith("err")]
-    assert len(errs) == 5 and max(errs) < 5e-3, out
+    errs = [float(line.split()[2]) for line in out.splitlines() if line.startswith("err")]
+    assert len(errs) == 18 and max(errs) < 5e-3, out
+    assert out.count("err fused") == 8, out
     assert "slots [1, 4, -1, -1] [-1, 0, -1, -1, 1, -1]" in out, out
+    assert "fits False" in out and "refused packed_mode=fused needs rows of whole quantisation blocks" in out, out
 
 
 def test_triton_kernel_on_the_cpu_without_the_interpreter_is_a_clear_error():
@@ -180,11 +198,12 @@ def test_gpu_decode_experts_equal_loop_inside_a_graph(quant, shape):
 
 
 @pytest.mark.gpu
-def test_gpu_4bit_experts_take_torchs_path_under_the_triton_kernel():
-    """quant=bnb4 with engine.moe_kernel=triton: 4-bit experts go to torch's dequantise + grouped GEMM
-    path (the Triton 4-bit mode is not yet measured faster on the H200, RESULTS.md), and it equals the loop."""
+def test_gpu_4bit_experts_take_the_triton_kernels():
+    """quant=bnb4 with engine.moe_kernel=triton: decode-sized steps over 4-bit experts go to the
+    Triton kernels (fused where rows are whole quantisation blocks), prefill-sized ones to torch's
+    dequantise + grouped GEMM path, and both equal the loop."""
     from flexgemma.model.moe import experts_grouped, experts_loop
-    from flexgemma.model.moe_kernel import TritonExperts
+    from flexgemma.model.moe_kernel import ROUTED_MAX_ENTRIES, TritonExperts, fused_4bit_fits
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
 
     torch.manual_seed(0)
@@ -192,11 +211,12 @@ def test_gpu_4bit_experts_take_torchs_path_under_the_triton_kernel():
     s = Bnb4Settings(double_quant=True)
     gate_up = PackedExpertWeight.pack((torch.randn(16, 256, 256) * 0.05).bfloat16(), s, dev)
     down = PackedExpertWeight.pack((torch.randn(16, 256, 128) * 0.05).bfloat16(), s, dev)
+    assert fused_4bit_fits(gate_up, down)
     act = GELUTanh()
-    for t in (1, 3, 64):
+    for t in (1, 3, 64, ROUTED_MAX_ENTRIES // 4 + 1):
         x = torch.randn(t, 256, device=dev, dtype=torch.bfloat16)
         w, idx = torch.softmax(torch.randn(t, 16, device=dev), -1).topk(4, dim=-1)
-        assert not TritonExperts.takes(x, idx, act, gate_up, down)
+        assert TritonExperts.takes(x, idx, act, gate_up, down) == (t <= ROUTED_MAX_ENTRIES // 4)
         got = experts_grouped(x, idx, w, gate_up, down, act, kernel=TritonExperts()).float()
         ref = experts_loop(x.float(), idx, w, gate_up.dequantize().float(), down.dequantize().float(), act)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-2

@@ -16,12 +16,12 @@ kernels per layer around two GEMMs that read the weights at 1.6-2.7 TB/s on the 
 Experts with no entries exit at once. Weights are read in their stored [E, N, K] layout. Prefill
 (many rows per expert) stays on torch's grouped GEMM.
 
-4-bit experts (`quant.PackedExpertWeight`): `decode_experts` dequantises the experts a step routes
-to into slots with a Triton kernel (bytes streamed once, code[nibble] x block scale), then runs the
-same two kernels through an expert -> slot map. A first version decoded the 4-bit tiles inside the
-GEMM kernels and ran at 0.05 TB/s on the H200, slower than torch's dequantise-then-GEMM path; this
-one is not measured yet, so `TritonExperts.takes` still sends 4-bit experts to torch's path
-(`experiments/bench_moe_kernel.py --bnb4` times both).
+4-bit experts (`quant.PackedExpertWeight`) are read as packed bytes by the same two kernels: a K step
+is one quantisation block, whose bytes meet the rows' even and odd elements (high and low nibbles)
+in two products, the block's scale applied to the products. A first version (session 3) ran at
+0.05 TB/s; it addressed the bytes through a division that hides their contiguity from Triton's
+analysis and scaled every weight (our reading, not profiled). Where a row is not whole blocks, the experts a step routes to are dequantised
+into slots by a third kernel and the bf16 kernels read them through an expert -> slot map.
 
 Imported only when selected: Triton is a GPU dependency (the CPU runs it only through Triton's
 interpreter, TRITON_INTERPRET=1, which the tests use).
@@ -103,13 +103,50 @@ def _weight_index(slots_ptr, expert, HAS_SLOTS: tl.constexpr):
 
 
 @triton.jit
-def _routed_up_kernel(x_ptr, index_ptr, n_flat, w_ptr, slots_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr,
-                      TOPK: tl.constexpr, stride_x, stride_we, stride_wn, HAS_SLOTS: tl.constexpr,
-                      NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, blk, ok, stride_ae, stride_ne,
+                  NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr):
+    """float32 scales of quantisation blocks `blk` of 4-bit expert widx (double quantised: an 8-bit
+    code times its 256-block's scale plus the expert's offset, as bitsandbytes decodes it)."""
+    if DOUBLE_QUANT:
+        code8 = tl.load(absmax_ptr + widx * stride_ae + blk, mask=ok, other=0).to(tl.int32)
+        nested = tl.load(nabsmax_ptr + widx * stride_ne + blk // NESTED, mask=ok, other=0.0)
+        return tl.load(ncode_ptr + code8) * nested + tl.load(noffset_ptr + widx)
+    else:
+        return tl.load(absmax_ptr + widx * stride_ae + blk, mask=ok, other=0.0)
+
+
+@triton.jit
+def _block_dot_4bit(a_even, a_odd, q_ptrs, ok, code_ptr, scale):
+    """a @ W.T over one quantisation block of 4-bit rows, [BLOCK_M, BLOCK_N] float32. q_ptrs
+    [BLOCK_N, QBLOCK/2] point at the rows' bytes, two weights each (bitsandbytes puts the first in the
+    high nibble, so a's even elements meet the high nibbles: no interleave). The code table is in a's
+    dtype; the block's scale, one per row, multiplies the products instead of every weight."""
+    byte = tl.load(q_ptrs, mask=ok, other=0).to(tl.int32)
+    hi = tl.load(code_ptr + (byte >> 4))
+    lo = tl.load(code_ptr + (byte & 15))
+    return (tl.dot(a_even, tl.trans(hi)) + tl.dot(a_odd, tl.trans(lo))) * scale[None, :]
+
+
+@triton.jit
+def _row_pairs(row_ptrs, k0, valid, QBLOCK: tl.constexpr):
+    """The even and odd elements k0 .. k0+QBLOCK-1 of rows (row_ptrs [BLOCK_M, 1]): the halves that
+    meet a 4-bit block's high and low nibbles."""
+    kk = k0 + 2 * tl.arange(0, QBLOCK // 2)
+    a_ptr = row_ptrs + kk[None, :]
+    return tl.load(a_ptr, mask=valid[:, None], other=0.0), tl.load(a_ptr + 1, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _routed_up_kernel(x_ptr, index_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr,
+                      noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_x,
+                      stride_we, stride_wn, stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr,
+                      QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, NFLAT: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (e, j): for every (token, choice) routed to expert e, features [j*BLOCK_N, (j+1)*BLOCK_N)
     of act(x @ gate.T) * (x @ up.T), written at the entry's flat row of out [T*TOPK, I]. gate is rows
     [0, I) of the expert's gate_up, up rows [I, 2I): both tiles of a feature slice are read together.
-    The expert's matrix is w[e], or w[slots[e]] (4-bit experts dequantised into slots)."""
+    The expert's matrix is w[e], w[slots[e]] (4-bit experts dequantised into slots), or with PACKED
+    the 4-bit bytes of expert e themselves, decoded a quantisation block (QBLOCK elements) at a time."""
     expert = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
     offs, match, rank, count = _expert_matches(index_ptr, n_flat, expert, NFLAT)
@@ -122,14 +159,29 @@ def _routed_up_kernel(x_ptr, index_ptr, n_flat, w_ptr, slots_ptr, out_ptr, I: tl
         token = flat // TOPK
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k = k0 + ks
-            a = tl.load(x_ptr + token[:, None] * stride_x + k[None, :], mask=valid[:, None] & (k[None, :] < H),
-                        other=0.0)
-            inside = (cols[:, None] < I) & (k[None, :] < H)
-            base = w_ptr + widx * stride_we + cols[:, None] * stride_wn + k[None, :]
-            acc_g += tl.dot(a, tl.trans(tl.load(base, mask=inside, other=0.0)))
-            acc_u += tl.dot(a, tl.trans(tl.load(base + I * stride_wn, mask=inside, other=0.0)))
+        if PACKED:
+            ok = cols < I
+            for k0 in range(0, H, QBLOCK):
+                a_even, a_odd = _row_pairs(x_ptr + token[:, None] * stride_x, k0, valid, QBLOCK)
+                kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
+                q = w_ptr + widx * stride_we + cols[:, None] * (H // 2) + kb[None, :]
+                blk = cols * (H // QBLOCK) + k0 // QBLOCK
+                acc_g += _block_dot_4bit(a_even, a_odd, q, ok[:, None], code_ptr,
+                                         _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, blk, ok,
+                                                       stride_ae, stride_ne, NESTED, DOUBLE_QUANT))
+                acc_u += _block_dot_4bit(a_even, a_odd, q + I * (H // 2), ok[:, None], code_ptr,
+                                         _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx,
+                                                       blk + I * (H // QBLOCK), ok, stride_ae, stride_ne, NESTED,
+                                                       DOUBLE_QUANT))
+        else:
+            for k0 in range(0, H, BLOCK_K):
+                k = k0 + ks
+                a = tl.load(x_ptr + token[:, None] * stride_x + k[None, :],
+                            mask=valid[:, None] & (k[None, :] < H), other=0.0)
+                inside = (cols[:, None] < I) & (k[None, :] < H)
+                base = w_ptr + widx * stride_we + cols[:, None] * stride_wn + k[None, :]
+                acc_g += tl.dot(a, tl.trans(tl.load(base, mask=inside, other=0.0)))
+                acc_u += tl.dot(a, tl.trans(tl.load(base + I * stride_wn, mask=inside, other=0.0)))
         # rounded where torch's path rounds (GEMM outputs, the activation, the product) so that both
         # paths give the same numbers up to summation order
         g = acc_g.to(dt).to(tl.float32)
@@ -139,11 +191,14 @@ def _routed_up_kernel(x_ptr, index_ptr, n_flat, w_ptr, slots_ptr, out_ptr, I: tl
 
 
 @triton.jit
-def _routed_down_kernel(inter_ptr, index_ptr, weights_ptr, n_flat, w_ptr, slots_ptr, out_ptr, I: tl.constexpr,
-                        H: tl.constexpr, stride_we, stride_wn, HAS_SLOTS: tl.constexpr, NFLAT: tl.constexpr,
+def _routed_down_kernel(inter_ptr, index_ptr, weights_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr,
+                        nabsmax_ptr, noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, stride_we, stride_wn,
+                        stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr, QBLOCK: tl.constexpr,
+                        NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, NFLAT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (e, j): out[f, j-slice] = (inter[f] @ down_e.T) x router weight of f, for every flat
-    entry f routed to expert e; out is float32 [T*TOPK, H], summed over the choices afterwards."""
+    entry f routed to expert e; out is float32 [T*TOPK, H], summed over the choices afterwards. The
+    weights as in the up kernel: plain, through slots, or PACKED 4-bit."""
     expert = tl.program_id(0)
     dt = inter_ptr.dtype.element_ty
     offs, match, rank, count = _expert_matches(index_ptr, n_flat, expert, NFLAT)
@@ -154,12 +209,24 @@ def _routed_down_kernel(inter_ptr, index_ptr, weights_ptr, n_flat, w_ptr, slots_
     while m0 < count:
         flat, valid = _match_tile(offs, match, rank, m0, count, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + ks
-            a = tl.load(inter_ptr + flat[:, None] * I + k[None, :], mask=valid[:, None] & (k[None, :] < I), other=0.0)
-            b = tl.load(w_ptr + widx * stride_we + cols[:, None] * stride_wn + k[None, :],
-                        mask=(cols[:, None] < H) & (k[None, :] < I), other=0.0)
-            acc += tl.dot(a, tl.trans(b))
+        if PACKED:
+            ok = cols < H
+            for k0 in range(0, I, QBLOCK):
+                a_even, a_odd = _row_pairs(inter_ptr + flat[:, None] * I, k0, valid, QBLOCK)
+                kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
+                q = w_ptr + widx * stride_we + cols[:, None] * (I // 2) + kb[None, :]
+                scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx,
+                                      cols * (I // QBLOCK) + k0 // QBLOCK, ok, stride_ae, stride_ne, NESTED,
+                                      DOUBLE_QUANT)
+                acc += _block_dot_4bit(a_even, a_odd, q, ok[:, None], code_ptr, scale)
+        else:
+            for k0 in range(0, I, BLOCK_K):
+                k = k0 + ks
+                a = tl.load(inter_ptr + flat[:, None] * I + k[None, :], mask=valid[:, None] & (k[None, :] < I),
+                            other=0.0)
+                b = tl.load(w_ptr + widx * stride_we + cols[:, None] * stride_wn + k[None, :],
+                            mask=(cols[:, None] < H) & (k[None, :] < I), other=0.0)
+                acc += tl.dot(a, tl.trans(b))
         weight = tl.load(weights_ptr + flat, mask=valid, other=0.0)
         y = acc.to(dt).to(tl.float32) * weight[:, None]  # float32 router weights, as transformers multiplies
         tl.store(out_ptr + flat[:, None] * H + cols[None, :], y, mask=valid[:, None] & (cols[None, :] < H))
@@ -169,13 +236,13 @@ def _routed_down_kernel(inter_ptr, index_ptr, weights_ptr, n_flat, w_ptr, slots_
 _CODES: dict = {}
 
 
-def _code4(quant_type: str, device: torch.device) -> torch.Tensor:
-    """bitsandbytes' 16-entry table of a 4-bit type (nf4, fp4), float32, on `device`."""
-    key = (quant_type, str(device))
+def _code4(quant_type: str, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """bitsandbytes' 16-entry table of a 4-bit type (nf4, fp4) on `device`, in `dtype`."""
+    key = (quant_type, str(device), dtype)
     if key not in _CODES:
         import bitsandbytes.functional as bf
 
-        _CODES[key] = bf.get_4bit_type(quant_type, device=device).float().contiguous()
+        _CODES[key] = bf.get_4bit_type(quant_type, device=device).to(dtype).contiguous()
     return _CODES[key]
 
 
@@ -221,15 +288,25 @@ def expert_slots(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     return ids, slots
 
 
+def fused_4bit_fits(gate_up, down) -> bool:
+    """The 4-bit GEMM kernels decode one quantisation block per step of a row, so each matrix's rows
+    (H for gate_up, I for down) must be whole blocks; otherwise the experts go through slots."""
+    h, i = gate_up.shape[2], down.shape[2]
+    return h % gate_up.block_size == 0 and i % down.block_size == 0 and gate_up.block_size == down.block_size
+
+
 def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up, down,
-                   up_tiles: Optional[dict] = None, down_tiles: Optional[dict] = None) -> torch.Tensor:
+                   up_tiles: Optional[dict] = None, down_tiles: Optional[dict] = None,
+                   packed_mode: Optional[str] = None) -> torch.Tensor:
     """Gemma-4's routed experts for a decode-sized step in two kernels, with no sort of rows by expert.
 
     x [T, H] bf16/fp16; top_k_* [T, K]; gate_up [E, 2I, H], down [E, H, I], as tensors of x's dtype
-    or PackedExpertWeights (4-bit: the experts with rows are dequantised into slots first, one matrix
-    at a time, by a Triton kernel). The activation is gelu_pytorch_tanh, Gemma-4's. Returns [T, H] in
-    x's dtype: sum over choices of weight x expert(x). *_tiles override UP_TILES / DOWN_TILES
-    (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    or PackedExpertWeights. 4-bit experts: packed_mode "fused" (the default where the rows are whole
+    quantisation blocks) decodes the bytes inside the GEMM kernels; "slots" dequantises the experts
+    with rows into slots first, one matrix at a time, then runs the bf16 kernels. The activation is
+    gelu_pytorch_tanh, Gemma-4's. Returns [T, H] in x's dtype: sum over choices of weight x expert(x).
+    *_tiles override UP_TILES / DOWN_TILES (BLOCK_N, BLOCK_K, num_warps, num_stages; fused 4-bit
+    steps are one quantisation block each, whatever BLOCK_K says)."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"the Triton expert kernels take bf16/fp16 rows, got {x.dtype}")
     t, topk = top_k_index.shape
@@ -243,31 +320,48 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         raise ValueError(f"decode_experts takes at most {ROUTED_MAX_ENTRIES} (token, choice) entries, got {n_flat}")
     if n_flat == 0:
         return x.new_zeros(t, h)
+    packed = not isinstance(gate_up, torch.Tensor)
+    if packed and packed_mode is None:
+        packed_mode = "fused" if fused_4bit_fits(gate_up, down) else "slots"
+    if packed_mode not in (None, "fused", "slots"):
+        raise ValueError(f"packed_mode={packed_mode!r}: fused or slots")
+    if packed_mode == "fused" and not fused_4bit_fits(gate_up, down):
+        raise ValueError(f"packed_mode=fused needs rows of whole quantisation blocks: H={h}, I={i}, "
+                         f"block {gate_up.block_size}")
+    fused, slotted = packed and packed_mode == "fused", packed and packed_mode == "slots"
     up_tiles, down_tiles = {**UP_TILES, **(up_tiles or {})}, {**DOWN_TILES, **(down_tiles or {})}
     x = x.contiguous()
     index = top_k_index.reshape(-1).to(torch.int32)
     weights = top_k_weights.reshape(-1).float()
     nflat = max(16, triton.next_power_of_2(n_flat))
-    packed = not isinstance(gate_up, torch.Tensor)
-    ids, slots = expert_slots(top_k_index, e) if packed else (None, index)  # index: a placeholder, never read
+    ids, slots = expert_slots(top_k_index, e) if slotted else (None, index)  # index: a placeholder, never read
 
-    def plain(w):
-        w = dequantize_slots(w, ids, x.dtype) if packed else w
-        return w if w.stride(2) == 1 else w.contiguous()
+    def operands(w) -> dict:
+        """The weight's kernel arguments: plain (or slotted) bf16, or the 4-bit buffers."""
+        if fused:
+            dq = bool(w.double_quant)
+            return dict(w_ptr=w.packed, absmax_ptr=w.absmax, code_ptr=_code4(w.quant_type, x.device, x.dtype),
+                        ncode_ptr=w.nested_code if dq else w.absmax, nabsmax_ptr=w.nested_absmax if dq else w.absmax,
+                        noffset_ptr=w.nested_offset if dq else w.absmax, stride_we=w.packed.stride(0), stride_wn=0,
+                        stride_ae=w.absmax.stride(0), stride_ne=w.nested_absmax.stride(0) if dq else 0,
+                        QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq)
+        w = dequantize_slots(w, ids, x.dtype) if slotted else w
+        w = w if w.stride(2) == 1 else w.contiguous()
+        return dict(w_ptr=w, absmax_ptr=w, code_ptr=w, ncode_ptr=w, nabsmax_ptr=w, noffset_ptr=w,
+                    stride_we=w.stride(0), stride_wn=w.stride(1), stride_ae=0, stride_ne=0, QBLOCK=16, NESTED=1,
+                    DOUBLE_QUANT=False)
 
-    w = plain(gate_up)
+    ops = operands(gate_up)
     inter = torch.empty(n_flat, i, dtype=x.dtype, device=x.device)
     _routed_up_kernel[(e, triton.cdiv(i, up_tiles["BLOCK_N"]))](
-        x_ptr=x, index_ptr=index, n_flat=n_flat, w_ptr=w, slots_ptr=slots, out_ptr=inter, I=i, H=h, TOPK=topk,
-        stride_x=x.stride(0), stride_we=w.stride(0), stride_wn=w.stride(1), HAS_SLOTS=packed, NFLAT=nflat,
-        BLOCK_M=BLOCK_M, **up_tiles)
-    del w  # one dequantised matrix alive at a time
-    w = plain(down)
+        x_ptr=x, index_ptr=index, n_flat=n_flat, slots_ptr=slots, out_ptr=inter, I=i, H=h, TOPK=topk,
+        stride_x=x.stride(0), HAS_SLOTS=slotted, PACKED=fused, NFLAT=nflat, BLOCK_M=BLOCK_M, **ops, **up_tiles)
+    del ops  # one dequantised matrix alive at a time
+    ops = operands(down)
     out = torch.empty(n_flat, h, dtype=torch.float32, device=x.device)
     _routed_down_kernel[(e, triton.cdiv(h, down_tiles["BLOCK_N"]))](
-        inter_ptr=inter, index_ptr=index, weights_ptr=weights, n_flat=n_flat, w_ptr=w, slots_ptr=slots, out_ptr=out,
-        I=i, H=h, stride_we=w.stride(0), stride_wn=w.stride(1), HAS_SLOTS=packed, NFLAT=nflat, BLOCK_M=BLOCK_M,
-        **down_tiles)
+        inter_ptr=inter, index_ptr=index, weights_ptr=weights, n_flat=n_flat, slots_ptr=slots, out_ptr=out,
+        I=i, H=h, HAS_SLOTS=slotted, PACKED=fused, NFLAT=nflat, BLOCK_M=BLOCK_M, **ops, **down_tiles)
     return out.view(t, topk, h).sum(1).to(x.dtype)
 
 
@@ -281,12 +375,12 @@ class TritonExperts:
 
     @staticmethod
     def takes(x: torch.Tensor, top_k_index: torch.Tensor, act, gate_up, down) -> bool:
-        """A decode-sized bf16/fp16 step with Gemma-4's activation over plain weights of its dtype
-        (anything else: torch's path). 4-bit experts take torch's path until decode_experts' 4-bit mode
-        is measured faster on the GPU (its first version, decoding inside the GEMMs, was 2-4x slower)."""
+        """A decode-sized bf16/fp16 step with Gemma-4's activation over weights of its dtype or 4-bit
+        experts (anything else: torch's path)."""
+        # a PackedExpertWeight's dtype is the one it dequantises to
         return (x.dtype in (torch.bfloat16, torch.float16) and top_k_index.numel() <= ROUTED_MAX_ENTRIES
-                and is_gelu_tanh(act) and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
-                and gate_up.dtype == x.dtype and down.dtype == x.dtype)
+                and is_gelu_tanh(act) and gate_up.dtype == x.dtype and down.dtype == x.dtype
+                and isinstance(gate_up, torch.Tensor) == isinstance(down, torch.Tensor))
 
     def __call__(self, x, top_k_index, top_k_weights, gate_up, down) -> torch.Tensor:
         return decode_experts(x, top_k_index, top_k_weights, gate_up, down)
