@@ -61,9 +61,9 @@ def main() -> None:
     act = GELUTanh()
     # (up BLOCK_N, down BLOCK_N, BLOCK_K, num_warps, num_stages); the up kernel reads a gate and an up
     # tile per step, so its BLOCK_N streams twice as many weight rows
-    grid = list(itertools.product((32, 64), (64, 128), (128, 256), (4, 8), (3,)))
-    # fused 4-bit steps are one quantisation block each (BLOCK_K unused): pipeline depth instead
-    grid_4bit = list(itertools.product((32, 64), (64, 128), (64,), (4, 8), (2, 4)))
+    grid = list(itertools.product((32, 64), (64, 128), (128, 256), (4, 8), (3,), ("table",)))
+    # fused 4-bit steps are one quantisation block each (BLOCK_K unused); both ways of decoding a value
+    grid_4bit = list(itertools.product((32, 64), (64, 128), (64,), (4, 8), (3,), ("table", "select")))
     grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
     grid_quants = set(args.grid_quants.split(","))
     res: dict = {"shape": {"experts": e, "hidden": h, "intermediate": i, "top_k": k},
@@ -84,13 +84,14 @@ def main() -> None:
             row["default_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down))
             if quant == "bnb4":  # the default is the fused 4-bit GEMMs; the other mode dequantises into slots
                 row["slots_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, packed_mode="slots"))
+                row["select_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, code_lookup="select"))
             configs = []
-            for ubn, dbn, bk, warps, stages in (grid_4bit if quant == "bnb4" else grid) \
+            for ubn, dbn, bk, warps, stages, lookup in (grid_4bit if quant == "bnb4" else grid) \
                     if quant in grid_quants and bs in grid_sizes else []:
                 up = dict(BLOCK_N=ubn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 dn = dict(BLOCK_N=dbn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-                fn = lambda: decode_experts(x, idx, w, gate_up, down, up, dn)  # noqa: E731
-                c = {"up": up, "down": dn}
+                fn = lambda: decode_experts(x, idx, w, gate_up, down, up, dn, code_lookup=lookup)  # noqa: E731
+                c = {"up": up, "down": dn, "code_lookup": lookup}
                 try:
                     got = fn().float()
                     c["rel_err"] = ((got - ref).norm() / ref.norm()).item()
@@ -108,7 +109,8 @@ def main() -> None:
                   f"({nbytes / row['torch_us'] / 1e6:.2f} TB/s), triton default {row['default_us']:7.1f} us "
                   f"({nbytes / row['default_us'] / 1e6:.2f} TB/s), best {best['us']:7.1f} us "
                   f"({nbytes / best['us'] / 1e6:.2f} TB/s) up {best['up']} down {best['down']['BLOCK_N']}, "
-                  + (f"slots {row['slots_us']:7.1f} us, " if "slots_us" in row else "") +
+                  + (f"lookup {best.get('code_lookup')}, slots {row['slots_us']:7.1f} us, select "
+                     f"{row['select_us']:7.1f} us, " if "slots_us" in row else "") +
                   f"rel err {best['rel_err']:.1e}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))

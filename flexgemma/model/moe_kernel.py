@@ -116,14 +116,34 @@ def _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, blk, ok
 
 
 @triton.jit
-def _block_dot_4bit(a_even, a_odd, q_ptrs, ok, code_ptr, scale):
+def _select2(bit, q, code_ptr, i: tl.constexpr):
+    return tl.where((q & bit) != 0, tl.load(code_ptr + i + bit), tl.load(code_ptr + i))
+
+
+@triton.jit
+def _code_values(q, code_ptr, SELECT: tl.constexpr):
+    """code[q] for 4-bit values q: a load per value from the 16-entry table (L1), or with SELECT a
+    binary tree of selects over the table's 16 entries held as scalars (no memory access per value)."""
+    if SELECT:
+        b2, b4, b8 = (q & 2) != 0, (q & 4) != 0, (q & 8) != 0
+        low = tl.where(b4, tl.where(b2, _select2(1, q, code_ptr, 6), _select2(1, q, code_ptr, 4)),
+                       tl.where(b2, _select2(1, q, code_ptr, 2), _select2(1, q, code_ptr, 0)))
+        high = tl.where(b4, tl.where(b2, _select2(1, q, code_ptr, 14), _select2(1, q, code_ptr, 12)),
+                        tl.where(b2, _select2(1, q, code_ptr, 10), _select2(1, q, code_ptr, 8)))
+        return tl.where(b8, high, low)
+    else:
+        return tl.load(code_ptr + q)
+
+
+@triton.jit
+def _block_dot_4bit(a_even, a_odd, q_ptrs, ok, code_ptr, SELECT: tl.constexpr, scale):
     """a @ W.T over one quantisation block of 4-bit rows, [BLOCK_M, BLOCK_N] float32. q_ptrs
     [BLOCK_N, QBLOCK/2] point at the rows' bytes, two weights each (bitsandbytes puts the first in the
     high nibble, so a's even elements meet the high nibbles: no interleave). The code table is in a's
     dtype; the block's scale, one per row, multiplies the products instead of every weight."""
     byte = tl.load(q_ptrs, mask=ok, other=0).to(tl.int32)
-    hi = tl.load(code_ptr + (byte >> 4))
-    lo = tl.load(code_ptr + (byte & 15))
+    hi = _code_values(byte >> 4, code_ptr, SELECT)
+    lo = _code_values(byte & 15, code_ptr, SELECT)
     return (tl.dot(a_even, tl.trans(hi)) + tl.dot(a_odd, tl.trans(lo))) * scale[None, :]
 
 
@@ -140,8 +160,8 @@ def _row_pairs(row_ptrs, k0, valid, QBLOCK: tl.constexpr):
 def _routed_up_kernel(x_ptr, index_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr,
                       noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_x,
                       stride_we, stride_wn, stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr,
-                      QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, NFLAT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
+                      NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (e, j): for every (token, choice) routed to expert e, features [j*BLOCK_N, (j+1)*BLOCK_N)
     of act(x @ gate.T) * (x @ up.T), written at the entry's flat row of out [T*TOPK, I]. gate is rows
     [0, I) of the expert's gate_up, up rows [I, 2I): both tiles of a feature slice are read together.
@@ -166,10 +186,10 @@ def _routed_up_kernel(x_ptr, index_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, co
                 kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
                 q = w_ptr + widx * stride_we + cols[:, None] * (H // 2) + kb[None, :]
                 blk = cols * (H // QBLOCK) + k0 // QBLOCK
-                acc_g += _block_dot_4bit(a_even, a_odd, q, ok[:, None], code_ptr,
+                acc_g += _block_dot_4bit(a_even, a_odd, q, ok[:, None], code_ptr, SELECT,
                                          _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, blk, ok,
                                                        stride_ae, stride_ne, NESTED, DOUBLE_QUANT))
-                acc_u += _block_dot_4bit(a_even, a_odd, q + I * (H // 2), ok[:, None], code_ptr,
+                acc_u += _block_dot_4bit(a_even, a_odd, q + I * (H // 2), ok[:, None], code_ptr, SELECT,
                                          _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx,
                                                        blk + I * (H // QBLOCK), ok, stride_ae, stride_ne, NESTED,
                                                        DOUBLE_QUANT))
@@ -194,8 +214,8 @@ def _routed_up_kernel(x_ptr, index_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, co
 def _routed_down_kernel(inter_ptr, index_ptr, weights_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr,
                         nabsmax_ptr, noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, stride_we, stride_wn,
                         stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr, QBLOCK: tl.constexpr,
-                        NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, NFLAT: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
+                        NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (e, j): out[f, j-slice] = (inter[f] @ down_e.T) x router weight of f, for every flat
     entry f routed to expert e; out is float32 [T*TOPK, H], summed over the choices afterwards. The
     weights as in the up kernel: plain, through slots, or PACKED 4-bit."""
@@ -218,7 +238,7 @@ def _routed_down_kernel(inter_ptr, index_ptr, weights_ptr, n_flat, w_ptr, slots_
                 scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx,
                                       cols * (I // QBLOCK) + k0 // QBLOCK, ok, stride_ae, stride_ne, NESTED,
                                       DOUBLE_QUANT)
-                acc += _block_dot_4bit(a_even, a_odd, q, ok[:, None], code_ptr, scale)
+                acc += _block_dot_4bit(a_even, a_odd, q, ok[:, None], code_ptr, SELECT, scale)
         else:
             for k0 in range(0, I, BLOCK_K):
                 k = k0 + ks
@@ -249,9 +269,9 @@ def _code4(quant_type: str, device: torch.device, dtype: torch.dtype = torch.flo
 # the routed kernels read a decode step's whole routing in every program: up to this many (token,
 # choice) entries (bucket 64 x top-8 = 512); bigger steps sort rows by expert instead
 ROUTED_MAX_ENTRIES = 1024
-# tile options of the two kernels, from experiments/bench_moe_kernel.py on the H200 (the up kernel
-# reads a gate and an up tile per step, so its BLOCK_N=64 streams 128 weight rows, like down's 128)
-UP_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+# tile options of the two kernels, from experiments/bench_moe_kernel.py on the H200 (session 4 grid:
+# up BLOCK_N 32 with down 128 was best or within noise of it at bs 8 and 32, 9-10% under 64/128)
+UP_TILES = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
 DOWN_TILES = dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
 
 
@@ -297,7 +317,7 @@ def fused_4bit_fits(gate_up, down) -> bool:
 
 def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up, down,
                    up_tiles: Optional[dict] = None, down_tiles: Optional[dict] = None,
-                   packed_mode: Optional[str] = None) -> torch.Tensor:
+                   packed_mode: Optional[str] = None, code_lookup: str = "table") -> torch.Tensor:
     """Gemma-4's routed experts for a decode-sized step in two kernels, with no sort of rows by expert.
 
     x [T, H] bf16/fp16; top_k_* [T, K]; gate_up [E, 2I, H], down [E, H, I], as tensors of x's dtype
@@ -306,7 +326,11 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     with rows into slots first, one matrix at a time, then runs the bf16 kernels. The activation is
     gelu_pytorch_tanh, Gemma-4's. Returns [T, H] in x's dtype: sum over choices of weight x expert(x).
     *_tiles override UP_TILES / DOWN_TILES (BLOCK_N, BLOCK_K, num_warps, num_stages; fused 4-bit
-    steps are one quantisation block each, whatever BLOCK_K says)."""
+    steps are one quantisation block each, whatever BLOCK_K says). code_lookup: how the fused mode
+    turns 4-bit values into weights, "table" (a load from the 16-entry table) or "select" (a tree of
+    selects over it)."""
+    if code_lookup not in ("table", "select"):
+        raise ValueError(f"code_lookup={code_lookup!r}: table or select")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"the Triton expert kernels take bf16/fp16 rows, got {x.dtype}")
     t, topk = top_k_index.shape
@@ -344,12 +368,12 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
                         ncode_ptr=w.nested_code if dq else w.absmax, nabsmax_ptr=w.nested_absmax if dq else w.absmax,
                         noffset_ptr=w.nested_offset if dq else w.absmax, stride_we=w.packed.stride(0), stride_wn=0,
                         stride_ae=w.absmax.stride(0), stride_ne=w.nested_absmax.stride(0) if dq else 0,
-                        QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq)
+                        QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, SELECT=code_lookup == "select")
         w = dequantize_slots(w, ids, x.dtype) if slotted else w
         w = w if w.stride(2) == 1 else w.contiguous()
         return dict(w_ptr=w, absmax_ptr=w, code_ptr=w, ncode_ptr=w, nabsmax_ptr=w, noffset_ptr=w,
                     stride_we=w.stride(0), stride_wn=w.stride(1), stride_ae=0, stride_ne=0, QBLOCK=16, NESTED=1,
-                    DOUBLE_QUANT=False)
+                    DOUBLE_QUANT=False, SELECT=False)
 
     ops = operands(gate_up)
     inter = torch.empty(n_flat, i, dtype=x.dtype, device=x.device)
