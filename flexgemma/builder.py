@@ -154,7 +154,7 @@ def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
     kernels = AttentionKernels(backend, decode_rows=cfg.engine.max_batch_size, counter=counter)
     moe_kernel = _moe_kernel(cfg, device)
     ops = make_ops(counter if use_compile else None, moe_kernel)
-    forward = GemmaForward(model, spec, cache, cfg.attn, max_len, kernels, ops)
+    forward = GemmaForward(model, spec, cache, cfg.attn, max_len, kernels, ops, lora)
     masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len)
     sample_fn = compile_fn(sample, counter) if use_compile else sample
     runner = ModelRunner(forward, cache, masks, cfg.engine.max_batch_size, cfg.attn.q_block_size, sample_fn)

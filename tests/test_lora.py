@@ -188,6 +188,34 @@ def test_unmerged_mode_runs_peft_modules_and_equals_merged(model):
     assert a == [o.token_ids for o in unmerged.generate(prompts(3), GREEDY)]
 
 
+def test_unmerged_4bit_lora_runs_in_groups_equal_to_peft_modules():
+    """quant=bnb4 + lora: the forward runs the adapters as LowRankGroups (q/k/v, gate/up, o, down:
+    one GEMM for the group's A factors, an addmm per member) whose outputs equal peft's own modules,
+    before and after an update (the groups' factor copies are rebuilt by refresh)."""
+    engine = make_engine("quant=bnb4", "lora=r16", model="tiny")
+    lora = engine.lora
+    assert engine.info["lora_mode"] == "unmerged" and not lora.targets
+    layer = engine.model.model.layers[0]
+    qkv = next(g for g in lora.groups if g.layers[0] is layer.self_attn.q_proj)
+    gate_up = next(g for g in lora.groups if g.layers[0] is layer.mlp.gate_proj)
+    assert len(qkv.layers) == 3 and len(gate_up.layers) == 2
+    # every adapted projection of every layer runs in a group: none is left to peft's forward
+    assert sum(len(g.layers) for g in lora.groups) == len(lora.layers)
+    x = torch.randn(5, layer.self_attn.q_proj.in_features, dtype=engine.model.dtype)  # bf16 (4-bit compute)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    for step in range(2):
+        for got, module in zip(qkv(x), qkv.layers):
+            a, b = module.lora_A["default"].weight.float(), module.lora_B["default"].weight.float()
+            base = module.get_base_layer()(x)
+            exact = base.float() + x.float() @ a.T @ b.T * module.scaling["default"]
+            assert rel(exact, base) > 0.05, step  # the adapter moves the output
+            assert rel(got, exact) < 1e-2 and rel(module(x), exact) < 1e-2, step  # ours and peft's: bf16 rounding
+        engine.update_lora(perturbed(lora.state_dict(), 0.5, seed=step + 1))
+
+
 # -- update_lora ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def moe_lora():

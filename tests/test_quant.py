@@ -185,6 +185,13 @@ def test_peft_wraps_the_4bit_linears_not_the_packed_experts():
     assert isinstance(layer.experts, PackedExperts)  # "down_proj" did not match the packed experts
     # LoRA B starts at zero: the unmerged adapters leave the tokens unchanged
     assert engine.generate(PROMPTS[:1], GREEDY)[0].token_ids == before
+    # and the engine runs the wrappers peft injected after its build: a non-zero B moves the logprobs
+    base = engine.generate(PROMPTS[:1], GREEDY)[0].logprobs
+    with torch.no_grad():
+        for m in engine.model.modules():
+            if isinstance(m, LoraLinear4bit):
+                m.lora_B["default"].weight.normal_(0, 0.5)
+    assert engine.generate(PROMPTS[:1], GREEDY)[0].logprobs != base
 
 
 def test_bad_quant_settings_are_clear():

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexgemma.engine.kv_cache import KVCache
-from flexgemma.model.fuse import fused_weight
+from flexgemma.model.fuse import fused_weight, projector
 from flexgemma.model.spec import LayerSpec
 
 
@@ -65,13 +65,17 @@ class PagedAttention:
     and the attention kernel of the phase."""
 
     def __init__(self, spec: LayerSpec, hf_attn, cache: KVCache, kernels: "AttentionKernels", ops, eps: float,
-                 options: dict[str, Optional[dict]]):
+                 options: dict[str, Optional[dict]], lora=None):
         self.spec, self.m, self.cache, self.k, self.ops, self.eps = spec, hf_attn, cache, kernels, ops, eps
         self.options = options  # phase -> flex kernel options for this layer's head_dim
         projections = [m for m in (hf_attn.q_proj, getattr(hf_attn, "k_proj", None), getattr(hf_attn, "v_proj", None))
                        if m is not None]
         self.qkv = fused_weight(hf_attn, "fused_qkv", projections)  # one GEMM for q, k and v when possible
         self.split = [p.weight.shape[0] for p in projections]
+        # otherwise the projections the layer uses: q, and k / v where it writes its own KV
+        used = ["q_proj"] + (["k_proj"] if spec.writes_kv else []) + \
+            (["v_proj"] if spec.writes_kv and not spec.k_eq_v else [])
+        self.project_qkv, self.project_o = projector(hf_attn, used, lora), projector(hf_attn, ["o_proj"], lora)
 
     def __call__(self, x, cos, sin, slots, mask: BlockMask, decode: bool) -> torch.Tensor:
         s, m, ops = self.spec, self.m, self.ops
@@ -81,9 +85,10 @@ class PagedAttention:
             q_lin, k_lin = parts[0], parts[1]
             v_lin = parts[2] if len(parts) > 2 else k_lin
         else:
-            q_lin = m.q_proj(x)
-            k_lin = m.k_proj(x) if s.writes_kv else None
-            v_lin = k_lin if s.k_eq_v or not s.writes_kv else m.v_proj(x)
+            parts = self.project_qkv(x)
+            q_lin = parts[0]
+            k_lin = parts[1] if s.writes_kv else None
+            v_lin = k_lin if s.k_eq_v or not s.writes_kv else parts[2]
         q = ops.norm_rope(q_lin.reshape(t, s.num_heads, s.head_dim), m.q_norm.weight, cos, sin, self.eps)
         if s.writes_kv:
             raw_k = k_lin.reshape(t, s.num_kv_heads, s.head_dim)
@@ -96,7 +101,7 @@ class PagedAttention:
             out = self.k.decode(q, kc, vc, mask, self.options["decode"])
         else:
             out = self.k.prefill(q, kc, vc, mask, self.options["prefill"])
-        return m.o_proj(out.reshape(t, s.num_heads * s.head_dim))
+        return self.project_o(out.reshape(t, s.num_heads * s.head_dim))[0]
 
 
 class AttentionKernels:

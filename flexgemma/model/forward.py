@@ -16,14 +16,14 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexgemma.engine.kv_cache import KVCache
 from flexgemma.model.attention import AttentionKernels, PagedAttention, kernel_options, rope_tables
-from flexgemma.model.fuse import fused_weight
+from flexgemma.model.fuse import fused_weight, projector
 from flexgemma.model.moe import moe_block
 from flexgemma.model.spec import ModelSpec
 
 
 class GemmaForward(torch.nn.Module):
     def __init__(self, hf_model, spec: ModelSpec, cache: KVCache, attn_cfg, max_len: int,
-                 kernels: AttentionKernels, ops):
+                 kernels: AttentionKernels, ops, lora=None):
         super().__init__()
         self.hf = [hf_model]  # a list: not a submodule, so its parameters are listed once, by transformers
         self.spec, self.cache, self.kernels, self.ops = spec, cache, kernels, ops
@@ -34,11 +34,21 @@ class GemmaForward(torch.nn.Module):
                 s, layer.self_attn, cache, kernels, ops, self.eps,
                 {ph: kernel_options(attn_cfg[ph], s.head_dim, cache.page_size, hf_model.model.embed_tokens.weight.dtype)
                  for ph in ("prefill", "decode")},
+                lora,
             )
             for s, layer in zip(spec.layers, self.layers)
         ]
         self.gate_up = [fused_weight(layer.mlp, "fused_gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
                         for layer in self.layers]
+        # the other projections, each group of one input as `fuse.projector` runs it (unmerged LoRA
+        # groups with lora, module by module without)
+        self.project = [
+            {"gate_up": projector(layer.mlp, ["gate_proj", "up_proj"], lora),
+             "down": projector(layer.mlp, ["down_proj"], lora),
+             **({"ple_gate": projector(layer, ["per_layer_input_gate"], lora),
+                 "ple_out": projector(layer, ["per_layer_projection"], lora)} if s.per_layer_input else {})}
+            for s, layer in zip(spec.layers, self.layers)
+        ]
         p = hf_model.model.embed_tokens.weight
         self.rope = rope_tables(hf_model, max_len, p.dtype, p.device)
 
@@ -72,18 +82,18 @@ class GemmaForward(torch.nn.Module):
             a = attn(x, cos, sin, slots, masks[s.layer_type], decode)
             h, x = ops.add_norm_norm(h, a, layer.post_attention_layernorm.weight, eps,
                                      layer.pre_feedforward_layernorm.weight)
-            mlp, gate_up = layer.mlp, self.gate_up[s.index]
+            gate_up, project = self.gate_up[s.index], self.project[s.index]
             if gate_up is not None:  # one GEMM for gate and up
                 g, u = F.linear(x, gate_up).chunk(2, dim=-1)
             else:
-                g, u = mlp.gate_proj(x), mlp.up_proj(x)
-            m = mlp.down_proj(ops.gelu_mul(g, u))
+                g, u = project["gate_up"](x)
+            m = project["down"](ops.gelu_mul(g, u))[0]
             if s.moe:
                 m = moe_block(layer, h, m, ops, eps)
             if s.per_layer_input:
                 h = ops.add_norm(h, m, layer.post_feedforward_layernorm.weight, eps)
-                g = ops.gelu_mul(layer.per_layer_input_gate(h), per_layer[:, s.index, :])
-                m, w_end = layer.per_layer_projection(g), layer.post_per_layer_input_norm.weight
+                g = ops.gelu_mul(project["ple_gate"](h)[0], per_layer[:, s.index, :])
+                m, w_end = project["ple_out"](g)[0], layer.post_per_layer_input_norm.weight
             else:
                 w_end = layer.post_feedforward_layernorm.weight
             h, x = ops.add_norm_norm(h, m, w_end, eps, w_next, layer.layer_scalar)

@@ -9,7 +9,7 @@ Only plain bias-free nn.Linear modules are fused (not 4-bit ones); fuse before p
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -60,3 +60,11 @@ def fused_weight(owner, name: str, modules) -> Optional[torch.Tensor]:
     """`owner`'s fused weight `name`, if every module of the group still runs as a plain Linear."""
     w = getattr(owner, name, None)
     return w if w is not None and all(runs_plain(m) for m in modules) else None
+
+
+def projector(owner, names: list[str], lora=None) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    """x -> [owner.<name>(x) for each name] (projections that read the same input), as one
+    `lora.LowRankGroup` where their adapters run unmerged beside 4-bit bases, else module by module,
+    looked up at each call (a peft wrapper injected after the build still runs)."""
+    group = lora.group([getattr(owner, n) for n in names]) if lora is not None else None
+    return group if group is not None else (lambda x: [getattr(owner, n)(x) for n in names])

@@ -17,9 +17,11 @@ Modes:
   their base layer, whose weight holds the merge. Two copies of the targeted weights exist
   (pristine + merged), or one on the GPU with `pristine_on_cpu` (pinned CPU memory; a refresh
   then copies over PCIe first).
-- unmerged (4-bit base Linear modules): the adapter runs through peft's own wrapped modules
-  (base matmul + low-rank path); an update copies the new factors into the adapter tensors in
-  place. Expert Parameters are never quantised and stay merged in both modes.
+- unmerged (4-bit base Linear modules): the adapter runs beside the base layer. The engine's
+  forward runs projections that share an input as a `LowRankGroup` (one GEMM for all their A
+  factors, one addmm per member), over copies of the factors that refresh rebuilds; anything
+  else goes through peft's own wrapped modules. An update copies the new factors into the adapter
+  tensors in place. Expert Parameters are never quantised and stay merged in both modes.
 
 Several adapters (`lora.adapter_names`) are peft adapters of those names, all active at once: the
 forward adds every adapter's delta, so the merge is W + sum_i scale_i B_i A_i (their factors are
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flexgemma.config import ConfigError
@@ -127,6 +130,45 @@ class MergeTarget:
         merge_into(self.weight, self.pristine, lhs.to(self.weight.dtype), rhs.to(self.weight.dtype), scale)
 
 
+class LowRankGroup:
+    """Unmerged adapters of projections that read one input (q/k/v, gate/up, or one alone), run
+    beside their (4-bit) base layers in fewer launches than peft's: the A factors of every member
+    and adapter as one GEMM, then each member's B, its scale folded in, added onto the base output
+    by one addmm. (peft's forward clones the base output, then runs A, B, the scale and the add: five
+    launches a projection, ~3 ms of a bs-64 E2B step.) The factors are copies in the compute dtype,
+    rebuilt in place by `rebuild` so that captured graphs read the current adapter."""
+
+    def __init__(self, layers: list, adapters: list[str], dtype: torch.dtype):
+        self.layers, self.adapters = layers, adapters
+        parts = self._factors()
+        self.a = torch.cat([a for _, a in parts]).to(dtype)  # [sum of ranks, in]
+        self.b = [b.to(dtype).contiguous() for b, _ in parts]  # per member [out, rank], scaled
+        self.ranks = [a.shape[0] for _, a in parts]
+
+    def _factors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for layer in self.layers:
+            lhs, rhs, scale = _combined_factors([_delta_factors(layer, a) for a in self.adapters if a in layer.lora_A])
+            out.append((lhs * scale, rhs))
+        return out
+
+    @torch.no_grad()
+    def rebuild(self) -> None:
+        parts = self._factors()
+        self.a.copy_(torch.cat([a for _, a in parts]))
+        for dst, (b, _) in zip(self.b, parts):
+            dst.copy_(b)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [T, in] -> each member's output [T, out]: base(x) + x A^T (s B)^T."""
+        xa = F.linear(x, self.a)
+        outs, r0 = [], 0
+        for layer, b, r in zip(self.layers, self.b, self.ranks):
+            outs.append(torch.addmm(layer.get_base_layer()(x), xa[:, r0: r0 + r], b.t()))
+            r0 += r
+        return outs
+
+
 def _normalise_path(path: str) -> Optional[str]:
     """A module path as the engine's Gemma4ForCausalLM names it; None for other towers' modules."""
     changed = True
@@ -181,6 +223,25 @@ class LoraAdapters:
             layer.enable_adapters(not (merge or expert))  # a merged adapter must not run a second time
         peft_model.requires_grad_(False)
         self.last_refresh: dict[str, float] = {}
+        self.groups: list[LowRankGroup] = []  # the forward's unmerged groups (`group`), rebuilt by refresh
+        self.dtype = model.model.embed_tokens.weight.dtype
+
+    def group(self, modules: list) -> Optional[LowRankGroup]:
+        """The forward's fast path for `modules` (one input), when every one is an unmerged adapter
+        layer this class can run (plain LoRA: no variant such as DoRA, no LoRA bias); None otherwise."""
+        from peft.tuners.lora import ParamWrapper
+
+        if self.merged or not modules:
+            return None
+        for m in modules:
+            if not (any(m is layer for layer in self.layers.values()) and not isinstance(m, ParamWrapper)
+                    and not m.disable_adapters and all(a in m.lora_A for a in self.adapter_names)
+                    and not any(a in getattr(m, "lora_variant", {}) or getattr(m, "lora_bias", {}).get(a, False)
+                                for a in self.adapter_names)):
+                return None
+        g = LowRankGroup(list(modules), self.adapter_names, self.dtype)
+        self.groups.append(g)
+        return g
 
     def _pristine_copy(self, weight: torch.Tensor) -> torch.Tensor:
         if not weight.dtype.is_floating_point:
@@ -196,11 +257,14 @@ class LoraAdapters:
     # -- refresh -----------------------------------------------------------------------------------
     @torch.no_grad()
     def refresh(self) -> float:
-        """Rebuilds every merged weight from its pristine copy and the current adapters; returns ms."""
+        """Rebuilds every merged weight from its pristine copy and the current adapters (and the
+        unmerged groups' factor copies); returns ms."""
         _sync(self.device)
         t0 = time.perf_counter()
         for t in self.targets:
             t.merge(self.adapter_names)
+        for g in self.groups:
+            g.rebuild()
         _sync(self.device)
         return (time.perf_counter() - t0) * 1e3
 
