@@ -89,8 +89,8 @@ def make_ops(counter=None, moe_kernel: str = "grouped_mm") -> SimpleNamespace:
 
         fns = {k: compile_fn(f, counter) for k, f in fns.items()}
     fns["experts_kernel"] = None
-    if moe_kernel == "triton":
-        from flexgemma.model.moe_kernel import TritonExperts
+    if moe_kernel == "triton":  # the routed experts and the router's top-k as Triton kernels
+        from flexgemma.model import moe_kernel as mk
 
-        fns["experts_kernel"] = TritonExperts()
+        fns["experts_kernel"], fns["route"] = mk.TritonExperts(), mk.route
     return SimpleNamespace(**fns)

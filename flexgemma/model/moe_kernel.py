@@ -253,6 +253,50 @@ def _routed_down_kernel(inter_ptr, index_ptr, weights_ptr, n_flat, w_ptr, slots_
         m0 += BLOCK_M
 
 
+@triton.jit
+def _route_kernel(scores_ptr, scale_ptr, weights_ptr, index_ptr, stride_s, E: tl.constexpr, K: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
+    """Program t: Gemma-4's router after its projection for token t, as transformers computes it
+    (float32 softmax over the experts, top-k, renormalised, times the per-expert scale), in one
+    kernel instead of torch.topk's sort and four more launches. Top-k by K rounds of max (the lowest
+    expert id first among equal probabilities)."""
+    row = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    s = tl.load(scores_ptr + row * stride_s + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(s - tl.max(s, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(e < E, p, -1.0)
+    kk = tl.arange(0, K)
+    top_p = tl.zeros((K,), dtype=tl.float32)
+    top_i = tl.zeros((K,), dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(p, 0)
+        idx = tl.min(tl.where(p == best, e, BLOCK_E), 0)
+        top_p = tl.where(kk == j, best, top_p)
+        top_i = tl.where(kk == j, idx, top_i)
+        p = tl.where(e == idx, -1.0, p)
+    w = top_p / tl.sum(top_p, 0) * tl.load(scale_ptr + top_i).to(tl.float32)
+    tl.store(weights_ptr + row * K + kk, w)
+    tl.store(index_ptr + row * K + kk, top_i.to(tl.int64))
+
+
+def route(scores: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused.route` in one Triton kernel: scores [T, E] -> (float32 weights, int64 expert ids) [T, k].
+    k must be a power of two (Gemma-4: 8); otherwise `fused.route` (torch) runs."""
+    if k & (k - 1):
+        from flexgemma.model.fused import route as torch_route
+
+        return torch_route(scores, per_expert_scale, k)
+    scores, per_expert_scale = scores.contiguous(), per_expert_scale.contiguous()
+    t, e = scores.shape
+    weights = torch.empty(t, k, dtype=torch.float32, device=scores.device)
+    index = torch.empty(t, k, dtype=torch.int64, device=scores.device)
+    if t:
+        _route_kernel[(t,)](scores, per_expert_scale, weights, index, scores.stride(0), E=e, K=k,
+                            BLOCK_E=triton.next_power_of_2(e))
+    return weights, index
+
+
 _CODES: dict = {}
 
 
