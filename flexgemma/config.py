@@ -142,9 +142,9 @@ class EngineConfig:
     # queue decode step N+1 before reading step N's tokens (host work overlaps the GPU; no sync a step)
     async_decode: bool = True  # measured on the H200: +10% on the E2B speed workload (RESULTS.md, run 8a)
     fuse_projections: bool = True  # one GEMM for q/k/v and one for gate/up (plain bf16/fp32 weights)
-    # routed experts at decode: triton (flexgemma/model/moe_kernel.py: two kernels a step, no sort; bf16
-    # on a GPU, 4-bit experts and prefill still on torch's path), grouped_mm (torch's sort + grouped GEMM),
-    # or auto (triton on a GPU)
+    # routed experts at decode: triton (flexgemma/model/moe_kernel.py: two kernels a step, no sort, bf16
+    # or 4-bit experts read packed, and the router's top-k as one kernel; on a GPU; prefill-sized steps
+    # on torch's path), grouped_mm (torch's sort + grouped GEMM), or auto (triton on a GPU)
     moe_kernel: str = "auto"
 
 
