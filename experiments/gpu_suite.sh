@@ -2,7 +2,7 @@
 # Everything that needs the GPU, stage by stage, each under its own time limit (device time is
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
-# Stages (in this order): tests moe_kernel_tests retest e2b e2b_prefill4k moe moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): tests moe_kernel_tests retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -72,10 +72,11 @@ retest() {
 export -f retest
 run retest 300 bash -c retest
 run e2b 240 python3 $bench +model=e2b +experiment=speed_e2b --both-loops --hf-rounds 1 --out "$WORK/e2b.json"
-run e2b_prefill4k 150 python3 $bench +model=e2b +experiment=speed_e2b engine.max_prefill_tokens=4096 workload.rounds=3 \
-  --no-hf --out "$WORK/e2b_prefill4k.json"
+run e2b_quick 150 python3 $bench +model=e2b +experiment=speed_e2b workload.rounds=3 --no-hf --out "$WORK/e2b_quick.json"
 run moe 330 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 --batch-sizes 8,16,32,64 \
   --hf-batch-sizes 8 --hf-rounds 1 --parity 4 --parity-tokens 32 --out "$WORK/moe.json"
+run moe_quick 200 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 --batch-sizes 8,16,32,64 \
+  --no-hf --out "$WORK/moe_quick.json"
 run moe_grouped 300 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 \
   engine.moe_kernel=grouped_mm --batch-sizes 8,16,32,64 --no-hf --parity 4 --parity-tokens 32 --out "$WORK/moe_grouped.json"
 run moe_kernel_bench 150 python3 experiments/bench_moe_kernel.py --batch-sizes 8,32,64 --bnb4 --grid-quants bnb4 --out "$WORK/moe_kernel_bench.json"

@@ -159,36 +159,43 @@ def test_triton_kernel_on_the_cpu_without_the_interpreter_is_a_clear_error():
 
 @pytest.mark.gpu
 def test_gpu_triton_engine_agrees_with_grouped_mm_in_graphs():
-    """tiny_moe bf16 through CUDA graphs, teacher-forced: after each prefix of torch's path's greedy
-    continuation, the first decode step of the Triton engine (prefill runs torch's path in both)
-    gives the same top logprob as torch's path's decode step, to within that engine's own bf16 noise
-    (its decode step against its prefill of the same sequence). Token equality is no yardstick
-    here: a random tiny model's logits are near-flat and an ulp flips its argmax (session 4: 79%
-    of the tokens equal)."""
+    """tiny_moe bf16 through CUDA graphs, teacher-forced after each prefix of torch's path's greedy
+    continuation: the first decode step of the Triton engine is as close to float32 as torch's
+    path's (its top logprob against a float32 engine on the same weights, within 2x torch's path's
+    own distance + 1e-3). Token equality is no yardstick on a random tiny model: near-flat logits
+    flip at an ulp (session 4: 79% of the decode-step tokens equal), and torch's path rounds each
+    choice's row to bf16 before summing where the kernels sum in float32."""
     sp = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[2, 5, 9, 14, 3], [2, 77, 31], [2, 8, 8, 8]]
-    engines = {kernel: build_engine(compose([
-        "+model=tiny_moe", "device=cuda", "kv.max_pages=256", "engine.max_batch_size=8", "cudagraph.buckets=[1,2,4,8]",
-        "engine.compile=false", f"engine.moe_kernel={kernel}"])) for kernel in ("grouped_mm", "triton")}
+
+    def engine(kernel, dtype="bfloat16"):
+        return build_engine(compose([
+            "+model=tiny_moe", "device=cuda", "kv.max_pages=256", "engine.max_batch_size=8",
+            "cudagraph.buckets=[1,2,4,8]", "engine.compile=false", f"engine.moe_kernel={kernel}",
+            f"model.dtype={dtype}"]))
+
+    engines = {"grouped_mm": engine("grouped_mm"), "triton": engine("triton"), "fp32": engine("grouped_mm", "float32")}
     assert engines["triton"].info["moe_kernel"] == "triton"
+    with torch.no_grad():  # the float32 engine on the bf16 engines' weights, exactly
+        bf16 = engines["grouped_mm"].model.state_dict()
+        for name, t in engines["fp32"].model.state_dict().items():
+            t.copy_(bf16[name].float())
     ref = [o.token_ids for o in engines["grouped_mm"].generate(prompts, sp)]
     prefixes = [p + r[:j] for p, r in zip(prompts, ref) for j in range(len(r) - 1)]
     two = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
-    grouped = engines["grouped_mm"].generate(prefixes, two)
-    triton_out = engines["triton"].generate(prefixes, two)
+    out = {name: e.generate(prefixes, two) for name, e in engines.items()}
     assert sum(engines["triton"].runner.graphs.hits.values()) > 0
-    # the same sequences prefilled whole: torch's path's decode step against its own prefill
-    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-    prefilled = engines["grouped_mm"].generate([p + o.token_ids[:1] for p, o in zip(prefixes, grouped)], one)
-    noise = max(abs(g.logprobs[1] - f.logprobs[0]) for g, f in zip(grouped, prefilled))
-    # decode steps that saw the same sequence in both engines (short prefills may run either kernel)
-    same = [(g, t) for g, t in zip(grouped, triton_out) if g.token_ids[0] == t.token_ids[0]]
-    assert len(same) >= 0.8 * len(prefixes)
-    dev = max(abs(g.logprobs[1] - t.logprobs[1]) for g, t in same)
-    agree = sum(g.token_ids[1] == t.token_ids[1] for g, t in same) / len(same)
-    print(f"decode-step top logprob: triton vs torch's path {dev:.2e}, torch's decode vs its prefill {noise:.2e}; "
-          f"tokens equal {agree:.3f} of {len(same)}")
-    assert dev <= 4 * noise + 1e-3
+    # decode steps that saw the same sequence in all three engines
+    same = [i for i in range(len(prefixes)) if len({out[n][i].token_ids[0] for n in out}) == 1]
+    assert len(same) >= 0.7 * len(prefixes)
+
+    def distance(name):
+        return max(abs(out[name][i].logprobs[1] - out["fp32"][i].logprobs[1]) for i in same)
+
+    agree = sum(out["triton"][i].token_ids[1] == out["grouped_mm"][i].token_ids[1] for i in same) / len(same)
+    print(f"decode-step top logprob vs float32: triton {distance('triton'):.2e}, torch's path "
+          f"{distance('grouped_mm'):.2e}; tokens equal {agree:.3f} of {len(same)}")
+    assert distance("triton") <= 2 * distance("grouped_mm") + 1e-3
 
 
 @pytest.mark.gpu

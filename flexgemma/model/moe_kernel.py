@@ -11,7 +11,7 @@ kernels per layer around two GEMMs that read the weights at 1.6-2.7 TB/s on the 
   weights once, multiplies every such entry's token row against them (16 rows per tensor-core tile)
   and writes act(gate) * up at the entry's flat row;
 - down: the same over the down projection, times the entry's router weight, in float32;
-- the K choices of each token summed (one reduction).
+- the K choices of each token summed and cast (one small kernel).
 
 Experts with no entries exit at once. Weights are read in their stored [E, N, K] layout. Prefill
 (many rows per expert) stays on torch's grouped GEMM.
@@ -257,6 +257,18 @@ def _routed_down_kernel(inter_ptr, index_ptr, weights_ptr, n_flat, w_ptr, slots_
 
 
 @triton.jit
+def _sum_choices_kernel(src_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, j): out[t, cols] = sum over the K choices of src[t*K + k, cols] (float32), cast to
+    out's dtype: one launch where torch's sum then cast were two."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(K):
+        acc += tl.load(src_ptr + (t * K + k) * H + cols, mask=cols < H, other=0.0)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
+@triton.jit
 def _route_kernel(scores_ptr, scale_ptr, weights_ptr, index_ptr, stride_s, E: tl.constexpr, K: tl.constexpr,
                   BLOCK_E: tl.constexpr):
     """Program t: Gemma-4's router after its projection for token t, as transformers computes it
@@ -433,7 +445,9 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     _routed_down_kernel[(e, triton.cdiv(h, down_tiles["BLOCK_N"]))](
         inter_ptr=inter, index_ptr=index, weights_ptr=weights, n_flat=n_flat, slots_ptr=slots, out_ptr=out,
         I=i, H=h, HAS_SLOTS=slotted, PACKED=fused, NFLAT=nflat, BLOCK_M=BLOCK_M, **ops, **down_tiles)
-    return out.view(t, topk, h).sum(1).to(x.dtype)
+    summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    _sum_choices_kernel[(t, triton.cdiv(h, 1024))](out, summed, H=h, K=topk, BLOCK=1024)
+    return summed
 
 
 def is_gelu_tanh(act) -> bool:
