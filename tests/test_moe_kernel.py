@@ -160,11 +160,12 @@ def test_triton_kernel_on_the_cpu_without_the_interpreter_is_a_clear_error():
 @pytest.mark.gpu
 def test_gpu_triton_engine_agrees_with_grouped_mm_in_graphs():
     """tiny_moe bf16 through CUDA graphs, teacher-forced after each prefix of torch's path's greedy
-    continuation: the first decode step of the Triton engine is as close to float32 as torch's
-    path's (its top logprob against a float32 engine on the same weights, within 2x torch's path's
-    own distance + 1e-3). Token equality is no yardstick on a random tiny model: near-flat logits
-    flip at an ulp (session 4: 79% of the decode-step tokens equal), and torch's path rounds each
-    choice's row to bf16 before summing where the kernels sum in float32."""
+    continuation: the first decode step of the Triton engine is about as close to float32 as torch's
+    path's (mean |top logprob - float32's| on the same sequence, float32 engine on the same weights,
+    within 1.5x torch's path's own + 1e-3; on the CPU, routing decode rows to the wrong experts
+    moved it 3.5x). Token equality is no yardstick on a random tiny model: near-flat logits flip at
+    an ulp (session 4: 79% of the decode-step tokens equal), and torch's path rounds each choice's
+    row to bf16 before summing where the kernels sum in float32."""
     sp = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[2, 5, 9, 14, 3], [2, 77, 31], [2, 8, 8, 8]]
 
@@ -183,19 +184,22 @@ def test_gpu_triton_engine_agrees_with_grouped_mm_in_graphs():
     ref = [o.token_ids for o in engines["grouped_mm"].generate(prompts, sp)]
     prefixes = [p + r[:j] for p, r in zip(prompts, ref) for j in range(len(r) - 1)]
     two = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
-    out = {name: e.generate(prefixes, two) for name, e in engines.items()}
+    out = {name: engines[name].generate(prefixes, two) for name in ("grouped_mm", "triton")}
     assert sum(engines["triton"].runner.graphs.hits.values()) > 0
-    # decode steps that saw the same sequence in all three engines
-    same = [i for i in range(len(prefixes)) if len({out[n][i].token_ids[0] for n in out}) == 1]
+    # decode steps that saw the same sequence in both bf16 engines (their prefill tokens agree)
+    same = [i for i in range(len(prefixes)) if out["grouped_mm"][i].token_ids[0] == out["triton"][i].token_ids[0]]
     assert len(same) >= 0.7 * len(prefixes)
+    # float32's distribution after that same sequence, by prefill: its top logprob is the reference
+    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    truth = engines["fp32"].generate([prefixes[i] + out["grouped_mm"][i].token_ids[:1] for i in same], one)
 
-    def distance(name):
-        return max(abs(out[name][i].logprobs[1] - out["fp32"][i].logprobs[1]) for i in same)
+    def distance(name):  # mean |top logprob - float32's| over the decode steps
+        return sum(abs(out[name][i].logprobs[1] - t.logprobs[0]) for i, t in zip(same, truth)) / len(same)
 
     agree = sum(out["triton"][i].token_ids[1] == out["grouped_mm"][i].token_ids[1] for i in same) / len(same)
     print(f"decode-step top logprob vs float32: triton {distance('triton'):.2e}, torch's path "
           f"{distance('grouped_mm'):.2e}; tokens equal {agree:.3f} of {len(same)}")
-    assert distance("triton") <= 2 * distance("grouped_mm") + 1e-3
+    assert distance("triton") <= 1.5 * distance("grouped_mm") + 1e-3
 
 
 @pytest.mark.gpu
