@@ -139,12 +139,19 @@ def _code_values(q, code_ptr, SELECT: tl.constexpr):
 
 
 @triton.jit
-def _block_dot_4bit(a_even, a_odd, q_ptrs, ok, code_ptr, SELECT: tl.constexpr, scale):
-    """a @ W.T over one quantisation block of 4-bit rows, [BLOCK_M, BLOCK_N] float32. q_ptrs
-    [BLOCK_N, QBLOCK/2] point at the rows' bytes, two weights each (bitsandbytes puts the first in the
-    high nibble, so a's even elements meet the high nibbles: no interleave). The code table is in a's
-    dtype; the block's scale, one per row, multiplies the products instead of every weight."""
-    byte = tl.load(q_ptrs, mask=ok, other=0).to(tl.int32)
+def _block_dot_4bit(a_even, a_odd, w_ptr, widx, rows, ok, k0, K: tl.constexpr, stride_we, absmax_ptr, code_ptr,
+                    ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK: tl.constexpr,
+                    NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr):
+    """a @ W[rows, k0:k0+QBLOCK].T for 4-bit expert widx (rows of K elements, so a block never
+    straddles two), [BLOCK_M, len(rows)] float32. Each byte holds two weights (bitsandbytes puts the
+    first in the high nibble, so a's even elements meet the high nibbles: no interleave). The code
+    table is in a's dtype; the block's scale, one per row, multiplies the products instead of every
+    weight."""
+    kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
+    byte = tl.load(w_ptr + widx * stride_we + rows[:, None] * (K // 2) + kb[None, :], mask=ok[:, None],
+                   other=0).to(tl.int32)
+    scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, rows * (K // QBLOCK) + k0 // QBLOCK,
+                          ok, stride_ae, stride_ne, NESTED, DOUBLE_QUANT)
     hi = _code_values(byte >> 4, code_ptr, SELECT)
     lo = _code_values(byte & 15, code_ptr, SELECT)
     return (tl.dot(a_even, tl.trans(hi)) + tl.dot(a_odd, tl.trans(lo))) * scale[None, :]
@@ -186,16 +193,12 @@ def _routed_up_kernel(x_ptr, index_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, co
             ok = cols < I
             for k0 in range(0, H, QBLOCK):
                 a_even, a_odd = _row_pairs(x_ptr + token[:, None] * stride_x, k0, valid, QBLOCK)
-                kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
-                q = w_ptr + widx * stride_we + cols[:, None] * (H // 2) + kb[None, :]
-                blk = cols * (H // QBLOCK) + k0 // QBLOCK
-                acc_g += _block_dot_4bit(a_even, a_odd, q, ok[:, None], code_ptr, SELECT,
-                                         _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, blk, ok,
-                                                       stride_ae, stride_ne, NESTED, DOUBLE_QUANT))
-                acc_u += _block_dot_4bit(a_even, a_odd, q + I * (H // 2), ok[:, None], code_ptr, SELECT,
-                                         _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx,
-                                                       blk + I * (H // QBLOCK), ok, stride_ae, stride_ne, NESTED,
-                                                       DOUBLE_QUANT))
+                acc_g += _block_dot_4bit(a_even, a_odd, w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr,
+                                         code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK,
+                                         NESTED, DOUBLE_QUANT, SELECT)
+                acc_u += _block_dot_4bit(a_even, a_odd, w_ptr, widx, cols + I, ok, k0, H, stride_we, absmax_ptr,
+                                         code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK,
+                                         NESTED, DOUBLE_QUANT, SELECT)
         else:
             for k0 in range(0, H, BLOCK_K):
                 k = k0 + ks
@@ -236,12 +239,9 @@ def _routed_down_kernel(inter_ptr, index_ptr, weights_ptr, n_flat, w_ptr, slots_
             ok = cols < H
             for k0 in range(0, I, QBLOCK):
                 a_even, a_odd = _row_pairs(inter_ptr + flat[:, None] * I, k0, valid, QBLOCK)
-                kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
-                q = w_ptr + widx * stride_we + cols[:, None] * (I // 2) + kb[None, :]
-                scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx,
-                                      cols * (I // QBLOCK) + k0 // QBLOCK, ok, stride_ae, stride_ne, NESTED,
-                                      DOUBLE_QUANT)
-                acc += _block_dot_4bit(a_even, a_odd, q, ok[:, None], code_ptr, SELECT, scale)
+                acc += _block_dot_4bit(a_even, a_odd, w_ptr, widx, cols, ok, k0, I, stride_we, absmax_ptr, code_ptr,
+                                       ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
+                                       DOUBLE_QUANT, SELECT)
         else:
             for k0 in range(0, I, BLOCK_K):
                 k = k0 + ks
