@@ -2,7 +2,7 @@
 # Everything that needs the GPU, stage by stage, each under its own time limit (device time is
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
-# Stages (in this order): tests moe_kernel_tests retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -28,7 +28,7 @@ run() {  # name timeout command...
   if (( limit < 30 )); then echo "== $name skipped: ${left}s left"; return 0; fi
   timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - t0 ))s"
-  grep -E "passed|failed|^FAILED|Error:|tok/s|tok_s_median|speedup|peak|parity|ratio|refresh|build_seconds|capture_seconds|best" \
+  grep -E "passed|failed|^FAILED|Error:|tok/s|tok_s_median|speedup|peak|parity|ratio|refresh|build_seconds|capture_seconds|best|sum over" \
     "$WORK/$name.log" | grep -v DEBUG | tail -25
   pack
 }
@@ -58,6 +58,8 @@ export -f gpu_tests
 export L6
 run tests 420 bash -c gpu_tests
 run moe_kernel_tests 150 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s tests/test_moe_kernel.py
+run linear4bit_tests 150 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s tests/test_linear4bit.py
+run linear4bit_bench 240 python3 experiments/bench_linear4bit.py --batch-sizes 8,32,64 --out "$WORK/linear4bit_bench.json"
 # the tests that failed on the last run, side by side
 retest() {
   timeout 300 python3 -m pytest -q -p no:logging -s -m gpu tests/test_gpu.py -k e2b_eager > "$WORK/retest_e2b.log" 2>&1 &

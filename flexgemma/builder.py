@@ -106,22 +106,21 @@ def _triton_available() -> bool:
     return True
 
 
-def _moe_kernel(cfg: DictConfig, device: torch.device) -> str:
-    """engine.moe_kernel resolved: auto is the Triton decode kernels on a GPU (measured faster on the
-    H200, experiments/RESULTS.md), torch's grouped GEMM elsewhere."""
-    kernel = str(cfg.engine.moe_kernel)
-    if kernel == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "grouped_mm"
-    if kernel == "triton":
+def _kernel_choice(option: str, value: str, torch_name: str, device: torch.device) -> str:
+    """engine.<option> resolved: auto is the Triton kernels on a GPU (measured faster on the H200,
+    experiments/RESULTS.md), `torch_name` elsewhere; triton where Triton cannot run is an error."""
+    if value == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else torch_name
+    if value == "triton":
         import os
 
         if not _triton_available():
-            raise ConfigError("engine.moe_kernel=triton needs the triton package (it comes with CUDA builds of "
-                              "torch): use engine.moe_kernel=grouped_mm")
+            raise ConfigError(f"engine.{option}=triton needs the triton package (it comes with CUDA builds of "
+                              f"torch): use engine.{option}={torch_name}")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError(f"engine.moe_kernel=triton runs on a GPU, not on {device.type} (the tests run it "
-                              "there through TRITON_INTERPRET=1): use engine.moe_kernel=grouped_mm")
-    return kernel
+            raise ConfigError(f"engine.{option}=triton runs on a GPU, not on {device.type} (the tests run it "
+                              f"there through TRITON_INTERPRET=1): use engine.{option}={torch_name}")
+    return value
 
 
 def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
@@ -152,9 +151,16 @@ def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
     use_compile = cfg.engine.compile if cfg.engine.compile is not None else device.type == "cuda"
     counter = CompileCounter()
     kernels = AttentionKernels(backend, decode_rows=cfg.engine.max_batch_size, counter=counter)
-    moe_kernel = _moe_kernel(cfg, device)
-    ops = make_ops(counter if use_compile else None, moe_kernel)
+    moe_kernel = _kernel_choice("moe_kernel", str(cfg.engine.moe_kernel), "grouped_mm", device)
+    quantised = cfg.quant is not None and cfg.quant.method != "none"
+    linear4bit_kernel = _kernel_choice("linear4bit_kernel", str(cfg.engine.linear4bit_kernel), "bnb", device) \
+        if quantised else "bnb"
+    ops = make_ops(counter if use_compile else None, moe_kernel, linear4bit_kernel)
     forward = GemmaForward(model, spec, cache, cfg.attn, max_len, kernels, ops, lora)
+    if quantised:
+        groups = forward.linear4bit_groups()
+        info.update({"linear4bit_kernel": linear4bit_kernel, "linear4bit_groups": len(groups),
+                     "quant/linear4bit_extra_bytes": sum(g.extra_bytes for g in groups)})
     masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len)
     sample_fn = compile_fn(sample, counter) if use_compile else sample
     runner = ModelRunner(forward, cache, masks, cfg.engine.max_batch_size, cfg.attn.q_block_size, sample_fn)

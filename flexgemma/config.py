@@ -34,6 +34,9 @@ class DType(str, Enum):
     auto = "auto"  # bfloat16 on a GPU, float32 on the CPU
     float32 = "float32"
     bfloat16 = "bfloat16"
+    # GPUs without bf16, and the CPU tests of the Triton kernels (Triton's interpreter mishandles bf16);
+    # real Gemma weights can overflow its range
+    float16 = "float16"
 
 
 class AttnBackend(str, Enum):
@@ -146,6 +149,10 @@ class EngineConfig:
     # or 4-bit experts read packed, and the router's top-k as one kernel; on a GPU; prefill-sized steps
     # on torch's path), grouped_mm (torch's sort + grouped GEMM), or auto (triton on a GPU)
     moe_kernel: str = "auto"
+    # 4-bit projections (quant=bnb4) at decode: triton (flexgemma/model/linear4bit.py: the projections of
+    # one input as one 4-bit matrix read packed by one kernel, an unmerged LoRA inside it; on a GPU),
+    # bnb (bitsandbytes' Linear4bit: dequantise + GEMM per module), or auto (triton on a GPU)
+    linear4bit_kernel: str = "auto"
 
 
 @dataclass
@@ -285,6 +292,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"engine.max_prefill_tokens={eng.max_prefill_tokens} is invalid: at least 16")
     if eng.moe_kernel not in ("auto", "grouped_mm", "triton"):
         raise ConfigError(f"engine.moe_kernel={eng.moe_kernel!r} is invalid: auto, grouped_mm or triton")
+    if eng.linear4bit_kernel not in ("auto", "bnb", "triton"):
+        raise ConfigError(f"engine.linear4bit_kernel={eng.linear4bit_kernel!r} is invalid: auto, bnb or triton")
     if cg.enabled:
         b = list(cg.buckets)
         if not b or any(x < 1 for x in b) or b != sorted(set(b)):

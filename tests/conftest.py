@@ -4,6 +4,11 @@ import os
 # starve each other on few cores (a 4-bit matmul ~300x slower). Set before torch starts its pool.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -11,6 +16,17 @@ from flexgemma import build_engine, compose
 
 # Small pages and window-sized prompts so every test crosses pages and the sliding window.
 SMALL = ["kv.page_size=8", "kv.cpu_pages=80", "engine.max_model_len=256", "device=cpu"]
+
+
+def run_interpreted(code: str) -> str:
+    """`code` in a fresh Python with TRITON_INTERPRET=1 (the variable must be set before Triton
+    loads): Triton kernels on the CPU. Returns its stdout; a failure shows its stderr."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
 
 
 def make_engine(*overrides: str, model: str = "tiny"):

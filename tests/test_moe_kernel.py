@@ -3,10 +3,6 @@ Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the variable must be 
 loads), in float16 (the interpreter mishandles bfloat16); on the GPU in bfloat16 inside graphs."""
 
 import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,16 +10,9 @@ from transformers.activations import GELUTanh
 
 from flexgemma import ConfigError, SamplingParams, build_engine, compose
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import run_interpreted
+
 triton = pytest.importorskip("triton", reason="Triton is not installed (CUDA builds of torch bring it)")
-
-
-def run_interpreted(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout
 
 
 def test_decode_experts_equal_the_loop_interpreted():

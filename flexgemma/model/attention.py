@@ -75,7 +75,8 @@ class PagedAttention:
         # otherwise the projections the layer uses: q, and k / v where it writes its own KV
         used = ["q_proj"] + (["k_proj"] if spec.writes_kv else []) + \
             (["v_proj"] if spec.writes_kv and not spec.k_eq_v else [])
-        self.project_qkv, self.project_o = projector(hf_attn, used, lora), projector(hf_attn, ["o_proj"], lora)
+        self.project_qkv = projector(hf_attn, used, lora, ops.linear4bit)
+        self.project_o = projector(hf_attn, ["o_proj"], lora, ops.linear4bit)
 
     def __call__(self, x, cos, sin, slots, mask: BlockMask, decode: bool) -> torch.Tensor:
         s, m, ops = self.spec, self.m, self.ops

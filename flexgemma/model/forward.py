@@ -40,13 +40,14 @@ class GemmaForward(torch.nn.Module):
         ]
         self.gate_up = [fused_weight(layer.mlp, "fused_gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
                         for layer in self.layers]
-        # the other projections, each group of one input as `fuse.projector` runs it (unmerged LoRA
-        # groups with lora, module by module without)
+        # the other projections, each group of one input as `fuse.projector` runs it (4-bit groups,
+        # unmerged LoRA groups, or module by module)
         self.project = [
-            {"gate_up": projector(layer.mlp, ["gate_proj", "up_proj"], lora),
-             "down": projector(layer.mlp, ["down_proj"], lora),
-             **({"ple_gate": projector(layer, ["per_layer_input_gate"], lora),
-                 "ple_out": projector(layer, ["per_layer_projection"], lora)} if s.per_layer_input else {})}
+            {"gate_up": projector(layer.mlp, ["gate_proj", "up_proj"], lora, ops.linear4bit),
+             "down": projector(layer.mlp, ["down_proj"], lora, ops.linear4bit),
+             **({"ple_gate": projector(layer, ["per_layer_input_gate"], lora, ops.linear4bit),
+                 "ple_out": projector(layer, ["per_layer_projection"], lora, ops.linear4bit)}
+                if s.per_layer_input else {})}
             for s, layer in zip(spec.layers, self.layers)
         ]
         p = hf_model.model.embed_tokens.weight
@@ -55,6 +56,13 @@ class GemmaForward(torch.nn.Module):
     @property
     def model(self):
         return self.hf[0]
+
+    def linear4bit_groups(self) -> list:
+        """The `linear4bit.Linear4bitGroup`s the projections run (alone or under a LoRA group)."""
+        calls = [f for a in self.attn for f in (a.project_qkv, a.project_o)] + \
+            [f for p in self.project for f in p.values()]
+        bases = [getattr(f, "base", f) for f in calls]
+        return [b for b in bases if type(b).__name__ == "Linear4bitGroup"]
 
     def forward(
         self,

@@ -62,9 +62,26 @@ def fused_weight(owner, name: str, modules) -> Optional[torch.Tensor]:
     return w if w is not None and all(runs_plain(m) for m in modules) else None
 
 
-def projector(owner, names: list[str], lora=None) -> Callable[[torch.Tensor], list[torch.Tensor]]:
-    """x -> [owner.<name>(x) for each name] (projections that read the same input), as one
-    `lora.LowRankGroup` where their adapters run unmerged beside 4-bit bases, else module by module,
-    looked up at each call (a peft wrapper injected after the build still runs)."""
-    group = lora.group([getattr(owner, n) for n in names]) if lora is not None else None
-    return group if group is not None else (lambda x: [getattr(owner, n)(x) for n in names])
+def runs_base_only(module) -> bool:
+    """No adapter runs in `module`: not a peft wrapper, or one whose adapters are disabled."""
+    return not hasattr(module, "base_layer") or bool(getattr(module, "disable_adapters", False))
+
+
+def projector(owner, names: list[str], lora=None, linear4bit: bool = False) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    """x -> [owner.<name>(x) for each name] (projections that read the same input): with
+    `linear4bit`, 4-bit bases as one `linear4bit.Linear4bitGroup` (one kernel at decode); unmerged
+    adapters as one `lora.LowRankGroup` over those bases (or over each base layer); else module by
+    module, looked up at each call (a peft wrapper injected after the build still runs). The groups
+    are decided at build."""
+    modules = [getattr(owner, n) for n in names]
+    packed = None
+    if linear4bit:
+        from flexgemma.model.linear4bit import group_or_none
+
+        packed = group_or_none(modules)
+    group = lora.group(modules, packed) if lora is not None else None
+    if group is not None:
+        return group
+    if packed is not None and all(runs_base_only(m) for m in modules):
+        return packed
+    return lambda x: [getattr(owner, n)(x) for n in names]

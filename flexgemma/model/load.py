@@ -30,7 +30,7 @@ class ModelLoadError(ValueError):
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name in ("auto", None):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def _plain(obj: Any) -> Any:

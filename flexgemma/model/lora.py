@@ -134,16 +134,23 @@ class LowRankGroup:
     """Unmerged adapters of projections that read one input (q/k/v, gate/up, or one alone), run
     beside their (4-bit) base layers in fewer launches than peft's: the A factors of every member
     and adapter as one GEMM, then each member's B, its scale folded in, added onto the base output
-    by one addmm. (peft's forward clones the base output, then runs A, B, the scale and the add: five
-    launches a projection, ~3 ms of a bs-64 E2B step.) The factors are copies in the compute dtype,
-    rebuilt in place by `rebuild` so that captured graphs read the current adapter."""
+    by one addmm; or, over a `linear4bit.Linear4bitGroup` of the bases, B as one block-diagonal
+    matrix that the 4-bit kernel adds inside its tile. (peft's forward clones the base output, then
+    runs A, B, the scale and the add: five launches a projection, ~3 ms of a bs-64 E2B step.) The
+    factors are copies in the compute dtype, rebuilt in place by `rebuild` so that captured graphs
+    read the current adapter."""
 
-    def __init__(self, layers: list, adapters: list[str], dtype: torch.dtype):
-        self.layers, self.adapters = layers, adapters
+    def __init__(self, layers: list, adapters: list[str], dtype: torch.dtype, base=None):
+        self.layers, self.adapters, self.base = layers, adapters, base
         parts = self._factors()
         self.a = torch.cat([a for _, a in parts]).to(dtype)  # [sum of ranks, in]
-        self.b = [b.to(dtype).contiguous() for b, _ in parts]  # per member [out, rank], scaled
         self.ranks = [a.shape[0] for _, a in parts]
+        if base is None:
+            self.b = [b.to(dtype).contiguous() for b, _ in parts]  # per member [out, rank], scaled
+        else:  # [sum of outs, sum of ranks]: member i's B at rows of its outputs, columns of its rank
+            self.b_diag = torch.zeros(sum(b.shape[0] for b, _ in parts), sum(self.ranks), dtype=dtype,
+                                      device=self.a.device)
+            self._fill_diag(parts)
 
     def _factors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out = []
@@ -152,16 +159,27 @@ class LowRankGroup:
             out.append((lhs * scale, rhs))
         return out
 
+    def _fill_diag(self, parts) -> None:
+        o0 = r0 = 0
+        for b, _ in parts:
+            self.b_diag[o0: o0 + b.shape[0], r0: r0 + b.shape[1]].copy_(b)
+            o0, r0 = o0 + b.shape[0], r0 + b.shape[1]
+
     @torch.no_grad()
     def rebuild(self) -> None:
         parts = self._factors()
         self.a.copy_(torch.cat([a for _, a in parts]))
+        if self.base is not None:
+            self._fill_diag(parts)
+            return
         for dst, (b, _) in zip(self.b, parts):
             dst.copy_(b)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [T, in] -> each member's output [T, out]: base(x) + x A^T (s B)^T."""
         xa = F.linear(x, self.a)
+        if self.base is not None:
+            return list(self.base.matmul(x, xa, self.b_diag).split(self.base.splits, dim=-1))
         outs, r0 = [], 0
         for layer, b, r in zip(self.layers, self.b, self.ranks):
             outs.append(torch.addmm(layer.get_base_layer()(x), xa[:, r0: r0 + r], b.t()))
@@ -226,9 +244,10 @@ class LoraAdapters:
         self.groups: list[LowRankGroup] = []  # the forward's unmerged groups (`group`), rebuilt by refresh
         self.dtype = model.model.embed_tokens.weight.dtype
 
-    def group(self, modules: list) -> Optional[LowRankGroup]:
+    def group(self, modules: list, base=None) -> Optional[LowRankGroup]:
         """The forward's fast path for `modules` (one input), when every one is an unmerged adapter
-        layer this class can run (plain LoRA: no variant such as DoRA, no LoRA bias); None otherwise."""
+        layer this class can run (plain LoRA: no variant such as DoRA, no LoRA bias); None otherwise.
+        base: a `linear4bit.Linear4bitGroup` of their base layers, or None (each base layer runs)."""
         from peft.tuners.lora import ParamWrapper
 
         if self.merged or not modules:
@@ -239,7 +258,7 @@ class LoraAdapters:
                     and not any(a in getattr(m, "lora_variant", {}) or getattr(m, "lora_bias", {}).get(a, False)
                                 for a in self.adapter_names)):
                 return None
-        g = LowRankGroup(list(modules), self.adapter_names, self.dtype)
+        g = LowRankGroup(list(modules), self.adapter_names, self.dtype, base)
         self.groups.append(g)
         return g
 

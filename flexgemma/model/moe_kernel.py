@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from flexgemma.model.moe import routed_experts
+from flexgemma.model.triton4bit import code4, nibble_dot, row_pairs, sum_rows
 
 BLOCK_M = 16  # entries of one expert per tile: tl.dot's smallest M
 
@@ -119,51 +120,15 @@ def _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, blk, ok
 
 
 @triton.jit
-def _select2(bit, q, code_ptr, i: tl.constexpr):
-    return tl.where((q & bit) != 0, tl.load(code_ptr + i + bit), tl.load(code_ptr + i))
-
-
-@triton.jit
-def _code_values(q, code_ptr, SELECT: tl.constexpr):
-    """code[q] for 4-bit values q: a load per value from the 16-entry table (L1), or with SELECT a
-    binary tree of selects over the table's 16 entries held as scalars (no memory access per value)."""
-    if SELECT:
-        b2, b4, b8 = (q & 2) != 0, (q & 4) != 0, (q & 8) != 0
-        low = tl.where(b4, tl.where(b2, _select2(1, q, code_ptr, 6), _select2(1, q, code_ptr, 4)),
-                       tl.where(b2, _select2(1, q, code_ptr, 2), _select2(1, q, code_ptr, 0)))
-        high = tl.where(b4, tl.where(b2, _select2(1, q, code_ptr, 14), _select2(1, q, code_ptr, 12)),
-                        tl.where(b2, _select2(1, q, code_ptr, 10), _select2(1, q, code_ptr, 8)))
-        return tl.where(b8, high, low)
-    else:
-        return tl.load(code_ptr + q)
-
-
-@triton.jit
 def _block_dot_4bit(a_even, a_odd, w_ptr, widx, rows, ok, k0, K: tl.constexpr, stride_we, absmax_ptr, code_ptr,
                     ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK: tl.constexpr,
                     NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr):
-    """a @ W[rows, k0:k0+QBLOCK].T for 4-bit expert widx (rows of K elements, so a block never
-    straddles two), [BLOCK_M, len(rows)] float32. Each byte holds two weights (bitsandbytes puts the
-    first in the high nibble, so a's even elements meet the high nibbles: no interleave). The code
-    table is in a's dtype; the block's scale, one per row, multiplies the products instead of every
-    weight."""
-    kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
-    byte = tl.load(w_ptr + widx * stride_we + rows[:, None] * (K // 2) + kb[None, :], mask=ok[:, None],
-                   other=0).to(tl.int32)
+    """a @ W[rows, k0:k0+QBLOCK].T for 4-bit expert widx, [BLOCK_M, len(rows)] float32: the block's
+    nibble products (triton4bit.nibble_dot) times its scale, one per row."""
     scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, rows * (K // QBLOCK) + k0 // QBLOCK,
                           ok, stride_ae, stride_ne, NESTED, DOUBLE_QUANT)
-    hi = _code_values(byte >> 4, code_ptr, SELECT)
-    lo = _code_values(byte & 15, code_ptr, SELECT)
-    return (tl.dot(a_even, tl.trans(hi)) + tl.dot(a_odd, tl.trans(lo))) * scale[None, :]
-
-
-@triton.jit
-def _row_pairs(row_ptrs, k0, valid, QBLOCK: tl.constexpr):
-    """The even and odd elements k0 .. k0+QBLOCK-1 of rows (row_ptrs [BLOCK_M, 1]): the halves that
-    meet a 4-bit block's high and low nibbles."""
-    kk = k0 + 2 * tl.arange(0, QBLOCK // 2)
-    a_ptr = row_ptrs + kk[None, :]
-    return tl.load(a_ptr, mask=valid[:, None], other=0.0), tl.load(a_ptr + 1, mask=valid[:, None], other=0.0)
+    return nibble_dot(a_even, a_odd, w_ptr + widx * stride_we, rows, ok, k0, K, code_ptr, QBLOCK,
+                      SELECT) * scale[None, :]
 
 
 @triton.jit
@@ -192,7 +157,7 @@ def _routed_up_kernel(x_ptr, index_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, co
         if PACKED:
             ok = cols < I
             for k0 in range(0, H, QBLOCK):
-                a_even, a_odd = _row_pairs(x_ptr + token[:, None] * stride_x, k0, valid, QBLOCK)
+                a_even, a_odd = row_pairs(x_ptr + token[:, None] * stride_x, k0, valid, QBLOCK)
                 acc_g += _block_dot_4bit(a_even, a_odd, w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr,
                                          code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK,
                                          NESTED, DOUBLE_QUANT, SELECT)
@@ -238,7 +203,7 @@ def _routed_down_kernel(inter_ptr, index_ptr, weights_ptr, n_flat, w_ptr, slots_
         if PACKED:
             ok = cols < H
             for k0 in range(0, I, QBLOCK):
-                a_even, a_odd = _row_pairs(inter_ptr + flat[:, None] * I, k0, valid, QBLOCK)
+                a_even, a_odd = row_pairs(inter_ptr + flat[:, None] * I, k0, valid, QBLOCK)
                 acc += _block_dot_4bit(a_even, a_odd, w_ptr, widx, cols, ok, k0, I, stride_we, absmax_ptr, code_ptr,
                                        ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
                                        DOUBLE_QUANT, SELECT)
@@ -254,18 +219,6 @@ def _routed_down_kernel(inter_ptr, index_ptr, weights_ptr, n_flat, w_ptr, slots_
         y = acc.to(dt).to(tl.float32) * weight[:, None]  # float32 router weights, as transformers multiplies
         tl.store(out_ptr + flat[:, None] * H + cols[None, :], y, mask=valid[:, None] & (cols[None, :] < H))
         m0 += BLOCK_M
-
-
-@triton.jit
-def _sum_choices_kernel(src_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (t, j): out[t, cols] = sum over the K choices of src[t*K + k, cols] (float32), cast to
-    out's dtype: one launch where torch's sum then cast were two."""
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in tl.static_range(K):
-        acc += tl.load(src_ptr + (t * K + k) * H + cols, mask=cols < H, other=0.0)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
 @triton.jit
@@ -312,19 +265,6 @@ def route(scores: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple
     return weights, index
 
 
-_CODES: dict = {}
-
-
-def _code4(quant_type: str, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """bitsandbytes' 16-entry table of a 4-bit type (nf4, fp4) on `device`, in `dtype`."""
-    key = (quant_type, str(device), dtype)
-    if key not in _CODES:
-        import bitsandbytes.functional as bf
-
-        _CODES[key] = bf.get_4bit_type(quant_type, device=device).to(dtype).contiguous()
-    return _CODES[key]
-
-
 # the routed kernels read a decode step's whole routing in every program: up to this many (token,
 # choice) entries (bucket 64 x top-8 = 512); bigger steps sort rows by expert instead
 ROUTED_MAX_ENTRIES = 1024
@@ -347,7 +287,7 @@ def dequantize_slots(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     absmax = w.absmax
     nested = w.nested_absmax if dq else absmax  # placeholders when not double-quantised (never read)
     _dequant_kernel[(ids.shape[0], triton.cdiv(nbytes, DEQUANT_BLOCK))](
-        packed_ptr=w.packed, absmax_ptr=absmax, code4_ptr=_code4(w.quant_type, w.packed.device),
+        packed_ptr=w.packed, absmax_ptr=absmax, code4_ptr=code4(w.quant_type, w.packed.device),
         ncode_ptr=w.nested_code if dq else absmax, nabsmax_ptr=nested, noffset_ptr=w.nested_offset if dq else absmax,
         ids_ptr=ids, out_ptr=out, BYTES=nbytes, stride_pe=w.packed.stride(0), stride_ae=absmax.stride(0),
         stride_ne=nested.stride(0), QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCK=DEQUANT_BLOCK)
@@ -423,7 +363,7 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         """The weight's kernel arguments: plain (or slotted) bf16, or the 4-bit buffers."""
         if fused:
             dq = bool(w.double_quant)
-            return dict(w_ptr=w.packed, absmax_ptr=w.absmax, code_ptr=_code4(w.quant_type, x.device, x.dtype),
+            return dict(w_ptr=w.packed, absmax_ptr=w.absmax, code_ptr=code4(w.quant_type, x.device, x.dtype),
                         ncode_ptr=w.nested_code if dq else w.absmax, nabsmax_ptr=w.nested_absmax if dq else w.absmax,
                         noffset_ptr=w.nested_offset if dq else w.absmax, stride_we=w.packed.stride(0), stride_wn=0,
                         stride_ae=w.absmax.stride(0), stride_ne=w.nested_absmax.stride(0) if dq else 0,
@@ -446,8 +386,7 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         inter_ptr=inter, index_ptr=index, weights_ptr=weights, n_flat=n_flat, slots_ptr=slots, out_ptr=out,
         I=i, H=h, HAS_SLOTS=slotted, PACKED=fused, NFLAT=nflat, BLOCK_M=BLOCK_M, **ops, **down_tiles)
     summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    _sum_choices_kernel[(t, triton.cdiv(h, 1024))](out, summed, H=h, K=topk, BLOCK=1024)
-    return summed
+    return sum_rows(out, summed)
 
 
 def is_gelu_tanh(act) -> bool:

@@ -1,0 +1,138 @@
+"""E2B's 4-bit projection groups at decode batch sizes, alone on the GPU: bitsandbytes' Linear4bit
+modules (dequantise + GEMM, one member at a time), the bf16 fused GEMM they stand in for, and
+`linear4bit.Linear4bitGroup` (one Triton kernel a group, `engine.linear4bit_kernel=triton`) over a
+grid of tile options, with and without an unmerged LoRA r32 inside.
+
+    python experiments/bench_linear4bit.py --batch-sizes 8,32,64 --out linear4bit.json
+
+Weights are random NF4 with double quantisation (quant=bnb4's defaults). Reported: median
+microseconds a call replayed from a CUDA graph (CUDA events) and the 4-bit bytes divided by that time (the H200 streams ~4.3
+TB/s); the bf16 GEMM's bytes are four times the 4-bit ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flexgemma.tasks.common import cuda_time_ms  # noqa: E402
+
+# (input width, member output widths) of E2B's groups: a sliding layer's q/k/v, a full layer's, o
+# (sliding, full), gate/up and down (plain and double-wide MLP), the per-layer-input gate / projection
+E2B_GROUPS = {
+    "qkv_sliding": (1536, (2048, 256, 256)),
+    "qkv_full": (1536, (4096, 512, 512)),
+    "o_sliding": (2048, (1536,)),
+    "o_full": (4096, (1536,)),
+    "gate_up": (1536, (6144, 6144)),
+    "gate_up_wide": (1536, (12288, 12288)),
+    "down": (6144, (1536,)),
+    "down_wide": (12288, (1536,)),
+    "ple_gate": (1536, (256,)),
+    "ple_out": (256, (1536,)),
+}
+
+
+def time_us(fn, reps: int = 10) -> float:
+    """Median microseconds of one fn() replayed from a CUDA graph of `reps` calls (as decode steps run
+    it: no Python or launch overhead, which eager timing of a Triton launch would mostly measure)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (and Triton's compile) outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return cuda_time_ms(graph.replay, iters=20) * 1e3 / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch-sizes", default="8,32,64")
+    ap.add_argument("--groups", default=",".join(E2B_GROUPS))
+    ap.add_argument("--grid-batch-sizes", default="64", help="batch sizes that also time the tile grid")
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from flexgemma.model.linear4bit import TILES, Linear4bitGroup
+    from flexgemma.model.quant import Bnb4Settings, linear4bit_from
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    s = Bnb4Settings("nf4", True, 64, dt)
+    grid = [dict(BLOCK_N=bn, programs=p, num_warps=w, num_stages=st)
+            for bn, p, w, st in itertools.product((16, 32, 64), (132, 264, 528), (4,), (3,))] + \
+        [dict(BLOCK_N=32, programs=264, num_warps=w, num_stages=st) for w, st in ((8, 3), (4, 2), (4, 4))]
+    grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
+    res: dict = {"default": TILES, "runs": []}
+    torch.manual_seed(0)
+    totals: dict = {}
+    for name in args.groups.split(","):
+        k, outs = E2B_GROUPS[name]
+        lin = [torch.nn.Linear(k, n, bias=False, device=dev, dtype=dt) for n in outs]
+        dense = torch.cat([m.weight.detach() for m in lin])
+        mods = [linear4bit_from(m, s, dev) for m in lin]
+        del lin
+        group = Linear4bitGroup(mods)
+        nbytes = group.packed.numel()
+        r = args.rank * len(outs)
+        a = torch.randn(r, k, device=dev, dtype=dt) * 0.01
+        b = torch.randn(sum(outs), r, device=dev, dtype=dt) * 0.01
+        def bnb_lora():  # bitsandbytes' modules, the adapter as LowRankGroup runs it beside them
+            xa, out, r0, o0 = F.linear(x, a), [], 0, 0
+            for m in mods:
+                out.append(torch.addmm(m(x), xa[:, r0: r0 + args.rank], b[o0: o0 + m.out_features, r0: r0 + args.rank].t()))
+                r0, o0 = r0 + args.rank, o0 + m.out_features
+            return out
+
+        for bs in [int(x) for x in args.batch_sizes.split(",")]:
+            x = torch.randn(bs, k, device=dev, dtype=dt)
+            ref = torch.cat([m(x) for m in mods], -1).float()
+            rel = lambda y: ((y.float() - ref).norm() / ref.norm()).item()  # noqa: E731
+            row = {"group": name, "batch": bs, "in": k, "outs": list(outs), "bytes_4bit": nbytes,
+                   "bnb_us": time_us(lambda: [m(x) for m in mods]),
+                   "bnb_lora_us": time_us(bnb_lora),
+                   "bf16_us": time_us(lambda: F.linear(x, dense)),
+                   "triton_us": time_us(lambda: group.matmul(x)),
+                   "triton_lora_us": time_us(lambda: group.matmul(x, F.linear(x, a), b)),
+                   "rel_err": rel(group.matmul(x))}
+            configs = []
+            for tiles in grid if bs in grid_sizes else []:
+                c = dict(tiles)
+                try:
+                    c["rel_err"] = rel(group.matmul(x, tiles=tiles))
+                    c["us"] = time_us(lambda: group.matmul(x, tiles=tiles))
+                except Exception as exc:  # noqa: BLE001 - a tile that does not fit this GPU
+                    c["error"] = str(exc).splitlines()[0][:120]
+                configs.append(c)
+            ok = [c for c in configs if "us" in c]
+            if ok:
+                row["best"] = min(ok, key=lambda c: c["us"])
+            row["configs"] = configs
+            res["runs"].append(row)
+            for key in ("bnb_us", "bnb_lora_us", "bf16_us", "triton_us", "triton_lora_us"):
+                totals.setdefault(bs, {}).setdefault(key, 0.0)
+                totals[bs][key] += row[key]
+            best = row.get("best")
+            print(f"{name:13s} bs {bs:3d} {nbytes / 1e6:6.1f} MB: bnb {row['bnb_us']:7.1f} us, bf16 {row['bf16_us']:7.1f} "
+                  f"us, triton {row['triton_us']:7.1f} us ({nbytes / row['triton_us'] / 1e6:.2f} TB/s), +lora "
+                  f"{row['triton_lora_us']:7.1f} us (bnb+lora {row['bnb_lora_us']:7.1f}), rel err {row['rel_err']:.1e}"
+                  + (f"; best {best['us']:7.1f} us {({k_: best[k_] for k_ in TILES})}" if best else ""), flush=True)
+    res["totals_us"] = totals
+    for bs, t in totals.items():
+        print(f"sum over the groups, bs {bs}: " + ", ".join(f"{k_} {v:8.1f}" for k_, v in t.items()))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

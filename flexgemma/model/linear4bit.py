@@ -1,0 +1,238 @@
+"""4-bit projections that read one input (q/k/v, gate/up, or one alone) as one 4-bit matrix, read
+packed by a Triton kernel at decode (`engine.linear4bit_kernel=triton`).
+
+bitsandbytes' Linear4bit runs a batch of rows as a dequantise (4-bit bytes in, the whole bf16 matrix
+out) and a bf16 GEMM over that copy: per weight it moves 0.5 + 2 + 2 bytes where bf16 moves 2, in two
+launches a projection. On E2B at bs 64 that made a decode step 9.0 ms against bf16's 5.0
+(experiments/RESULTS.md, session 5). Here a group's modules are concatenated into one matrix (their
+bytes and block scales rebound as views of the group's, so nothing is stored twice) and a decode
+step multiplies its rows against the packed bytes directly: one kernel a group (plus a small sum
+where the K dimension is split across programs to fill the GPU), reading 0.5 bytes per weight.
+
+An unmerged LoRA adapter of the group rides in the same kernel: `lora.LowRankGroup` computes
+xa = x A^T for every member at once and passes a block-diagonal B, whose product the kernel adds
+to the tile before the single rounding.
+
+Steps with more rows than a decode bucket (prefill) dequantise the group once (bitsandbytes' op)
+and run one GEMM.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from flexgemma.model.triton4bit import code4, nibble_dot, row_pairs, sum_rows
+
+NESTED_BLOCK = 256  # bitsandbytes double quantisation: one float32 scale per 256 block scales
+# the kernel takes steps of at most this many rows (the decode buckets); more go dequantise + GEMM
+KERNEL_MAX_ROWS = 64
+# tile options (experiments/bench_linear4bit.py): output features per program, and how many programs
+# a call aims for (K is split across programs until there are about this many)
+TILES = dict(BLOCK_N=32, num_warps=4, num_stages=3, programs=256)
+
+
+@triton.jit
+def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, xa_ptr, b_ptr,
+                        out_ptr, M, N, R, stride_x, stride_xa, K: tl.constexpr, SPAN: tl.constexpr,
+                        SPLIT: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
+                        DOUBLE_QUANT: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (j, s): rows x [M, K] against features [j*BLOCK_N, (j+1)*BLOCK_N) of the 4-bit W [N, K],
+    over K elements [s*SPAN, (s+1)*SPAN) (SPAN a multiple of QBLOCK dividing K). With SPLIT 1 the tile is stored in out's dtype; otherwise
+    as float32 partials at out[m, s, :] for sum_rows. With LORA the first K slice adds xa @ B^T
+    (xa [M, R], B [N, R]). Block scales are float32, or with DOUBLE_QUANT 8-bit codes decoded as
+    bitsandbytes does (code x the 256-block's scale + offset; here one offset per 256-block, so
+    matrices with different offsets can sit in one)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    rows = tl.arange(0, BLOCK_M)
+    valid = rows < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = tl.program_id(1) * SPAN
+    for step in range(0, SPAN, QBLOCK):
+        k0 = k_begin + step
+        a_even, a_odd = row_pairs(x_ptr + rows[:, None] * stride_x, k0, valid, QBLOCK)
+        blk = cols * (K // QBLOCK) + k0 // QBLOCK
+        if DOUBLE_QUANT:
+            code8 = tl.load(absmax_ptr + blk, mask=ok, other=0).to(tl.int32)
+            scale = tl.load(ncode_ptr + code8) * tl.load(nabsmax_ptr + blk // NESTED, mask=ok, other=0.0) \
+                + tl.load(noffset_ptr + blk // NESTED, mask=ok, other=0.0)
+        else:
+            scale = tl.load(absmax_ptr + blk, mask=ok, other=0.0)
+        acc += nibble_dot(a_even, a_odd, w_ptr, cols, ok, k0, K, code_ptr, QBLOCK, False) * scale[None, :]
+    if LORA:
+        if tl.program_id(1) == 0:
+            r = tl.arange(0, BLOCK_R)
+            xa = tl.load(xa_ptr + rows[:, None] * stride_xa + r[None, :], mask=valid[:, None] & (r[None, :] < R),
+                         other=0.0)
+            b = tl.load(b_ptr + cols[:, None] * R + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)
+            acc += tl.dot(xa, tl.trans(b))
+    inside = valid[:, None] & ok[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=inside)
+    else:
+        tl.store(out_ptr + (rows[:, None] * SPLIT + tl.program_id(1)) * N + cols[None, :], acc, mask=inside)
+
+
+def _linear4bit_type():
+    from bitsandbytes.nn import Linear4bit
+
+    return Linear4bit
+
+
+def groupable(modules: list) -> Optional[str]:
+    """Why `modules` cannot run as one Linear4bitGroup, or None when they can: Linear4bit modules
+    without bias, on one device, of one input width, 4-bit type, block size and compute dtype, whose
+    rows are whole quantisation blocks and whose bytes are plain uint8."""
+    if not modules:
+        return "no modules"
+    linear4bit = _linear4bit_type()
+    if not all(type(m) is linear4bit for m in modules):
+        return "not all bitsandbytes Linear4bit"
+    states = [m.weight.quant_state for m in modules]
+    if any(qs is None for qs in states):
+        return "not quantised yet"
+    if any(m.bias is not None for m in modules):
+        return "a bias"
+    first = states[0]
+    k = modules[0].in_features
+    for m, qs in zip(modules, states):
+        if (m.in_features, qs.quant_type, qs.blocksize, qs.dtype, m.weight.device) != \
+                (k, first.quant_type, first.blocksize, first.dtype, modules[0].weight.device):
+            return "different input widths, 4-bit types, block sizes, dtypes or devices"
+        if m.weight.dtype != torch.uint8 or m.weight.numel() * 2 != m.in_features * m.out_features:
+            return "bytes not plain uint8"
+        if bool(qs.nested) != bool(first.nested):
+            return "double quantisation on some members only"
+    if k % first.blocksize:
+        return f"rows of {k} weights are not whole blocks of {first.blocksize}"
+    if first.dtype not in (torch.bfloat16, torch.float16):
+        return f"compute dtype {first.dtype} (the kernel takes bf16/fp16)"
+    return None
+
+
+class Linear4bitGroup:
+    """Linear4bit modules that read one input, as one 4-bit matrix [sum of outputs, in].
+
+    The members' bytes and block scales are rebound as views of the group's concatenation (their
+    own forward, state dicts and peft still see the same numbers). Double-quantised scales stay
+    8-bit when each member's block count is a multiple of 256 (true of Gemma-4's shapes), with one
+    offset per 256-block; otherwise they are decoded to float32 (0.5 bit a weight more)."""
+
+    def __init__(self, modules: list):
+        why = groupable(modules)
+        if why is not None:
+            raise ValueError(f"Linear4bitGroup: {why}")
+        self.modules = list(modules)
+        qs = [m.weight.quant_state for m in modules]
+        self.quant_type, self.block_size, self.dtype = qs[0].quant_type, qs[0].blocksize, qs[0].dtype
+        self.in_features = modules[0].in_features
+        self.splits = [m.out_features for m in modules]
+        self.out_features = sum(self.splits)
+        self.device = modules[0].weight.device
+        self.packed = self._concat_rebind([m.weight for m in modules], lambda i, t: setattr(modules[i].weight, "data", t))
+        nested = bool(qs[0].nested)
+        blocks = [m.out_features * m.in_features // self.block_size for m in modules]
+        self.double_quant = nested and all(b % NESTED_BLOCK == 0 for b in blocks[:-1]) and \
+            all(torch.equal(q.state2.code, qs[0].state2.code) for q in qs)
+        if self.double_quant:
+            self.absmax = self._concat_rebind([q.absmax for q in qs], lambda i, t: setattr(qs[i], "absmax", t))
+            self.nested_absmax = self._concat_rebind([q.state2.absmax for q in qs],
+                                                     lambda i, t: setattr(qs[i].state2, "absmax", t))
+            self.nested_offset = torch.cat([q.offset.float().reshape(1).expand(q.state2.absmax.numel()) for q in qs])
+            self.nested_code = qs[0].state2.code.float().contiguous()
+        elif nested:  # decoded scales: bitsandbytes' own blockwise decode plus each member's offset
+            import bitsandbytes.functional as bf
+
+            self.absmax = torch.cat([bf.dequantize_blockwise(q.absmax, q.state2).float() + q.offset for q in qs])
+        else:
+            self.absmax = self._concat_rebind([q.absmax.float() for q in qs], lambda i, t: setattr(qs[i], "absmax", t))
+        self.code = code4(self.quant_type, self.device, self.dtype)
+
+    @staticmethod
+    @torch.no_grad()
+    def _concat_rebind(parts: list[torch.Tensor], rebind) -> torch.Tensor:
+        """One flat tensor of `parts`; rebind(i, view) then points member i at its slice of it."""
+        flat = torch.cat([p.data.reshape(-1) for p in parts])
+        start = 0
+        for i, p in enumerate(parts):
+            n = p.numel()
+            rebind(i, flat[start: start + n].view(p.shape))
+            start += n
+        return flat
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes this group holds beyond its members' own storage (offsets, or decoded scales)."""
+        if self.double_quant:
+            return self.nested_offset.numel() * 4
+        mq = self.modules[0].weight.quant_state
+        return self.absmax.numel() * 4 if mq.nested else 0
+
+    def scales(self) -> torch.Tensor:
+        """float32 [out * in / block] block scales, decoded where they are 8-bit."""
+        if not self.double_quant:
+            return self.absmax
+        n = self.absmax.numel()
+        per_block = lambda t: t.repeat_interleave(NESTED_BLOCK)[:n]  # noqa: E731
+        return self.nested_code[self.absmax.long()] * per_block(self.nested_absmax) + per_block(self.nested_offset)
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] weights in the compute dtype (bitsandbytes' registered 4-bit dequantise op)."""
+        n = self.out_features * self.in_features
+        return torch.ops.bitsandbytes.dequantize_4bit(
+            self.packed.view(-1, 1), self.scales(), self.block_size, self.quant_type,
+            (n // self.block_size, self.block_size), self.dtype,
+        ).view(self.out_features, self.in_features)
+
+    def matmul(self, x: torch.Tensor, xa: Optional[torch.Tensor] = None, b: Optional[torch.Tensor] = None,
+               tiles: Optional[dict] = None) -> torch.Tensor:
+        """x [T, in] -> [T, out] = x W^T (+ xa b^T: an unmerged LoRA's rank-space rows [T, R] and its
+        block-diagonal B [out, R])."""
+        t = x.shape[0]
+        if t > KERNEL_MAX_ROWS or t == 0:
+            y = F.linear(x, self.dequantize())
+            return y if xa is None else torch.addmm(y, xa, b.t())
+        if x.dtype != self.dtype:
+            raise TypeError(f"Linear4bitGroup: rows are {x.dtype}; the group computes in {self.dtype}")
+        tiles = {**TILES, **(tiles or {})}
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        n, k, q = self.out_features, self.in_features, self.block_size
+        block_n = tiles["BLOCK_N"]
+        n_tiles = triton.cdiv(n, block_n)
+        blocks = k // q
+        # K split into equal slices of whole blocks: the most that keeps programs <= the target
+        want = max(1, tiles["programs"] // n_tiles)
+        split = max(d for d in range(1, min(blocks, want) + 1) if blocks % d == 0)
+        span = k // split
+        out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+        dst = out if split == 1 else torch.empty(t * split, n, dtype=torch.float32, device=x.device)
+        dq = self.double_quant
+        lora = xa is not None
+        r = xa.shape[1] if lora else 0
+        _linear_4bit_kernel[(n_tiles, split)](
+            x_ptr=x, w_ptr=self.packed, absmax_ptr=self.absmax, code_ptr=self.code,
+            ncode_ptr=self.nested_code if dq else self.absmax, nabsmax_ptr=self.nested_absmax if dq else self.absmax,
+            noffset_ptr=self.nested_offset if dq else self.absmax, xa_ptr=xa if lora else x, b_ptr=b if lora else x,
+            out_ptr=dst, M=t, N=n, R=r, stride_x=x.stride(0), stride_xa=xa.stride(0) if lora else 0, K=k, SPAN=span,
+            SPLIT=split, QBLOCK=q, NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, LORA=lora,
+            BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_M=max(16, triton.next_power_of_2(t)), BLOCK_N=block_n,
+            num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+        )
+        return out if split == 1 else sum_rows(dst, out)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [T, in] -> each member's output [T, out_i] (column slices of one product)."""
+        return list(self.matmul(x).split(self.splits, dim=-1))
+
+
+def group_or_none(modules: list) -> Optional[Linear4bitGroup]:
+    """A Linear4bitGroup of `modules` (each a Linear4bit, or a peft wrapper around one), or None
+    where they cannot form one."""
+    bases = [m.get_base_layer() if hasattr(m, "get_base_layer") else m for m in modules]
+    return Linear4bitGroup(bases) if groupable(bases) is None else None

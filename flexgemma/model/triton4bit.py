@@ -1,0 +1,95 @@
+"""bitsandbytes 4-bit bytes as Triton kernels read them: the pieces the routed experts' kernels
+(moe_kernel.py) and the dense 4-bit projections (linear4bit.py) share.
+
+A 4-bit matrix [N, K] is stored row-major as N*K/2 bytes; each byte holds two consecutive weights of
+a row, the first in the high nibble; every quantisation block of QBLOCK consecutive weights has one
+scale (absmax). A K step of these kernels is one block: its bytes meet the rows' even elements
+(high nibbles) and odd elements (low nibbles) in two products, so nothing is interleaved, and the
+block's scale multiplies the products instead of every weight.
+
+Imported only where Triton runs (a GPU, or the CPU through TRITON_INTERPRET=1 in the tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _select2(bit, q, code_ptr, i: tl.constexpr):
+    return tl.where((q & bit) != 0, tl.load(code_ptr + i + bit), tl.load(code_ptr + i))
+
+
+@triton.jit
+def code_values(q, code_ptr, SELECT: tl.constexpr):
+    """code[q] for 4-bit values q: a load per value from the 16-entry table (L1), or with SELECT a
+    binary tree of selects over the table's 16 entries held as scalars (no memory access per value)."""
+    if SELECT:
+        b2, b4, b8 = (q & 2) != 0, (q & 4) != 0, (q & 8) != 0
+        low = tl.where(b4, tl.where(b2, _select2(1, q, code_ptr, 6), _select2(1, q, code_ptr, 4)),
+                       tl.where(b2, _select2(1, q, code_ptr, 2), _select2(1, q, code_ptr, 0)))
+        high = tl.where(b4, tl.where(b2, _select2(1, q, code_ptr, 14), _select2(1, q, code_ptr, 12)),
+                        tl.where(b2, _select2(1, q, code_ptr, 10), _select2(1, q, code_ptr, 8)))
+        return tl.where(b8, high, low)
+    else:
+        return tl.load(code_ptr + q)
+
+
+@triton.jit
+def row_pairs(row_ptrs, k0, valid, QBLOCK: tl.constexpr):
+    """The even and odd elements k0 .. k0+QBLOCK-1 of rows (row_ptrs [BLOCK_M, 1]): the halves that
+    meet a 4-bit block's high and low nibbles."""
+    kk = k0 + 2 * tl.arange(0, QBLOCK // 2)
+    a_ptr = row_ptrs + kk[None, :]
+    return tl.load(a_ptr, mask=valid[:, None], other=0.0), tl.load(a_ptr + 1, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def nibble_dot(a_even, a_odd, w_ptr, rows, ok, k0, K: tl.constexpr, code_ptr, QBLOCK: tl.constexpr,
+               SELECT: tl.constexpr):
+    """a @ W[rows, k0:k0+QBLOCK].T before the block's scale, [BLOCK_M, len(rows)] float32, for the
+    4-bit matrix whose bytes start at w_ptr (rows of K weights, so a block never straddles two). The
+    code table is in a's dtype."""
+    kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
+    byte = tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    hi = code_values(byte >> 4, code_ptr, SELECT)
+    lo = code_values(byte & 15, code_ptr, SELECT)
+    return tl.dot(a_even, tl.trans(hi)) + tl.dot(a_odd, tl.trans(lo))
+
+
+@triton.jit
+def sum_rows_kernel(src_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, j): out[t, cols] = sum over k < K of src[t*K + k, cols] (float32), cast to out's
+    dtype: partial products (a token's K routed choices, a row's K-split partials) summed and cast
+    in one launch where torch's sum then cast are two."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(K):
+        acc += tl.load(src_ptr + (t * K + k) * H + cols, mask=cols < H, other=0.0)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
+SUM_BLOCK = 1024
+
+
+def sum_rows(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [T, H] = src [T*K, H] (float32) summed over each row's K consecutive partials."""
+    t, h = out.shape
+    sum_rows_kernel[(t, triton.cdiv(h, SUM_BLOCK))](src, out, H=h, K=src.shape[0] // t, BLOCK=SUM_BLOCK)
+    return out
+
+
+_CODES: dict = {}
+
+
+def code4(quant_type: str, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """bitsandbytes' 16-entry table of a 4-bit type (nf4, fp4) on `device`, in `dtype`."""
+    key = (quant_type, str(device), dtype)
+    if key not in _CODES:
+        import bitsandbytes.functional as bf
+
+        _CODES[key] = bf.get_4bit_type(quant_type, device=device).to(dtype).contiguous()
+    return _CODES[key]

@@ -1,0 +1,202 @@
+"""engine.linear4bit_kernel=triton: 4-bit projections of one input as one matrix, read packed by one
+Triton kernel at decode, an unmerged LoRA inside it. On the CPU through Triton's interpreter
+(TRITON_INTERPRET=1, in a subprocess, float16: the interpreter mishandles bfloat16); on the GPU in
+bfloat16 inside CUDA graphs."""
+
+import pytest
+import torch
+
+from flexgemma import ConfigError, SamplingParams, build_engine, compose
+
+from conftest import run_interpreted
+
+pytest.importorskip("triton", reason="Triton is not installed (CUDA builds of torch bring it)")
+pytest.importorskip("bitsandbytes", reason="quant=bnb4 needs bitsandbytes")
+
+
+def test_group_equals_bitsandbytes_modules_interpreted():
+    """A group of Linear4bit modules (NF4 / FP4, double-quantised or not; double-quantised scales
+    kept 8-bit where every member's blocks fill whole 256-blocks, decoded otherwise) equals the
+    modules' own forward: decode-sized steps in the kernel, with K split across programs or not,
+    with a LoRA's xa @ B^T added inside; a prefill-sized step through dequantise + GEMM. The members
+    still give the same outputs after their bytes became views of the group's."""
+    out = run_interpreted("""
+        import torch
+        from flexgemma.model.quant import Bnb4Settings, linear4bit_from
+        from flexgemma.model import linear4bit as L
+        torch.manual_seed(0)
+        calls = []
+        real = L.sum_rows
+        L.sum_rows = lambda *a: calls.append(1) or real(*a)
+        rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
+        for qt, dq, k, outs in [("nf4", True, 256, (128, 64, 64)), ("fp4", True, 512, (96, 48)),
+                                ("nf4", False, 192, (64, 32)), ("fp4", False, 128, (80,)),
+                                ("nf4", True, 128, (24, 40))]:  # 48 blocks: scales decoded
+            s = Bnb4Settings(qt, dq, 64, torch.float16)
+            mods = [linear4bit_from(torch.nn.Linear(k, n, bias=False).half(), s, torch.device("cpu")) for n in outs]
+            before = {t: torch.randn(t, k).half() for t in (1, 5, 64, 70)}
+            refs = {t: torch.cat([m(x) for m in mods], -1) for t, x in before.items()}
+            g = L.Linear4bitGroup(mods)
+            print("kept8bit", qt, dq, outs, g.double_quant)
+            for t, x in before.items():
+                print("err", qt, t, rel(torch.cat(g(x), -1), refs[t]))
+                print("members", qt, t, float((torch.cat([m(x) for m in mods], -1) - refs[t]).abs().max()))
+                if t <= 64:
+                    n0 = len(calls)
+                    print("err_split", qt, t, rel(g.matmul(x, tiles=dict(BLOCK_N=16, programs=64)), refs[t]),
+                          len(calls) > n0)
+                    xa, b = torch.randn(t, 24).half(), (torch.randn(sum(outs), 24) * 0.2).half()
+                    lora = refs[t].float() + xa.float() @ b.float().T
+                    print("err_lora", qt, t, rel(g.matmul(x, xa, b), lora), rel(refs[t], lora))
+            print("kernel_rows_ok", L.KERNEL_MAX_ROWS == 64)
+    """)
+    lines = [ln.split() for ln in out.splitlines()]
+    errs = [float(ln[3]) for ln in lines if ln[0] in ("err", "err_split")]
+    assert len(errs) == 5 * 4 + 5 * 3 and max(errs) < 2e-3, out
+    assert all(float(ln[3]) == 0.0 for ln in lines if ln[0] == "members"), out
+    assert all(ln[4] == "True" for ln in lines if ln[0] == "err_split"), out  # the forced tiles did split K
+    lora = [(float(ln[3]), float(ln[4])) for ln in lines if ln[0] == "err_lora"]
+    assert len(lora) == 15 and all(e < 2e-3 and moved > 0.05 for e, moved in lora), out
+    kept = [ln[-1] for ln in lines if ln[0] == "kept8bit"]
+    assert kept == ["True", "True", "False", "False", "False"], out
+
+
+def test_engine_runs_4bit_groups_and_lora_inside_them_interpreted():
+    """quant=bnb4 with engine.linear4bit_kernel=triton: every projection group whose rows are whole
+    quantisation blocks is a Linear4bitGroup (LoRA groups over them), and the engine's outputs equal
+    those of bitsandbytes' modules (engine.linear4bit_kernel=bnb) on the same weights, before and
+    after a LoRA update: every token's logprob (decode steps run the kernel) and greedy tokens."""
+    out = run_interpreted("""
+        import torch
+        from flexgemma import SamplingParams, build_engine, compose
+        from flexgemma.model import linear4bit as L
+        from flexgemma.tasks.drift import perturbed
+        rows = []
+        real = L.Linear4bitGroup.matmul
+        L.Linear4bitGroup.matmul = lambda self, x, *a, **k: rows.append(x.shape[0]) or real(self, x, *a, **k)
+        def engine(kernel, *extra):
+            return build_engine(compose(["+model=tiny", "device=cpu", "quant=bnb4", "model.dtype=float16",
+                                         "kv.max_pages=64", "engine.max_batch_size=4", "engine.compile=false",
+                                         f"engine.linear4bit_kernel={kernel}", *extra]))
+        plain = engine("triton")
+        print("plain", plain.info["linear4bit_kernel"], plain.info["linear4bit_groups"])
+        tri, ref = engine("triton", "lora=r16"), engine("bnb", "lora=r16")
+        print("lora", tri.info["linear4bit_groups"], ref.info.get("linear4bit_groups"),
+              all(g.base is not None for g in tri.lora.groups), all(g.base is None for g in ref.lora.groups))
+        ps = [[2, 5, 9, 14, 3, 7], [2, 77, 31], [2, 8, 8, 8, 40]]
+        sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+        for step in range(2):
+            rows.clear()
+            a = tri.generate(ps, sp)
+            print("kernel_calls", step, sum(r <= L.KERNEL_MAX_ROWS for r in rows))
+            b = ref.generate(ps, sp)
+            print("gap", step, max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.logprobs, y.logprobs)))
+            print("tokens", step, sum(x.token_ids == y.token_ids for x, y in zip(a, b)))
+            new = perturbed(tri.lora.state_dict(), 0.5, seed=step + 1)
+            tri.update_lora(new)
+            ref.update_lora(new)
+    """)
+    lines = [ln.split() for ln in out.splitlines()]
+    plain = next(ln for ln in lines if ln[0] == "plain")
+    # q/k/v, o, gate/up, down and the per-layer-input gate in 8 layers; the per-layer projection's rows
+    # (tiny's width 16) are not whole 64-blocks and stay a bitsandbytes module
+    assert plain[1] == "triton" and int(plain[2]) == 8 * 5, out
+    assert next(ln for ln in lines if ln[0] == "lora")[1:] == ["40", "0", "True", "True"], out
+    assert all(int(ln[2]) >= 5 * 40 for ln in lines if ln[0] == "kernel_calls"), out  # 5 decode steps
+    assert all(0 < float(ln[2]) < 2e-2 for ln in lines if ln[0] == "gap"), out
+    assert sum(int(ln[2]) for ln in lines if ln[0] == "tokens") >= 5, out
+
+
+def test_linear4bit_kernel_choice_is_checked():
+    assert "linear4bit_kernel" not in build_engine(compose(["+model=tiny", "device=cpu"])).info  # bf16: no 4-bit
+    assert build_engine(compose(["+model=tiny", "device=cpu", "quant=bnb4"])).info["linear4bit_kernel"] == "bnb"
+    with pytest.raises(ConfigError, match="auto, bnb or triton"):
+        compose(["+model=tiny", "engine.linear4bit_kernel=marlin"])
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ConfigError, match="runs on a GPU"):
+            build_engine(compose(["+model=tiny", "device=cpu", "quant=bnb4", "engine.linear4bit_kernel=triton"]))
+
+
+def test_groups_refuse_what_the_kernel_cannot_read():
+    from flexgemma.model.linear4bit import groupable
+    from flexgemma.model.quant import Bnb4Settings, linear4bit_from
+
+    s = Bnb4Settings("nf4", False, 64, torch.float16)
+    cpu = torch.device("cpu")
+    a = linear4bit_from(torch.nn.Linear(128, 32, bias=False).half(), s, cpu)
+    assert groupable([a]) is None
+    assert "bias" in groupable([linear4bit_from(torch.nn.Linear(128, 32).half(), s, cpu)])
+    assert "input widths" in groupable([a, linear4bit_from(torch.nn.Linear(192, 32, bias=False).half(), s, cpu)])
+    assert "whole blocks" in groupable([linear4bit_from(torch.nn.Linear(96, 32, bias=False).half(), s, cpu)])
+    assert "Linear4bit" in groupable([a, torch.nn.Linear(128, 8)])
+
+
+# -- GPU --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_gpu_group_equals_bitsandbytes_inside_a_graph(double_quant):
+    """E2B's shapes in bf16 (q/k/v of a sliding layer, gate/up and down of a double-wide MLP), at
+    the decode buckets' row counts, eagerly and replayed from a CUDA graph with new rows and a new
+    LoRA B copied in: within bf16 rounding of bitsandbytes' modules (+ the explicit LoRA product)."""
+    from flexgemma.model.linear4bit import Linear4bitGroup
+    from flexgemma.model.quant import Bnb4Settings, linear4bit_from
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    s = Bnb4Settings("nf4", double_quant, 64, torch.bfloat16)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    for k, outs in [(1536, (2048, 256, 256)), (1536, (12288, 12288)), (12288, (1536,))]:
+        mods = [linear4bit_from(torch.nn.Linear(k, n, bias=False).bfloat16(), s, dev) for n in outs]
+        g = Linear4bitGroup(mods)
+        for t in (1, 8, 64):
+            x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
+            xa = torch.randn(t, 32 * len(outs), device=dev, dtype=torch.bfloat16)
+            b = torch.randn(sum(outs), 32 * len(outs), device=dev, dtype=torch.bfloat16) * 0.01
+
+            def ref():
+                return torch.cat([m(x) for m in mods], -1).float() + xa.float() @ b.float().T
+
+            assert rel(g.matmul(x, xa, b), ref()) < 1e-2
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = g.matmul(x, xa, b)
+            x.copy_(torch.randn_like(x))
+            b.copy_(torch.randn_like(b) * 0.01)
+            graph.replay()
+            assert rel(y, ref()) < 1e-2, (k, outs, t)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_4bit_groups_agree_with_bitsandbytes_in_graphs():
+    """tiny bf16 bnb4 + LoRA r16 through CUDA graphs: the Triton groups' engine and bitsandbytes'
+    modules' engine on the same weights give logprobs within bf16 noise and mostly the same greedy
+    tokens, before and after an update_lora (the kernel reads the rebuilt B in place)."""
+    def engine(kernel):
+        return build_engine(compose(["+model=tiny", "device=cuda", "quant=bnb4", "lora=r16", "kv.max_pages=256",
+                                     "engine.max_batch_size=8", "cudagraph.buckets=[1,2,4,8]",
+                                     f"engine.linear4bit_kernel={kernel}"]))
+
+    tri, ref = engine("triton"), engine("bnb")
+    assert tri.info["linear4bit_kernel"] == "triton" and tri.info["linear4bit_groups"] == 40
+    ps = [[2, 5, 9, 14, 3, 7], [2, 77, 31], [2, 8, 8, 8, 40], [2, 100, 200, 300]]
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    from flexgemma.tasks.drift import perturbed
+
+    firsts = []
+    for step in range(2):
+        a, b = tri.generate(ps, sp), ref.generate(ps, sp)
+        assert sum(tri.runner.graphs.hits.values()) > 0
+        gap = max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.logprobs[:4], y.logprobs[:4]))
+        same = sum(x.token_ids[:4] == y.token_ids[:4] for x, y in zip(a, b))
+        print(f"step {step}: logprob gap (first 4 tokens) {gap:.2e}, first 4 tokens equal in {same}/{len(ps)}")
+        assert gap < 3e-2 and same >= len(ps) - 1
+        firsts.append([x.logprobs[1] for x in a])
+        new = perturbed(tri.lora.state_dict(), 0.5, seed=step + 1)
+        tri.update_lora(new)
+        ref.update_lora(new)
+    assert max(abs(p - q) for p, q in zip(*firsts)) > 1e-3  # the update moved a decode step's outputs
