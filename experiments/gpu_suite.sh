@@ -59,7 +59,7 @@ export L6
 run tests 420 bash -c gpu_tests
 run moe_kernel_tests 150 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s tests/test_moe_kernel.py
 run linear4bit_tests 150 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s tests/test_linear4bit.py
-run linear4bit_bench 240 python3 experiments/bench_linear4bit.py --batch-sizes 8,32,64 --out "$WORK/linear4bit_bench.json"
+run linear4bit_bench 180 python3 experiments/bench_linear4bit.py --batch-sizes 8,32,64 --out "$WORK/linear4bit_bench.json"
 # the tests that failed on the last run, side by side
 retest() {
   timeout 300 python3 -m pytest -q -p no:logging -s -m gpu tests/test_gpu.py -k e2b_eager > "$WORK/retest_e2b.log" 2>&1 &
