@@ -13,7 +13,6 @@ TB/s); the bf16 GEMM's bytes are four times the 4-bit ones.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -60,7 +59,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", default="8,32,64")
     ap.add_argument("--groups", default=",".join(E2B_GROUPS))
-    ap.add_argument("--grid-batch-sizes", default="64", help="batch sizes that also time the tile grid")
+    ap.add_argument("--grid-batch-sizes", default="8,64", help="batch sizes that also time the tile grid")
+    ap.add_argument("--grid-groups", default="qkv_sliding,o_sliding,gate_up_wide,down_wide",
+                    help="groups that time the tile grid")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -69,10 +70,13 @@ def main() -> None:
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     s = Bnb4Settings("nf4", True, 64, dt)
-    grid = [dict(BLOCK_N=bn, programs=p, num_warps=w, num_stages=st)
-            for bn, p, w, st in itertools.product((16, 32, 64), (132, 264, 528), (4,), (3,))] + \
-        [dict(BLOCK_N=32, programs=264, num_warps=w, num_stages=st) for w, st in ((8, 3), (4, 2), (4, 4))]
+    # (BLOCK_N, BLOCK_K, num_warps, num_stages) at the default programs target, then that target moved
+    grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, programs=TILES["programs"])
+            for bn, bk, w, st in ((32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (64, 256, 4, 3),
+                                  (64, 256, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 4, 4))] + \
+        [dict(TILES, programs=p) for p in (132, 528)]
     grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
+    grid_groups = set(args.grid_groups.split(","))
     res: dict = {"default": TILES, "runs": []}
     torch.manual_seed(0)
     totals: dict = {}
@@ -106,7 +110,7 @@ def main() -> None:
                    "triton_lora_us": time_us(lambda: group.matmul(x, F.linear(x, a), b)),
                    "rel_err": rel(group.matmul(x))}
             configs = []
-            for tiles in grid if bs in grid_sizes else []:
+            for tiles in grid if bs in grid_sizes and name in grid_groups else []:
                 c = dict(tiles)
                 try:
                     c["rel_err"] = rel(group.matmul(x, tiles=tiles))

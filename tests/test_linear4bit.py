@@ -17,8 +17,8 @@ pytest.importorskip("bitsandbytes", reason="quant=bnb4 needs bitsandbytes")
 def test_group_equals_bitsandbytes_modules_interpreted():
     """A group of Linear4bit modules (NF4 / FP4, double-quantised or not; double-quantised scales
     kept 8-bit where every member's blocks fill whole 256-blocks, decoded otherwise) equals the
-    modules' own forward: decode-sized steps in the kernel, with K split across programs or not,
-    with a LoRA's xa @ B^T added inside; a prefill-sized step through dequantise + GEMM. The members
+    modules' own forward: decode-sized steps in the kernel (K steps of two quantisation blocks, or
+    half of one), with K split across programs or not, with a LoRA's xa @ B^T added inside; a prefill-sized step through dequantise + GEMM. The members
     still give the same outputs after their bytes became views of the group's."""
     out = run_interpreted("""
         import torch
@@ -43,7 +43,7 @@ def test_group_equals_bitsandbytes_modules_interpreted():
                 print("members", qt, t, float((torch.cat([m(x) for m in mods], -1) - refs[t]).abs().max()))
                 if t <= 64:
                     n0 = len(calls)
-                    print("err_split", qt, t, rel(g.matmul(x, tiles=dict(BLOCK_N=16, programs=64)), refs[t]),
+                    print("err_split", qt, t, rel(g.matmul(x, tiles=dict(BLOCK_N=16, BLOCK_K=32, programs=64)), refs[t]),
                           len(calls) > n0)
                     xa, b = torch.randn(t, 24).half(), (torch.randn(sum(outs), 24) * 0.2).half()
                     lora = refs[t].float() + xa.float() @ b.float().T
@@ -52,11 +52,11 @@ def test_group_equals_bitsandbytes_modules_interpreted():
     """)
     lines = [ln.split() for ln in out.splitlines()]
     errs = [float(ln[3]) for ln in lines if ln[0] in ("err", "err_split")]
-    assert len(errs) == 5 * 4 + 5 * 3 and max(errs) < 2e-3, out
+    assert len(errs) == 5 * 4 + 5 * 3 and max(errs) < 1e-4, out  # weights decode as bitsandbytes decodes them
     assert all(float(ln[3]) == 0.0 for ln in lines if ln[0] == "members"), out
     assert all(ln[4] == "True" for ln in lines if ln[0] == "err_split"), out  # the forced tiles did split K
     lora = [(float(ln[3]), float(ln[4])) for ln in lines if ln[0] == "err_lora"]
-    assert len(lora) == 15 and all(e < 2e-3 and moved > 0.05 for e, moved in lora), out
+    assert len(lora) == 15 and all(e < 1e-3 and moved > 0.05 for e, moved in lora), out
     kept = [ln[-1] for ln in lines if ln[0] == "kept8bit"]
     assert kept == ["True", "True", "False", "False", "False"], out
 
@@ -178,7 +178,7 @@ def test_gpu_engine_4bit_groups_agree_with_bitsandbytes_in_graphs():
     tokens, before and after an update_lora (the kernel reads the rebuilt B in place)."""
     def engine(kernel):
         return build_engine(compose(["+model=tiny", "device=cuda", "quant=bnb4", "lora=r16", "kv.max_pages=256",
-                                     "engine.max_batch_size=8", "cudagraph.buckets=[1,2,4,8]",
+                                     "engine.max_batch_size=8", "cudagraph.buckets=[1,2,4,8]", "engine.compile=false",
                                      f"engine.linear4bit_kernel={kernel}"]))
 
     tri, ref = engine("triton"), engine("bnb")

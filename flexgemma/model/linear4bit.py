@@ -26,45 +26,59 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flexgemma.model.triton4bit import code4, nibble_dot, row_pairs, sum_rows
+from flexgemma.model.triton4bit import code4, sum_rows
 
 NESTED_BLOCK = 256  # bitsandbytes double quantisation: one float32 scale per 256 block scales
 # the kernel takes steps of at most this many rows (the decode buckets); more go dequantise + GEMM
 KERNEL_MAX_ROWS = 64
-# tile options (experiments/bench_linear4bit.py): output features per program, and how many programs
-# a call aims for (K is split across programs until there are about this many)
-TILES = dict(BLOCK_N=32, num_warps=4, num_stages=3, programs=256)
+# tile options (experiments/bench_linear4bit.py): output features per program, K elements a step,
+# and how many programs a call aims for (K is split across programs until there are about this many)
+TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, programs=264)
 
 
 @triton.jit
 def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, xa_ptr, b_ptr,
                         out_ptr, M, N, R, stride_x, stride_xa, K: tl.constexpr, SPAN: tl.constexpr,
-                        SPLIT: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
+                        SPLIT: tl.constexpr, QBLOCK: tl.constexpr, SCALES: tl.constexpr, NESTED: tl.constexpr,
                         DOUBLE_QUANT: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (j, s): rows x [M, K] against features [j*BLOCK_N, (j+1)*BLOCK_N) of the 4-bit W [N, K],
-    over K elements [s*SPAN, (s+1)*SPAN) (SPAN a multiple of QBLOCK dividing K). With SPLIT 1 the tile is stored in out's dtype; otherwise
-    as float32 partials at out[m, s, :] for sum_rows. With LORA the first K slice adds xa @ B^T
-    (xa [M, R], B [N, R]). Block scales are float32, or with DOUBLE_QUANT 8-bit codes decoded as
+    over K elements [s*SPAN, (s+1)*SPAN) (SPAN a multiple of BLOCK_K dividing K). A K step reads
+    BLOCK_K contiguous elements of each row (split into even and odd halves in registers: they meet
+    the bytes' high and low nibbles) and BLOCK_K/2 bytes of each feature, decoded as bitsandbytes
+    dequantises (float32 code x the block's float32 scale, rounded to x's dtype), SCALES quantisation
+    blocks a step (1 where a block is longer than the step). With SPLIT 1 the tile is stored in out's
+    dtype, otherwise as float32 partials at out[m, s, :] for sum_rows. With LORA the first K slice
+    adds xa @ B^T (xa [M, R], B [N, R]). Double-quantised scales are 8-bit codes decoded as
     bitsandbytes does (code x the 256-block's scale + offset; here one offset per 256-block, so
     matrices with different offsets can sit in one)."""
+    dt = x_ptr.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
     rows = tl.arange(0, BLOCK_M)
     valid = rows < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = tl.program_id(1) * SPAN
-    for step in range(0, SPAN, QBLOCK):
+    for step in range(0, SPAN, BLOCK_K):
         k0 = k_begin + step
-        a_even, a_odd = row_pairs(x_ptr + rows[:, None] * stride_x, k0, valid, QBLOCK)
-        blk = cols * (K // QBLOCK) + k0 // QBLOCK
-        if DOUBLE_QUANT:
-            code8 = tl.load(absmax_ptr + blk, mask=ok, other=0).to(tl.int32)
-            scale = tl.load(ncode_ptr + code8) * tl.load(nabsmax_ptr + blk // NESTED, mask=ok, other=0.0) \
-                + tl.load(noffset_ptr + blk // NESTED, mask=ok, other=0.0)
+        a = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None],
+                    other=0.0)
+        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(w_ptr + cols[:, None] * (K // 2) + kb[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        blk = cols[:, None] * (K // QBLOCK) + (k0 // QBLOCK + tl.arange(0, SCALES))[None, :]  # [BLOCK_N, SCALES]
+        if DOUBLE_QUANT:  # bitsandbytes' decode of 8-bit block scales
+            code8 = tl.load(absmax_ptr + blk, mask=ok[:, None], other=0).to(tl.int32)
+            scale = tl.load(ncode_ptr + code8) * tl.load(nabsmax_ptr + blk // NESTED, mask=ok[:, None], other=0.0) \
+                + tl.load(noffset_ptr + blk // NESTED, mask=ok[:, None], other=0.0)
         else:
-            scale = tl.load(absmax_ptr + blk, mask=ok, other=0.0)
-        acc += nibble_dot(a_even, a_odd, w_ptr, cols, ok, k0, K, code_ptr, QBLOCK, False) * scale[None, :]
+            scale = tl.load(absmax_ptr + blk, mask=ok[:, None], other=0.0)
+        scale = scale[:, :, None]
+        hi = tl.reshape(tl.reshape(tl.load(code_ptr + (byte >> 4)), (BLOCK_N, SCALES, BLOCK_K // 2 // SCALES)) * scale,
+                        (BLOCK_N, BLOCK_K // 2))
+        lo = tl.reshape(tl.reshape(tl.load(code_ptr + (byte & 15)), (BLOCK_N, SCALES, BLOCK_K // 2 // SCALES)) * scale,
+                        (BLOCK_N, BLOCK_K // 2))
+        acc += tl.dot(a_even, tl.trans(hi.to(dt))) + tl.dot(a_odd, tl.trans(lo.to(dt)))
     if LORA:
         if tl.program_id(1) == 0:
             r = tl.arange(0, BLOCK_R)
@@ -152,7 +166,7 @@ class Linear4bitGroup:
             self.absmax = torch.cat([bf.dequantize_blockwise(q.absmax, q.state2).float() + q.offset for q in qs])
         else:
             self.absmax = self._concat_rebind([q.absmax.float() for q in qs], lambda i, t: setattr(qs[i], "absmax", t))
-        self.code = code4(self.quant_type, self.device, self.dtype)
+        self.code = code4(self.quant_type, self.device)  # float32: weights decode as bitsandbytes decodes them
 
     @staticmethod
     @torch.no_grad()
@@ -205,10 +219,13 @@ class Linear4bitGroup:
         n, k, q = self.out_features, self.in_features, self.block_size
         block_n = tiles["BLOCK_N"]
         n_tiles = triton.cdiv(n, block_n)
-        blocks = k // q
-        # K split into equal slices of whole blocks: the most that keeps programs <= the target
+        # a K step: BLOCK_K elements, or fewer where K is not a multiple (a power of two dividing K: K is
+        # whole quantisation blocks, so the step is whole blocks or a part of one)
+        block_k = min(tiles["BLOCK_K"], k & -k)
+        steps = k // block_k
+        # K split into equal slices of whole steps: the most that keeps programs <= the target
         want = max(1, tiles["programs"] // n_tiles)
-        split = max(d for d in range(1, min(blocks, want) + 1) if blocks % d == 0)
+        split = max(d for d in range(1, min(steps, want) + 1) if steps % d == 0)
         span = k // split
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
         dst = out if split == 1 else torch.empty(t * split, n, dtype=torch.float32, device=x.device)
@@ -220,8 +237,9 @@ class Linear4bitGroup:
             ncode_ptr=self.nested_code if dq else self.absmax, nabsmax_ptr=self.nested_absmax if dq else self.absmax,
             noffset_ptr=self.nested_offset if dq else self.absmax, xa_ptr=xa if lora else x, b_ptr=b if lora else x,
             out_ptr=dst, M=t, N=n, R=r, stride_x=x.stride(0), stride_xa=xa.stride(0) if lora else 0, K=k, SPAN=span,
-            SPLIT=split, QBLOCK=q, NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, LORA=lora,
+            SPLIT=split, QBLOCK=q, SCALES=max(1, block_k // q), NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, LORA=lora,
             BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_M=max(16, triton.next_power_of_2(t)), BLOCK_N=block_n,
+            BLOCK_K=block_k,
             num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
         )
         return out if split == 1 else sum_rows(dst, out)
