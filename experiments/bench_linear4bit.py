@@ -70,11 +70,9 @@ def main() -> None:
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     s = Bnb4Settings("nf4", True, 64, dt)
-    # (BLOCK_N, BLOCK_K, num_warps, num_stages) at the default programs target, then that target moved
-    grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, programs=TILES["programs"])
-            for bn, bk, w, st in ((32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (64, 256, 4, 3),
-                                  (64, 256, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 4, 4))] + \
-        [dict(TILES, programs=p) for p in (132, 528)]
+    # (BLOCK_N, BLOCK_K, num_warps): one K step a program, so K / BLOCK_K programs per feature tile
+    grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3)
+            for bn, bk, w in ((32, 256, 4), (64, 256, 4), (128, 256, 8), (64, 512, 8), (64, 128, 4), (128, 128, 4))]
     grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
     grid_groups = set(args.grid_groups.split(","))
     res: dict = {"default": TILES, "runs": []}

@@ -6,8 +6,9 @@ out) and a bf16 GEMM over that copy: per weight it moves 0.5 + 2 + 2 bytes where
 launches a projection. On E2B at bs 64 that made a decode step 9.0 ms against bf16's 5.0
 (experiments/RESULTS.md, session 5). Here a group's modules are concatenated into one matrix (their
 bytes and block scales rebound as views of the group's, so nothing is stored twice) and a decode
-step multiplies its rows against the packed bytes directly: one kernel a group (plus a small sum
-where the K dimension is split across programs to fill the GPU), reading 0.5 bytes per weight.
+step multiplies its rows against the packed bytes directly, reading 0.5 bytes per weight: one
+kernel a group, each program one K step of one feature tile, and a second kernel that sums the
+steps' float32 partials (programs that looped over K ran 3-7x slower on the H200).
 
 An unmerged LoRA adapter of the group rides in the same kernel: `lora.LowRankGroup` computes
 xa = x A^T for every member at once and passes a block-diagonal B, whose product the kernel adds
@@ -31,25 +32,27 @@ from flexgemma.model.triton4bit import code4, sum_rows
 NESTED_BLOCK = 256  # bitsandbytes double quantisation: one float32 scale per 256 block scales
 # the kernel takes steps of at most this many rows (the decode buckets); more go dequantise + GEMM
 KERNEL_MAX_ROWS = 64
-# tile options (experiments/bench_linear4bit.py): output features per program, K elements a step,
-# and how many programs a call aims for (K is split across programs until there are about this many)
-TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, programs=264)
+# tile options: output features and K elements of a program. On the H200 (experiments/RESULTS.md,
+# session 5, bench_linear4bit.py) programs that loop over K steps ran at 0.03-0.1 TB/s whatever the
+# tiles; one 64 x 256 step a program (K split across programs, partials summed by a second kernel)
+# ran E2B's q/k/v and o groups in 8-9 us at bs 8 and 64, against 14-38 us for bitsandbytes' modules.
+TILES = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)
 
 
 @triton.jit
 def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, xa_ptr, b_ptr,
-                        out_ptr, M, N, R, stride_x, stride_xa, K: tl.constexpr, SPAN: tl.constexpr,
-                        SPLIT: tl.constexpr, QBLOCK: tl.constexpr, SCALES: tl.constexpr, NESTED: tl.constexpr,
+                        out_ptr, M, N, R, stride_x, stride_xa, K: tl.constexpr, SPLIT: tl.constexpr,
+                        QBLOCK: tl.constexpr, SCALES: tl.constexpr, NESTED: tl.constexpr,
                         DOUBLE_QUANT: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (j, s): rows x [M, K] against features [j*BLOCK_N, (j+1)*BLOCK_N) of the 4-bit W [N, K],
-    over K elements [s*SPAN, (s+1)*SPAN) (SPAN a multiple of BLOCK_K dividing K). A K step reads
-    BLOCK_K contiguous elements of each row (split into even and odd halves in registers: they meet
-    the bytes' high and low nibbles) and BLOCK_K/2 bytes of each feature, decoded as bitsandbytes
-    dequantises (float32 code x the block's float32 scale, rounded to x's dtype), SCALES quantisation
-    blocks a step (1 where a block is longer than the step). With SPLIT 1 the tile is stored in out's
-    dtype, otherwise as float32 partials at out[m, s, :] for sum_rows. With LORA the first K slice
-    adds xa @ B^T (xa [M, R], B [N, R]). Double-quantised scales are 8-bit codes decoded as
+    """Program (j, s): rows x [M, K] against features [j*BLOCK_N, (j+1)*BLOCK_N) of the 4-bit W [N, K]
+    over the K step [s*BLOCK_K, (s+1)*BLOCK_K), one step a program (SPLIT = K / BLOCK_K). The step
+    reads BLOCK_K contiguous elements of each row (split into even and odd halves in registers: they
+    meet the bytes' high and low nibbles) and BLOCK_K/2 bytes of each feature, decoded as
+    bitsandbytes dequantises (float32 code x the block's float32 scale, rounded to x's dtype), SCALES
+    quantisation blocks a step (1 where a block is longer than the step). With SPLIT 1 the tile is
+    stored in out's dtype, otherwise as float32 partials at out[m, s, :] for sum_rows. With LORA the
+    first step adds xa @ B^T (xa [M, R], B [N, R]). Double-quantised scales are 8-bit codes decoded as
     bitsandbytes does (code x the 256-block's scale + offset; here one offset per 256-block, so
     matrices with different offsets can sit in one)."""
     dt = x_ptr.dtype.element_ty
@@ -57,28 +60,25 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
     ok = cols < N
     rows = tl.arange(0, BLOCK_M)
     valid = rows < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_begin = tl.program_id(1) * SPAN
-    for step in range(0, SPAN, BLOCK_K):
-        k0 = k_begin + step
-        a = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None],
-                    other=0.0)
-        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        byte = tl.load(w_ptr + cols[:, None] * (K // 2) + kb[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        blk = cols[:, None] * (K // QBLOCK) + (k0 // QBLOCK + tl.arange(0, SCALES))[None, :]  # [BLOCK_N, SCALES]
-        if DOUBLE_QUANT:  # bitsandbytes' decode of 8-bit block scales
-            code8 = tl.load(absmax_ptr + blk, mask=ok[:, None], other=0).to(tl.int32)
-            scale = tl.load(ncode_ptr + code8) * tl.load(nabsmax_ptr + blk // NESTED, mask=ok[:, None], other=0.0) \
-                + tl.load(noffset_ptr + blk // NESTED, mask=ok[:, None], other=0.0)
-        else:
-            scale = tl.load(absmax_ptr + blk, mask=ok[:, None], other=0.0)
-        scale = scale[:, :, None]
-        hi = tl.reshape(tl.reshape(tl.load(code_ptr + (byte >> 4)), (BLOCK_N, SCALES, BLOCK_K // 2 // SCALES)) * scale,
-                        (BLOCK_N, BLOCK_K // 2))
-        lo = tl.reshape(tl.reshape(tl.load(code_ptr + (byte & 15)), (BLOCK_N, SCALES, BLOCK_K // 2 // SCALES)) * scale,
-                        (BLOCK_N, BLOCK_K // 2))
-        acc += tl.dot(a_even, tl.trans(hi.to(dt))) + tl.dot(a_odd, tl.trans(lo.to(dt)))
+    k0 = tl.program_id(1) * BLOCK_K
+    a = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None],
+                other=0.0)
+    a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    byte = tl.load(w_ptr + cols[:, None] * (K // 2) + kb[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    blk = cols[:, None] * (K // QBLOCK) + (k0 // QBLOCK + tl.arange(0, SCALES))[None, :]  # [BLOCK_N, SCALES]
+    if DOUBLE_QUANT:  # bitsandbytes' decode of 8-bit block scales
+        code8 = tl.load(absmax_ptr + blk, mask=ok[:, None], other=0).to(tl.int32)
+        scale = tl.load(ncode_ptr + code8) * tl.load(nabsmax_ptr + blk // NESTED, mask=ok[:, None], other=0.0) \
+            + tl.load(noffset_ptr + blk // NESTED, mask=ok[:, None], other=0.0)
+    else:
+        scale = tl.load(absmax_ptr + blk, mask=ok[:, None], other=0.0)
+    scale = scale[:, :, None]
+    hi = tl.reshape(tl.reshape(tl.load(code_ptr + (byte >> 4)), (BLOCK_N, SCALES, BLOCK_K // 2 // SCALES)) * scale,
+                    (BLOCK_N, BLOCK_K // 2))
+    lo = tl.reshape(tl.reshape(tl.load(code_ptr + (byte & 15)), (BLOCK_N, SCALES, BLOCK_K // 2 // SCALES)) * scale,
+                    (BLOCK_N, BLOCK_K // 2))
+    acc = tl.dot(a_even, tl.trans(hi.to(dt))) + tl.dot(a_odd, tl.trans(lo.to(dt)))
     if LORA:
         if tl.program_id(1) == 0:
             r = tl.arange(0, BLOCK_R)
@@ -220,13 +220,9 @@ class Linear4bitGroup:
         block_n = tiles["BLOCK_N"]
         n_tiles = triton.cdiv(n, block_n)
         # a K step: BLOCK_K elements, or fewer where K is not a multiple (a power of two dividing K: K is
-        # whole quantisation blocks, so the step is whole blocks or a part of one)
+        # whole quantisation blocks, so the step is whole blocks or a part of one); one step a program
         block_k = min(tiles["BLOCK_K"], k & -k)
-        steps = k // block_k
-        # K split into equal slices of whole steps: the most that keeps programs <= the target
-        want = max(1, tiles["programs"] // n_tiles)
-        split = max(d for d in range(1, min(steps, want) + 1) if steps % d == 0)
-        span = k // split
+        split = k // block_k
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
         dst = out if split == 1 else torch.empty(t * split, n, dtype=torch.float32, device=x.device)
         dq = self.double_quant
@@ -236,7 +232,7 @@ class Linear4bitGroup:
             x_ptr=x, w_ptr=self.packed, absmax_ptr=self.absmax, code_ptr=self.code,
             ncode_ptr=self.nested_code if dq else self.absmax, nabsmax_ptr=self.nested_absmax if dq else self.absmax,
             noffset_ptr=self.nested_offset if dq else self.absmax, xa_ptr=xa if lora else x, b_ptr=b if lora else x,
-            out_ptr=dst, M=t, N=n, R=r, stride_x=x.stride(0), stride_xa=xa.stride(0) if lora else 0, K=k, SPAN=span,
+            out_ptr=dst, M=t, N=n, R=r, stride_x=x.stride(0), stride_xa=xa.stride(0) if lora else 0, K=k,
             SPLIT=split, QBLOCK=q, SCALES=max(1, block_k // q), NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, LORA=lora,
             BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_M=max(16, triton.next_power_of_2(t)), BLOCK_N=block_n,
             BLOCK_K=block_k,
