@@ -33,25 +33,31 @@ NESTED_BLOCK = 256  # bitsandbytes double quantisation: one float32 scale per 25
 # the kernel takes steps of at most this many rows (the decode buckets); more go dequantise + GEMM
 KERNEL_MAX_ROWS = 64
 # tile options: output features and K elements of a program. On the H200 (experiments/RESULTS.md,
-# session 5, bench_linear4bit.py) programs that loop over K steps ran at 0.03-0.1 TB/s whatever the
+# session 5, bench_linear4bit.py) programs that looped over K steps ran at 0.03-0.1 TB/s whatever the
 # tiles; one 64 x 256 step a program (K split across programs, partials summed by a second kernel)
-# ran E2B's q/k/v and o groups in 8-9 us at bs 8 and 64, against 14-38 us for bitsandbytes' modules.
+# ran E2B's groups at bs 64 in 9.2 us (q/k/v; bitsandbytes' modules 33.6), 61.2 (double-wide
+# gate/up; 75.0) and 32.5 (double-wide down; 41.4), with LoRA r32 inside 14.1 / 71.3 / 41.5 (48.9 /
+# 92.4 / 53.6 for bitsandbytes' modules + LowRankGroup's addmms).
 TILES = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)
 
 
-@triton.jit
+# Shapes are runtime arguments, not constexprs: one compilation serves every group and batch of a
+# tile size (with K a constexpr, E2B's bnb4 + LoRA build compiled ~40 variants at ~2.5 s each).
+@triton.jit(do_not_specialize=["M", "R", "split"])
 def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, xa_ptr, b_ptr,
-                        out_ptr, M, N, R, stride_x, stride_xa, K: tl.constexpr, SPLIT: tl.constexpr,
-                        QBLOCK: tl.constexpr, SCALES: tl.constexpr, NESTED: tl.constexpr,
+                        out_ptr, M, N, R, stride_x, stride_xa, row_bytes, row_blocks, split,
+                        PARTIAL: tl.constexpr, QBLOCK: tl.constexpr, SCALES: tl.constexpr, NESTED: tl.constexpr,
                         DOUBLE_QUANT: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (j, s): rows x [M, K] against features [j*BLOCK_N, (j+1)*BLOCK_N) of the 4-bit W [N, K]
-    over the K step [s*BLOCK_K, (s+1)*BLOCK_K), one step a program (SPLIT = K / BLOCK_K). The step
+    (rows of row_bytes = K/2 bytes and row_blocks = K/QBLOCK scales) over the K step
+    [s*BLOCK_K, (s+1)*BLOCK_K), one step a program (split = K / BLOCK_K programs along K). The step
     reads BLOCK_K contiguous elements of each row (split into even and odd halves in registers: they
     meet the bytes' high and low nibbles) and BLOCK_K/2 bytes of each feature, decoded as
     bitsandbytes dequantises (float32 code x the block's float32 scale, rounded to x's dtype), SCALES
-    quantisation blocks a step (1 where a block is longer than the step). With SPLIT 1 the tile is
-    stored in out's dtype, otherwise as float32 partials at out[m, s, :] for sum_rows. With LORA the
+    quantisation blocks a step (1 where a block is longer than the step). Without PARTIAL (one step
+    in all) the tile is stored in out's dtype, otherwise as float32 partials at out[m, s, :] for
+    sum_rows. With LORA the
     first step adds xa @ B^T (xa [M, R], B [N, R]). Double-quantised scales are 8-bit codes decoded as
     bitsandbytes does (code x the 256-block's scale + offset; here one offset per 256-block, so
     matrices with different offsets can sit in one)."""
@@ -65,8 +71,8 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
                 other=0.0)
     a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    byte = tl.load(w_ptr + cols[:, None] * (K // 2) + kb[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    blk = cols[:, None] * (K // QBLOCK) + (k0 // QBLOCK + tl.arange(0, SCALES))[None, :]  # [BLOCK_N, SCALES]
+    byte = tl.load(w_ptr + cols[:, None] * row_bytes + kb[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    blk = cols[:, None] * row_blocks + (k0 // QBLOCK + tl.arange(0, SCALES))[None, :]  # [BLOCK_N, SCALES]
     if DOUBLE_QUANT:  # bitsandbytes' decode of 8-bit block scales
         code8 = tl.load(absmax_ptr + blk, mask=ok[:, None], other=0).to(tl.int32)
         scale = tl.load(ncode_ptr + code8) * tl.load(nabsmax_ptr + blk // NESTED, mask=ok[:, None], other=0.0) \
@@ -87,10 +93,10 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
             b = tl.load(b_ptr + cols[:, None] * R + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)
             acc += tl.dot(xa, tl.trans(b))
     inside = valid[:, None] & ok[None, :]
-    if SPLIT == 1:
-        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=inside)
+    if PARTIAL:
+        tl.store(out_ptr + (rows[:, None] * split + tl.program_id(1)) * N + cols[None, :], acc, mask=inside)
     else:
-        tl.store(out_ptr + (rows[:, None] * SPLIT + tl.program_id(1)) * N + cols[None, :], acc, mask=inside)
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def _linear4bit_type():
@@ -232,8 +238,8 @@ class Linear4bitGroup:
             x_ptr=x, w_ptr=self.packed, absmax_ptr=self.absmax, code_ptr=self.code,
             ncode_ptr=self.nested_code if dq else self.absmax, nabsmax_ptr=self.nested_absmax if dq else self.absmax,
             noffset_ptr=self.nested_offset if dq else self.absmax, xa_ptr=xa if lora else x, b_ptr=b if lora else x,
-            out_ptr=dst, M=t, N=n, R=r, stride_x=x.stride(0), stride_xa=xa.stride(0) if lora else 0, K=k,
-            SPLIT=split, QBLOCK=q, SCALES=max(1, block_k // q), NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, LORA=lora,
+            out_ptr=dst, M=t, N=n, R=r, stride_x=x.stride(0), stride_xa=xa.stride(0) if lora else 0,
+            row_bytes=k // 2, row_blocks=k // q, split=split, PARTIAL=split > 1, QBLOCK=q, SCALES=max(1, block_k // q), NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, LORA=lora,
             BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_M=max(16, triton.next_power_of_2(t)), BLOCK_N=block_n,
             BLOCK_K=block_k,
             num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
