@@ -55,8 +55,13 @@ def run_engine(overrides: list[str]) -> tuple[object, dict, object]:
     engine = build_engine(cfg)
     res = {"build_seconds": time.perf_counter() - t0, "engine": dict(engine.info),
            "weights_allocated_gb": torch.cuda.memory_allocated() / GB}
+    # progress as it goes: a run cut short by a time limit still says how far it got
+    print(f"built {' '.join(overrides)} in {res['build_seconds']:.1f} s "
+          f"(compile + capture {engine.info.get('compile_capture_seconds', 0):.1f} s)", flush=True)
     work = synthetic(cfg.workload, engine.spec.vocab_size)
     res.update(throughput(engine, work, cfg.workload))
+    print(f"  tok/s by round {[round(x) for x in res['tok_s_rounds']]}, decode step "
+          f"{res['decode_step_ms_median']:.2f} ms", flush=True)
     res["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / GB
     res["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
     return engine, res, work
