@@ -28,7 +28,7 @@ run() {  # name timeout command...
   if (( limit < 30 )); then echo "== $name skipped: ${left}s left"; return 0; fi
   timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - t0 ))s"
-  grep -E "passed|failed|^FAILED|Error:|tok/s|tok_s_median|speedup|peak|parity|ratio|refresh|build_seconds|capture_seconds|best|sum over" \
+  grep -E "passed|failed|^FAILED|Error:|tok/s|tok_s_median|speedup|peak|parity|ratio|refresh|build_seconds|capture_seconds|best|sum over|^built " \
     "$WORK/$name.log" | grep -v DEBUG | tail -25
   pack
 }
