@@ -62,6 +62,7 @@ class GemmaForward(torch.nn.Module):
         calls = [f for a in self.attn for f in (a.project_qkv, a.project_o)] + \
             [f for p in self.project for f in p.values()]
         bases = [getattr(f, "base", f) for f in calls]
+        # by name: importing linear4bit imports Triton, which CPU-only installs may lack
         return [b for b in bases if type(b).__name__ == "Linear4bitGroup"]
 
     def forward(

@@ -4,7 +4,8 @@ bytes; fused, a layer runs three fewer.
 
 The fused weight becomes the storage: each module's weight is rebound to a view of its rows, so
 checkpoints, peft adapters merged into the weights, and CUDA graphs all see one set of numbers.
-Only plain bias-free nn.Linear modules are fused (not 4-bit ones); fuse before peft wraps them.
+Only plain bias-free nn.Linear modules are fused here; fuse before peft wraps them. 4-bit modules
+of one input are grouped by `linear4bit.Linear4bitGroup` instead (through `projector`).
 """
 
 from __future__ import annotations
