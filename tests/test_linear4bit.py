@@ -108,6 +108,35 @@ def test_engine_runs_4bit_groups_and_lora_inside_them_interpreted():
     assert sum(int(ln[2]) for ln in lines if ln[0] == "tokens") >= 5, out
 
 
+def test_adapters_on_some_members_leave_their_group_to_the_modules_interpreted():
+    """LoRA on q and o only: q/k/v cannot run as one LoRA group (k and v have no adapter), so they run
+    module by module (q through peft, over bytes that are now views of a group's); o runs as a LoRA
+    group over its 4-bit group; gate/up and down, without adapters, as 4-bit groups. The outputs
+    equal bitsandbytes' modules' engine with the same adapters."""
+    out = run_interpreted("""
+        from flexgemma import SamplingParams, build_engine, compose
+        from flexgemma.model.linear4bit import Linear4bitGroup
+        from flexgemma.model.lora import LowRankGroup
+        def engine(kernel):
+            return build_engine(compose(["+model=tiny", "device=cpu", "quant=bnb4", "model.dtype=float16", "lora=r16",
+                                         "lora.target_modules=[q_proj,o_proj]", "kv.max_pages=64",
+                                         "engine.max_batch_size=4", "engine.compile=false",
+                                         f"engine.linear4bit_kernel={kernel}"]))
+        tri, ref = engine("triton"), engine("bnb")
+        attn, proj = tri.runner.forward.attn[0], tri.runner.forward.project[0]
+        print("kinds", type(attn.project_qkv).__name__, type(attn.project_o).__name__,
+              type(attn.project_o.base).__name__, type(proj["gate_up"]).__name__, type(proj["down"]).__name__)
+        ps = [[2, 5, 9, 14, 3, 7], [2, 77, 31]]
+        sp = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+        a, b = tri.generate(ps, sp), ref.generate(ps, sp)
+        print("gap", max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.logprobs, y.logprobs)))
+    """)
+    lines = [ln.split() for ln in out.splitlines()]
+    assert next(ln for ln in lines if ln[0] == "kinds")[1:] == \
+        ["function", "LowRankGroup", "Linear4bitGroup", "Linear4bitGroup", "Linear4bitGroup"], out
+    assert 0 < float(next(ln for ln in lines if ln[0] == "gap")[1]) < 2e-2, out
+
+
 def test_linear4bit_kernel_choice_is_checked():
     assert "linear4bit_kernel" not in build_engine(compose(["+model=tiny", "device=cpu"])).info  # bf16: no 4-bit
     assert build_engine(compose(["+model=tiny", "device=cpu", "quant=bnb4"])).info["linear4bit_kernel"] == "bnb"
