@@ -1,11 +1,13 @@
-"""bitsandbytes 4-bit bytes as Triton kernels read them: the pieces the routed experts' kernels
-(moe_kernel.py) and the dense 4-bit projections (linear4bit.py) share.
+"""bitsandbytes 4-bit bytes as Triton kernels read them: the 4-bit type's code table and the sum of
+float32 partials, which the routed experts' kernels (moe_kernel.py) and the dense 4-bit projections
+(linear4bit.py) share, and the block-at-a-time product the routed kernels use.
 
 A 4-bit matrix [N, K] is stored row-major as N*K/2 bytes; each byte holds two consecutive weights of
 a row, the first in the high nibble; every quantisation block of QBLOCK consecutive weights has one
-scale (absmax). A K step of these kernels is one block: its bytes meet the rows' even elements
-(high nibbles) and odd elements (low nibbles) in two products, so nothing is interleaved, and the
-block's scale multiplies the products instead of every weight.
+scale (absmax). In `nibble_dot` a K step is one block: its bytes meet the rows' even elements (high
+nibbles) and odd elements (low nibbles) in two products, so nothing is interleaved, and the block's
+scale multiplies the products instead of every weight. (linear4bit.py decodes whole weights instead,
+code x scale as bitsandbytes does, over 256-element steps.)
 
 Imported only where Triton runs (a GPU, or the CPU through TRITON_INTERPRET=1 in the tests).
 """
