@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from flexgemma.model.quant import dequantize_blocks
 from flexgemma.model.triton4bit import code4, sum_rows
 
 NESTED_BLOCK = 256  # bitsandbytes double quantisation: one float32 scale per 256 block scales
@@ -204,11 +205,8 @@ class Linear4bitGroup:
 
     def dequantize(self) -> torch.Tensor:
         """[out, in] weights in the compute dtype (bitsandbytes' registered 4-bit dequantise op)."""
-        n = self.out_features * self.in_features
-        return torch.ops.bitsandbytes.dequantize_4bit(
-            self.packed.view(-1, 1), self.scales(), self.block_size, self.quant_type,
-            (n // self.block_size, self.block_size), self.dtype,
-        ).view(self.out_features, self.in_features)
+        return dequantize_blocks(self.packed, self.scales(), self.block_size, self.quant_type,
+                                 self.dtype).view(self.out_features, self.in_features)
 
     def matmul(self, x: torch.Tensor, xa: Optional[torch.Tensor] = None, b: Optional[torch.Tensor] = None,
                tiles: Optional[dict] = None) -> torch.Tensor:

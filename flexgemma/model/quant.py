@@ -146,6 +146,16 @@ def linear4bit_prequantized(weight: torch.Tensor, stats: dict[str, torch.Tensor]
     return q
 
 
+def dequantize_blocks(packed: torch.Tensor, absmax: torch.Tensor, block_size: int, quant_type: str,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """4-bit bytes (any shape, row-major) and their float32 block scales -> the flat weights in `dtype`,
+    by bitsandbytes' registered dequantise op (capturable, compilable). Laid out as rows of exactly
+    one block: bitsandbytes 0.50's CPU kernel misreads rows shorter than a block."""
+    n = packed.numel() * 2
+    return torch.ops.bitsandbytes.dequantize_4bit(packed.reshape(-1, 1), absmax.reshape(-1), block_size, quant_type,
+                                                  (n // block_size, block_size), dtype).view(n)
+
+
 # -- fused experts -----------------------------------------------------------------------------
 class PackedExpertWeight(nn.Module):
     """One fused expert tensor [E, R, C] as 4-bit blocks, expert by expert.
@@ -222,13 +232,7 @@ class PackedExpertWeight(nn.Module):
         """[S, R, C] weights of the experts `experts` ([S] ids on the device; all when None), in
         `self.dtype`. A gather and bitsandbytes' registered dequantize op: capturable, compilable."""
         packed = self.packed if experts is None else self.packed.index_select(0, experts)
-        absmax = self.expert_absmax(experts)
-        n = packed.shape[0] * self.shape[1] * self.shape[2]
-        # rows of exactly one block: bitsandbytes 0.50's CPU kernel misreads rows shorter than a block
-        flat = torch.ops.bitsandbytes.dequantize_4bit(
-            packed.reshape(-1, 1), absmax.reshape(-1), self.block_size, self.quant_type,
-            (n // self.block_size, self.block_size), self.dtype,
-        )
+        flat = dequantize_blocks(packed, self.expert_absmax(experts), self.block_size, self.quant_type, self.dtype)
         return flat.view(packed.shape[0], self.shape[1], self.shape[2])
 
     def storage_bytes(self) -> int:
