@@ -70,15 +70,9 @@ def main() -> None:
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     s = Bnb4Settings("nf4", True, 64, dt)
-    # how a step decodes (linear4bit.TILES: rows split in registers or loaded strided, weights joined
-    # back in row order for one product, block scales multiplied through a view, broadcast once or
-    # gathered a byte), at the default 64 x 256 tile; then tiles (BLOCK_N, BLOCK_K, num_warps) with
-    # broadcast scales. One K step a program, so K / BLOCK_K programs per feature tile.
-    decodes = [dict(X_STRIDED=xs, W_JOIN=wj, SCALE_EXPAND=se)
-               for wj in (0, 1) for xs in ((0, 1) if not wj else (0,)) for se in (0, 1, 2)]
-    grid = [dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, **d) for d in decodes]
-    grid += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, X_STRIDED=0, W_JOIN=wj, SCALE_EXPAND=1)
-             for bn, bk, w in ((32, 256, 4), (64, 512, 8)) for wj in (0, 1)]
+    # (BLOCK_N, BLOCK_K, num_warps): one K step a program, so K / BLOCK_K programs per feature tile
+    grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3)
+            for bn, bk, w in ((32, 256, 4), (64, 256, 4), (128, 256, 8), (64, 512, 8), (64, 128, 4), (128, 128, 4))]
     grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
     grid_groups = set(args.grid_groups.split(","))
     res: dict = {"default": TILES, "runs": []}

@@ -39,7 +39,7 @@ KERNEL_MAX_ROWS = 64
 # ran E2B's groups at bs 64 in 9.2 us (q/k/v; bitsandbytes' modules 33.6), 61.2 (double-wide
 # gate/up; 75.0) and 32.5 (double-wide down; 41.4), with LoRA r32 inside 14.1 / 71.3 / 41.5 (48.9 /
 # 92.4 / 53.6 for bitsandbytes' modules + LowRankGroup's addmms).
-TILES = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, X_STRIDED=0, W_JOIN=0, SCALE_EXPAND=0)
+TILES = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)
 
 
 # Shapes are runtime arguments, not constexprs: one compilation serves every group and batch of a
@@ -49,8 +49,7 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
                         out_ptr, M, N, R, stride_x, stride_xa, row_bytes, row_blocks, split,
                         PARTIAL: tl.constexpr, QBLOCK: tl.constexpr, SCALES: tl.constexpr, NESTED: tl.constexpr,
                         DOUBLE_QUANT: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        X_STRIDED: tl.constexpr, W_JOIN: tl.constexpr, SCALE_EXPAND: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (j, s): rows x [M, K] against features [j*BLOCK_N, (j+1)*BLOCK_N) of the 4-bit W [N, K]
     (rows of row_bytes = K/2 bytes and row_blocks = K/QBLOCK scales) over the K step
     [s*BLOCK_K, (s+1)*BLOCK_K), one step a program (split = K / BLOCK_K programs along K). The step
@@ -69,49 +68,24 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
     rows = tl.arange(0, BLOCK_M)
     valid = rows < M
     k0 = tl.program_id(1) * BLOCK_K
+    a = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None],
+                other=0.0)
+    a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     byte = tl.load(w_ptr + cols[:, None] * row_bytes + kb[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    # the scale of each byte's block: SCALE_EXPAND 0 decodes the step's SCALES block scales and
-    # multiplies through a [BLOCK_N, SCALES, bytes a block] view of the codes, 1 broadcasts the block
-    # scales to [BLOCK_N, bytes] once (shared by both nibbles), 2 gathers each byte's scale
-    if SCALE_EXPAND == 2:
-        blk = cols[:, None] * row_blocks + (2 * kb[None, :]) // QBLOCK  # [BLOCK_N, BLOCK_K // 2]
-    else:
-        blk = cols[:, None] * row_blocks + (k0 // QBLOCK + tl.arange(0, SCALES))[None, :]  # [BLOCK_N, SCALES]
+    blk = cols[:, None] * row_blocks + (k0 // QBLOCK + tl.arange(0, SCALES))[None, :]  # [BLOCK_N, SCALES]
     if DOUBLE_QUANT:  # bitsandbytes' decode of 8-bit block scales
         code8 = tl.load(absmax_ptr + blk, mask=ok[:, None], other=0).to(tl.int32)
         scale = tl.load(ncode_ptr + code8) * tl.load(nabsmax_ptr + blk // NESTED, mask=ok[:, None], other=0.0) \
             + tl.load(noffset_ptr + blk // NESTED, mask=ok[:, None], other=0.0)
     else:
         scale = tl.load(absmax_ptr + blk, mask=ok[:, None], other=0.0)
-    if SCALE_EXPAND == 0:
-        scale = scale[:, :, None]
-        hi = tl.reshape(tl.reshape(tl.load(code_ptr + (byte >> 4)), (BLOCK_N, SCALES, BLOCK_K // 2 // SCALES)) * scale,
-                        (BLOCK_N, BLOCK_K // 2))
-        lo = tl.reshape(tl.reshape(tl.load(code_ptr + (byte & 15)), (BLOCK_N, SCALES, BLOCK_K // 2 // SCALES)) * scale,
-                        (BLOCK_N, BLOCK_K // 2))
-    else:
-        if SCALE_EXPAND == 1:
-            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, SCALES, BLOCK_K // 2 // SCALES)),
-                               (BLOCK_N, BLOCK_K // 2))
-        hi = tl.load(code_ptr + (byte >> 4)) * scale
-        lo = tl.load(code_ptr + (byte & 15)) * scale
-    if W_JOIN:  # weights back in row order (byte j: elements 2j, 2j+1), one product with the rows as stored
-        a = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None],
-                    other=0.0)
-        w = tl.reshape(tl.join(hi.to(dt), lo.to(dt)), (BLOCK_N, BLOCK_K))
-        acc = tl.dot(a, tl.trans(w))
-    else:
-        if X_STRIDED:  # even and odd elements loaded apart
-            kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            x_rows = x_ptr + rows[:, None] * stride_x + kk[None, :]
-            a_even = tl.load(x_rows, mask=valid[:, None], other=0.0)
-            a_odd = tl.load(x_rows + 1, mask=valid[:, None], other=0.0)
-        else:  # loaded contiguous, split in registers
-            a = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None],
-                        other=0.0)
-            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-        acc = tl.dot(a_even, tl.trans(hi.to(dt))) + tl.dot(a_odd, tl.trans(lo.to(dt)))
+    scale = scale[:, :, None]
+    hi = tl.reshape(tl.reshape(tl.load(code_ptr + (byte >> 4)), (BLOCK_N, SCALES, BLOCK_K // 2 // SCALES)) * scale,
+                    (BLOCK_N, BLOCK_K // 2))
+    lo = tl.reshape(tl.reshape(tl.load(code_ptr + (byte & 15)), (BLOCK_N, SCALES, BLOCK_K // 2 // SCALES)) * scale,
+                    (BLOCK_N, BLOCK_K // 2))
+    acc = tl.dot(a_even, tl.trans(hi.to(dt))) + tl.dot(a_odd, tl.trans(lo.to(dt)))
     if LORA:
         if tl.program_id(1) == 0:
             r = tl.arange(0, BLOCK_R)
@@ -265,7 +239,7 @@ class Linear4bitGroup:
             out_ptr=dst, M=t, N=n, R=r, stride_x=x.stride(0), stride_xa=xa.stride(0) if lora else 0,
             row_bytes=k // 2, row_blocks=k // q, split=split, PARTIAL=split > 1, QBLOCK=q, SCALES=max(1, block_k // q), NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, LORA=lora,
             BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_M=max(16, triton.next_power_of_2(t)), BLOCK_N=block_n,
-            BLOCK_K=block_k, X_STRIDED=tiles["X_STRIDED"], W_JOIN=tiles["W_JOIN"], SCALE_EXPAND=tiles["SCALE_EXPAND"],
+            BLOCK_K=block_k,
             num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
         )
         return out if split == 1 else sum_rows(dst, out)
