@@ -83,9 +83,9 @@ run moe_grouped 300 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b work
   engine.moe_kernel=grouped_mm --batch-sizes 8,16,32,64 --no-hf --parity 4 --parity-tokens 32 --out "$WORK/moe_grouped.json"
 run moe_kernel_bench 150 python3 experiments/bench_moe_kernel.py --batch-sizes 8,32,64 --bnb4 --grid-quants bnb4 --out "$WORK/moe_kernel_bench.json"
 run lora 200 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=3 lora=r32 --out "$WORK/lora_e2b.json"
-# two bnb4 engines (build, Triton compiles, capture) and 2 timed rounds each: 108 s with bitsandbytes'
-# modules, over 171 s with session 5's Triton groups before their shapes became runtime arguments
-run lora_bnb4 330 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=2 quant=bnb4 lora=r32 \
+# two bnb4 engines (build, Triton compiles, capture) and 3 timed rounds each: 124 s with 2 rounds and
+# the Triton groups (session 6), over 171 s before their shapes became runtime arguments
+run lora_bnb4 330 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=3 quant=bnb4 lora=r32 \
   --out "$WORK/lora_e2b_bnb4.json"
 run sweep 300 bash -c 'python3 -m flexgemma -m +model=e2b +experiment=block_sweep attn.decode.block_n=32,64 \
   attn.decode.full_attention.block_n=16,32 attn.decode.num_warps=null attn.decode.num_stages=null \
