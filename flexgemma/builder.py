@@ -172,11 +172,6 @@ def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
         runner.fill_decode([], cfg.engine.max_batch_size)
         runner.decode_step(cfg.engine.max_batch_size)  # compile now, not inside a timed round
     info["compile_capture_seconds"] = time.perf_counter() - t1
-    if device.type == "cuda":
-        # the allocator still caches the build's transients (a bnb4 layer's bf16 weights before they
-        # were packed, warm-up activations): hand them back so that the job's reserved memory is what
-        # serving holds (26B-A4B bnb4's default job: 18.48 GB reserved for 17.45 GB allocated before)
-        torch.cuda.empty_cache()
     scheduler = Scheduler(cache, cfg.engine.max_batch_size, cfg.engine.max_prefill_tokens)
     info.update(
         compile_glue=use_compile, compiled_graphs=counter.count,
