@@ -57,15 +57,19 @@ def write_job(job_dir: Path, overrides: list[str], summary: dict | None, rounds:
     return job_dir
 
 
+# what a GPU job records about its build: flex attention (reads attn.decode.*), CUDA graphs captured
+GPU_FACTS = {"engine/attention_backend": "flex", "engine/cudagraphs": True, "engine/device": "cuda"}
+
+
 def fake_sweep(root: Path) -> Path:
-    """A Hydra multirun dir: attn.decode.block_n x cudagraph (2x2) plus one failed job.
+    """A Hydra multirun dir of GPU jobs: attn.decode.block_n x cudagraph (2x2) plus one failed job.
     (block_n=32, ladder16) is the fastest."""
     speeds = {("16", "ladder8"): 1100.0, ("16", "ladder16"): 1250.0, ("32", "ladder8"): 1300.0,
               ("32", "ladder16"): 1500.0}
     n = 0
     for (block_n, ladder), total in speeds.items():
         ov = [*BASE, f"attn.decode.block_n={block_n}", f"cudagraph={ladder}"]
-        write_job(root / f"{n}_{','.join(ov[2:])}", ov, cpu_summary(total),
+        write_job(root / f"{n}_{','.join(ov[2:])}", ov, cpu_summary(total, **GPU_FACTS),
                   rounds=[total * 0.97, total, total * 1.02])
         n += 1
     ov = [*BASE, "attn.decode.block_n=64", "cudagraph=ladder8"]

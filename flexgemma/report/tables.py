@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from flexgemma.report.collect import MISSING, Collection, Job, parse_override
+from flexgemma.report.noise import Group, groups, inert_keys, live_keys, noise
 
 TOTAL = "throughput/total_tok_s_median"
 
@@ -81,12 +82,14 @@ def short_keys(keys: list[str]) -> dict[str, str]:
     return out
 
 
-def job_label(job: Job, coll: Collection) -> str:
-    """A job named by its swept values (what the reader compares), else by its directory."""
-    if not coll.swept_keys:
+def job_label(job: Job, coll: Collection, keys: list[str] | None = None) -> str:
+    """A job named by its swept values (what the reader compares; `keys`: only those), else by its
+    directory."""
+    keys = coll.swept_keys if keys is None else keys
+    if not keys:
         return job.label
-    short = short_keys(coll.swept_keys)
-    return ", ".join(f"{short[k]}={job.swept.get(k, MISSING)}" for k in coll.swept_keys)
+    short = short_keys(keys)
+    return ", ".join(f"{short[k]}={job.swept.get(k, MISSING)}" for k in keys)
 
 
 def ranked_jobs(coll: Collection) -> list[Job]:
@@ -202,40 +205,92 @@ def command_line(job: Job, coll: Collection) -> str:
 class Verdict:
     headline: str
     notes: list[str]
-    command: str | None
+    command: str | None  # None when no configuration is crowned (nothing ok, inert keys, noise)
+    best: Job | None = None  # the crowned configuration's fastest job
 
 
 def verdict(coll: Collection) -> Verdict:
+    """Crowns the fastest configuration only when a swept key that the runs read explains the
+    difference and, where repeated jobs measured the noise, the difference exceeds it."""
     counts = _status_counts(coll)
-    best = coll.best()
-    if best is None:
+    if coll.best() is None:
         why = "none has a total tokens/s" if coll.ok_jobs else "none finished with status ok"
         return Verdict(f"No best configuration: {len(coll.jobs)} job(s), {why} ({counts}).",
                        ["The errors are listed under “Failed, invalid and incomplete jobs”."], None)
-    speed = f"{fmt_rate(best.get(TOTAL))} total tok/s"
-    rounds = best.get("bench/rounds")
-    speed += f" (median of {rounds} round{'s' if rounds != 1 else ''})" if rounds else " (median)"
-    what = job_label(best, coll) if coll.swept_keys else f"job {best.name}"
-    others = [j for j in ranked_jobs(coll) if j.ok and j is not best and _num(j.get(TOTAL))]
-    if others:
-        slowest = min(others, key=lambda j: j.get(TOTAL))
-        speed += f", {best.get(TOTAL) / slowest.get(TOTAL):.2f}× the slowest ({fmt_rate(slowest.get(TOTAL))})"
-    headline = f"Best: {what} (job {best.name}) at {speed}; {counts}."
-    notes = []
-    if others:
-        runner = others[0]
-        b, r = best.spread("throughput/total_tok_s"), runner.spread("throughput/total_tok_s")
-        gap = 100 * (best.get(TOTAL) - runner.get(TOTAL)) / best.get(TOTAL)
-        note = f"Runner-up: {job_label(runner, coll)} (job {runner.name}), {gap:.1f}% slower."
-        if b and r and r[2] >= b[0]:
-            note += (" Their round-to-round ranges overlap, so the order may be noise: "
-                     "re-run both with more rounds (workload.rounds=N) before trusting it.")
-        notes.append(note)
+    inert = inert_keys(coll)
+    live = live_keys(coll, inert)
+    notes = [f"`{k}` is inert: it has no effect in these runs ({why}), so no value of it is better "
+             "than another." for k, why in inert.items()]
+    gs = groups(coll, live)
+    measured = noise(gs)
+    if coll.swept_keys and not live:
+        return _no_live_key(coll, gs, measured, counts, notes)
+    top, runner = gs[0], (gs[1] if len(gs) > 1 else None)
+    speed = _group_speed(top, coll)
+    if gs[1:]:
+        speed += f", {top.total / gs[-1].total:.2f}× the slowest ({fmt_rate(gs[-1].total)})"
+    what = job_label(top.jobs[0], coll, live) if live else f"job {top.jobs[0].name}"
+    if runner is None:
+        notes.append("Only one job finished ok: there is nothing to compare it with." if len(coll.ok_jobs) == 1
+                     else "Only one configuration finished ok: there is nothing to compare it with.")
     else:
-        notes.append("Only one job finished ok: there is nothing to compare it with.")
-    if best.get("determinism/run_to_run") is False:
+        gap = 100 * (top.total - runner.total) / top.total
+        label = f"{job_label(runner.jobs[0], coll, live)} ({_jobs_text(runner)})"
+        if measured is not None and gap <= 100 * measured[0]:
+            return _within_noise(top, runner, gap, measured, counts, coll, live, notes)
+        notes.append(_runner_note(top, runner, gap, label, measured))
+    if top.jobs[0].get("determinism/run_to_run") is False:
         notes.append("Warning: the best job is not deterministic run to run.")
-    return Verdict(headline, notes, command_line(best, coll))
+    return Verdict(f"Best: {what} ({_jobs_text(top)}) at {speed}; {counts}.", notes,
+                   command_line(top.jobs[0], coll), top.jobs[0])
+
+
+def _jobs_text(group: Group) -> str:
+    names = [j.name for j in group.jobs]
+    return f"job {names[0]}" if len(names) == 1 else f"jobs {', '.join(names)}"
+
+
+def _group_speed(group: Group, coll: Collection) -> str:
+    speed = f"{fmt_rate(group.total)} total tok/s"
+    if len(group.jobs) > 1:
+        return speed + f" (median of {len(group.jobs)} repeated jobs' medians)"
+    rounds = group.jobs[0].get("bench/rounds")
+    return speed + (f" (median of {rounds} round{'s' if rounds != 1 else ''})" if rounds else " (median)")
+
+
+def _runner_note(top: Group, runner: Group, gap: float, label: str, measured: tuple[float, int] | None) -> str:
+    note = f"Runner-up: {label}, {gap:.1f}% slower."
+    if measured is not None:
+        return note + (f" That is more than the {100 * measured[0]:.1f}% spread between repeated jobs "
+                       f"({measured[1]} jobs).")
+    b, r = top.jobs[0].spread("throughput/total_tok_s"), runner.jobs[0].spread("throughput/total_tok_s")
+    if b and r and r[2] >= b[0]:
+        note += (" Their round-to-round ranges overlap, so the order may be noise: "
+                 "re-run both with more rounds (workload.rounds=N) before trusting it.")
+    return note + (" No configuration ran more than once, so the job-to-job noise is unknown: "
+                   "add a repeat axis (+repeat=0,1,2) to measure it.")
+
+
+def _within_noise(top: Group, runner: Group, gap: float, measured: tuple[float, int], counts: str,
+                  coll: Collection, live: list[str], notes: list[str]) -> Verdict:
+    head = (f"Within noise: the fastest configuration, {job_label(top.jobs[0], coll, live)} "
+            f"({fmt_rate(top.total)} total tok/s), is {gap:.1f}% ahead of "
+            f"{job_label(runner.jobs[0], coll, live)} ({fmt_rate(runner.total)}), no more than the "
+            f"{100 * measured[0]:.1f}% spread between repeated jobs ({measured[1]} jobs); {counts}.")
+    notes.append("No configuration is crowned. Add repeats (+repeat=0,1,2,...) or rounds "
+                 "(workload.rounds=N) to tell them apart.")
+    return Verdict(head, notes, None)
+
+
+def _no_live_key(coll: Collection, gs: list[Group], measured: tuple[float, int] | None, counts: str,
+                 notes: list[str]) -> Verdict:
+    (only,) = gs  # every ok job is the same configuration
+    spread = f", {100 * measured[0]:.1f}% apart" if measured else ""
+    head = (f"No best configuration: the jobs differ only in inert or repeat keys "
+            f"({', '.join(coll.swept_keys)}), so they ran one configuration: {fmt_rate(only.total)} total "
+            f"tok/s, the median of {len(only.jobs)} job(s){spread}; {counts}.")
+    notes.append("Their differences in speed are noise, not an effect of the swept values.")
+    return Verdict(head, notes, None)
 
 
 def _status_counts(coll: Collection) -> str:
