@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if report.verdict.command:
         print(f"  {report.verdict.command}")
     print(f"report: {report.markdown}\n        {report.html}")
+    print("\n".join(f"        {p}" for p in report.exports))
     if args.wandb_report:
         from flexgemma.report.wandb_report import WandbReportError, publish_wandb_report
 

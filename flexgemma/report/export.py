@@ -1,7 +1,7 @@
 """The jobs as a table for pandas, spreadsheets and notebooks: report.csv (always) and
 report.parquet (when pandas and pyarrow are installed), one row per job.
 
-Columns: job, directory, status, error (one line), the swept keys (as typed), then every scalar of the jobs'
+Columns: job, directory, status, error, the swept keys (as typed), then every scalar of the jobs'
 summary.json in sorted order (the metric names of flexgemma/metrics.py). Lists and mappings
 (samples, choices) are left out: they do not fit a cell.
 """
@@ -15,11 +15,12 @@ from typing import Any
 from flexgemma.report.collect import Collection
 
 SCALARS = (str, int, float, bool)
+LEFT_OUT = ("status", "error", "traceback", "stderr_tail")  # status and error have columns; tracebacks are long
 
 
 def rows(coll: Collection) -> tuple[list[str], list[dict[str, Any]]]:
     metrics = sorted({k for j in coll.jobs for k, v in j.summary.items()
-                      if isinstance(v, SCALARS) and k not in ("status", "error", "traceback", "stderr_tail", *coll.swept_keys)})
+                      if isinstance(v, SCALARS) and k not in LEFT_OUT and k not in coll.swept_keys})
     header = ["job", "directory", "status", "error", *coll.swept_keys, *metrics]
     out = []
     for j in coll.jobs:
