@@ -2,13 +2,17 @@
 (inert) and job-to-job noise measured by repeated jobs; and its CSV / parquet export."""
 
 import csv
+import shutil
 import sys
 
 import pytest
+import yaml
 
+from flexgemma import compose
 from flexgemma.report import build_report
 from flexgemma.report.collect import collect
 from flexgemma.report.noise import inert_keys
+from flexgemma.run import run_job
 from tests.test_report import BASE, GPU_FACTS, cpu_summary, write_job
 
 CPU_FACTS = {"engine/attention_backend": "dense", "engine/cudagraphs": False, "engine/device": "cpu"}
@@ -125,3 +129,25 @@ def test_without_pandas_only_the_csv(tmp_path, monkeypatch):
     root = sweep(tmp_path / "s", [([], 1000.0, GPU_FACTS)])
     report = build_report([root])
     assert report.exports == [root / "report.csv"] and not (root / "report.parquet").exists()
+
+
+@pytest.mark.slow
+def test_a_real_cpu_job_records_what_makes_block_n_inert(tmp_path):
+    """One real tiny CPU job, its directory copied as the points of a block_n sweep: the facts the
+    job itself recorded (dense attention, no CUDA graphs) make block_n and cudagraph inert."""
+    overrides = ["+model=tiny", "device=cpu", "logger=none", "workload.num_prompts=2", "workload.max_new_tokens=4",
+                 "workload.rounds=1", "workload.warmup_rounds=0"]
+    job = tmp_path / "s" / "0"
+    summary = run_job(compose(overrides), job)
+    assert summary["status"] == "ok" and summary["engine/attention_backend"] == "dense"
+    for n, (block_n, ladder) in enumerate([(16, "ladder8"), (32, "ladder16")]):
+        d = tmp_path / "s" / str(n)
+        if n:
+            shutil.copytree(job, d)
+        (d / ".hydra").mkdir(exist_ok=True)
+        (d / ".hydra" / "overrides.yaml").write_text(
+            yaml.safe_dump([*overrides, f"attn.decode.block_n={block_n}", f"cudagraph={ladder}"]))
+    report = build_report([tmp_path / "s"])
+    assert set(inert_keys(report.collection)) == {"attn.decode.block_n", "cudagraph"}
+    assert report.verdict.command is None
+    assert report.verdict.headline.startswith("No best configuration: the jobs differ only in inert or repeat keys")
