@@ -127,6 +127,8 @@ def _kernel_choice(option: str, value: str, torch_name: str, device: torch.devic
 def _refuse_if_too_large(cfg: DictConfig, device: torch.device) -> None:
     """Before building: a model too large for this device is refused with an estimate (ConfigError)."""
     est = estimate_build(cfg.model, cfg.quant, device)
+    if est is None:
+        return
     if device.type == "cuda":
         tokens = int(cfg.kv.max_pages or 0) * cfg.kv.page_size or int(cfg.engine.max_model_len)
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -47,13 +48,16 @@ def _text_config(model_cfg):
     return text_config_from_dict(text)
 
 
-def estimate_build(model_cfg, quant_cfg, device: torch.device) -> BuildEstimate:
+def estimate_build(model_cfg, quant_cfg, device: torch.device) -> Optional[BuildEstimate]:
     """Parameters, weight bytes (embeddings in the model dtype, the rest 4-bit under bnb4) and
-    seconds to build `model_cfg` on `device`, counted on the meta device."""
+    seconds to build `model_cfg` on `device`, counted on the meta device. None for a model.path
+    that is not a directory (the build says what is wrong with it)."""
     from transformers import Gemma4ForCausalLM
 
     from flexgemma.model.load import resolve_dtype
 
+    if model_cfg.path and not Path(model_cfg.path).expanduser().is_dir():
+        return None
     quantised = quant_cfg is not None and quant_cfg.method != "none"
     dtype_name = str(getattr(model_cfg.dtype, "value", model_cfg.dtype))
     dtype = torch.bfloat16 if quantised and dtype_name == "auto" else resolve_dtype(dtype_name, device)
