@@ -21,7 +21,8 @@ from flexgemma.engine.scheduler import Scheduler
 from flexgemma.model.attention import AttentionKernels
 from flexgemma.model.forward import GemmaForward
 from flexgemma.model.fused import make_ops
-from flexgemma.model.load import build_model
+from flexgemma.model.estimate import describe, estimate_build, refuse_if_too_large
+from flexgemma.model.load import build_model, free_memory
 from flexgemma.model.fuse import fuse_projections
 from flexgemma.model.lora import attach_lora
 from flexgemma.model.spec import ModelSpec
@@ -123,6 +124,20 @@ def _kernel_choice(option: str, value: str, torch_name: str, device: torch.devic
     return value
 
 
+def _refuse_if_too_large(cfg: DictConfig, device: torch.device) -> None:
+    """Before building: a model too large for this device is refused with an estimate (ConfigError)."""
+    est = estimate_build(cfg.model, cfg.quant, device)
+    if est is None:
+        return
+    if device.type == "cuda":
+        tokens = int(cfg.kv.max_pages or 0) * cfg.kv.page_size or int(cfg.engine.max_model_len)
+    else:
+        tokens = int(cfg.kv.cpu_pages) * cfg.kv.page_size
+    est_kv = est.kv_bytes_per_token * tokens
+    log.info(describe(est, est_kv, device))
+    refuse_if_too_large(est, est_kv, device, free_memory(device))
+
+
 def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
     """Builds the engine a composed config describes (see flexgemma.compose); `demand` sizes the KV
     pool on a GPU (the run orchestrator passes its workload's)."""
@@ -131,6 +146,8 @@ def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
     cfg = ensure_model(cfg)
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
+    if not cfg.model.allow_large_cpu:
+        _refuse_if_too_large(cfg, device)
     # quantisation: quant=bnb4 quantises inside build_model, module by module as weights are made or
     # loaded (never the whole bf16 model on the device); info gets quant/fraction_4bit
     model, tokenizer, info = build_model(cfg.model, device, quant_cfg=cfg.quant)

@@ -60,6 +60,9 @@ class ModelConfig:
     dtype: DType = DType.auto
     seed: int = 0  # random init when there are no weights
     allow_pickle: bool = False  # accept pickled *.bin weights (they can run code)
+    # build a model over 1B parameters on a CPU, or one larger than the GPU's free memory, anyway
+    # (otherwise refused before building, with an estimate and the CPU-sized variant: model/estimate.py)
+    allow_large_cpu: bool = False
 
 
 @dataclass

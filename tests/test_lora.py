@@ -94,9 +94,13 @@ def test_merged_weights_are_pristine_plus_scaled_BA_in_the_same_tensor(dtype, ra
         assert torch.equal(t.weight, textbook), t.name
         assert not torch.equal(t.weight, t.pristine), f"{t.name}: a random B must change the weight"
         # and peft's own deltas (each B@A, scaled, then summed) agree to rounding
-        ref = t.pristine.float() + sum(t.layer.get_delta_weight(n).float() for n in adapters)
-        tol = 1e-5 if dtype == "float32" else 3e-2
-        torch.testing.assert_close(t.weight.float(), ref, atol=tol, rtol=tol)
+        delta = sum(t.layer.get_delta_weight(n).float() for n in adapters)
+        ref = t.pristine.float() + delta
+        if dtype == "float32":
+            torch.testing.assert_close(t.weight.float(), ref, atol=1e-5, rtol=1e-5)
+        else:  # the merged delta against peft's, relative to the delta: bf16 rounding ~0.7%, a 5% scale error 5%
+            rel = ((t.weight.float() - t.pristine.float() - delta).norm() / delta.norm()).item()
+            assert rel < 0.02, f"{t.name}: merged delta off peft's by {rel:.1%}"
         if len(adapters) == 2:
             one = t.pristine.float() + t.layer.get_delta_weight(adapters[0]).float()
             err = (t.weight.float() - ref).abs().max()

@@ -109,9 +109,13 @@ def test_kv_in_use_is_reported_and_smaller_with_reclaiming(tmp_path):
         engine.generate(prompts, sp)
         m = memory_metrics(engine)
         used[reclaim] = m["memory/kv_in_use_peak_gib"]
-        cache = engine.runner.cache
-        assert m["memory/kv_in_use_peak_gib"] * 2**30 == sum(
-            engine.stats.kv_peak_pages[g.name] * cache.group_page_bytes(g) for g in cache.page_groups)
+        # bytes a page holds, from tiny's config: K and V of 8 float32 tokens, one KV head, in the
+        # sliding layers 0-2 (head_dim 32) and the full layer 3 (head_dim 64); layers 4-7 share KV
+        full_page, sliding_page = 2 * 64 * 8 * 4, 3 * 2 * 32 * 8 * 4
+        peak = engine.stats.kv_peak_pages
+        expect = (peak["full"] * full_page + peak["window"] * sliding_page if reclaim == "true"
+                  else sum(peak.values()) * (full_page + sliding_page))  # one group of every layer
+        assert m["memory/kv_in_use_peak_gib"] * 2**30 == expect
     # tiny: sliding layers hold 3 of the 4 KV-writing layers' bytes (32-wide vs 64-wide heads, 3 vs 1)
     assert used["true"] < 0.75 * used["false"]
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 
 log = logging.getLogger("flexgemma")
 
@@ -386,7 +388,10 @@ def _build_quantised(model_cls, config, dtype, device, settings, reader, seed: i
         if name != "layers":
             keep = isinstance(child, torch.nn.Embedding)  # embedding tables stay in the model dtype
             setattr(base, name, _fill_module(model, child, f"model.{name}.", device, settings, reader, not keep))
-    for i, layer in enumerate(base.layers):
+    # a bar over layers when the build lasts more than a few seconds (delay), on a terminal only
+    bar = tqdm(base.layers, desc=f"building {config.num_hidden_layers} layers", unit="layer", leave=False, delay=3,
+               disable=not sys.stderr.isatty())
+    for i, layer in enumerate(bar):
         _fill_module(model, layer, f"model.layers.{i}.", device, settings, reader, quantise=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = base.embed_tokens.weight
