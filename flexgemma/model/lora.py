@@ -187,6 +187,22 @@ class LowRankGroup:
         return outs
 
 
+def _check_value(key: str, value: Any) -> None:
+    """An incoming adapter tensor must be a finite floating-point torch tensor: anything else would
+    either fail half-way through an update or merge garbage (NaN, or an int cast) into every weight."""
+    if not isinstance(value, torch.Tensor):
+        raise LoraError(f"adapter tensor {key} is a {type(value).__name__}, not a torch.Tensor "
+                        "(convert it with torch.as_tensor)")
+    if not value.dtype.is_floating_point:
+        raise LoraError(f"adapter tensor {key} has dtype {value.dtype}: LoRA factors must be floating point "
+                        "(float32, bfloat16 or float16)")
+    if value.is_meta:
+        raise LoraError(f"adapter tensor {key} is on the meta device (it holds no values)")
+    if not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        raise LoraError(f"adapter tensor {key} holds {bad} non-finite values (NaN or inf) of {value.numel()}")
+
+
 def _normalise_path(path: str) -> Optional[str]:
     """A module path as the engine's Gemma4ForCausalLM names it; None for other towers' modules."""
     changed = True
@@ -323,6 +339,7 @@ class LoraAdapters:
                 unknown.append(key)
                 continue
             want = tuple(self.slots[slot].shape)
+            _check_value(key, value)
             if tuple(value.shape) != want:
                 rank_dim = 0 if m["ab"] == "A" else 1  # A [r, in], B [out, r]
                 what = "rank" if value.dim() == 2 and value.shape[rank_dim] != want[rank_dim] else "layer size"
