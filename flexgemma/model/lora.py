@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import logging
 import math
 import re
@@ -46,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexgemma.config import ConfigError
+from flexgemma.model.files import get_tensor, open_safetensors, read_json_object
 
 log = logging.getLogger("flexgemma")
 
@@ -474,7 +474,7 @@ def _load_peft_config(directory: Path, lora_cfg, model):
     cfg_file = directory / "adapter_config.json"
     if not cfg_file.is_file():
         raise LoraError(f"lora.path={directory}: no adapter_config.json (expected a peft adapter directory)")
-    raw = json.loads(cfg_file.read_text())
+    raw = read_json_object(cfg_file, LoraError)
     if raw.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"{cfg_file}: peft_type {raw.get('peft_type')!r} is not a LoRA adapter")
     pc = PeftLoraConfig.from_pretrained(str(directory))
@@ -492,8 +492,6 @@ def _load_peft_config(directory: Path, lora_cfg, model):
 
 
 def _adapter_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         pickled = sorted(directory.glob("*.bin"))
@@ -501,7 +499,8 @@ def _adapter_tensors(directory: Path) -> dict[str, torch.Tensor]:
         raise LoraError(f"lora.path={directory}: no adapter_model.safetensors{hint}")
     out = {}
     for f in files:
-        out.update(load_file(str(f)))
+        with open_safetensors(f, LoraError) as h:
+            out.update({k: get_tensor(h, f, k, LoraError) for k in h.keys()})
     return out
 
 

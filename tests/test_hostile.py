@@ -1,0 +1,216 @@
+"""Hostile and careless input (issue #16, items 4-9): every case either works or fails with a clear
+error naming what is wrong, and nothing already accepted is changed or lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flexgemma.model.lora import LoraError
+from flexgemma.tasks.drift import perturbed
+
+from conftest import make_engine
+
+
+# -- 4. LoRA updates are validated completely, then applied all at once ------------------------------
+@pytest.fixture(scope="module")
+def lora_engine():
+    return make_engine("lora=r16")
+
+
+def _last_key(sd: dict, part: str = "lora_B") -> str:
+    return [k for k in sd if part in k][-1]  # the last tensor: a half-applied update would copy the rest
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (lambda t: t.numpy(), r"is a ndarray, not a torch.Tensor"),
+    (lambda t: t.tolist(), r"is a list, not a torch.Tensor"),
+    (lambda t: torch.full_like(t, float("nan")), r"holds \d+ non-finite values"),
+    (lambda t: torch.where(torch.arange(t.numel()).reshape(t.shape) == 3, float("inf"), t), r"holds 1 non-finite"),
+    (lambda t: t.to(torch.int8), r"dtype torch.int8: LoRA factors must be floating point"),
+    (lambda t: t > 0, r"dtype torch.bool"),
+    (lambda t: t[:, :-1].clone(), r"has shape"),
+])
+def test_a_bad_lora_tensor_changes_nothing(lora_engine, bad, needle):
+    lora = lora_engine.lora
+    before_sd, before_merged, before_pristine = lora.state_dict(), lora.merged_digests(), lora.pristine_digests()
+    update = perturbed(before_sd, 0.5, seed=7)  # every tensor new: any copy would show
+    key = _last_key(update)
+    update[key] = bad(update[key])
+    with pytest.raises(LoraError, match=needle) as err:
+        lora_engine.update_lora(update)
+    assert key in str(err.value)
+    assert lora.merged_digests() == before_merged
+    assert lora.pristine_digests() == before_pristine
+    after = lora.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before_sd.items())
+
+
+# -- 5. a checkpoint's code never runs, asked or not -------------------------------------------------
+from test_workload import checkpoint_with_tokenizer  # noqa: E402,F401 - the fixture, reused
+
+from flexgemma.model.load import ModelLoadError, load_tokenizer  # noqa: E402
+
+
+def _copy_checkpoint(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _evil_tokenizer(path: Path, tokenizer_class: str) -> Path:
+    """tokenizer_config.json pointing (auto_map) at a local module that leaves a marker when imported."""
+    marker = path / "CODE_RAN"
+    (path / "evil_tokenizer.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["auto_map"] = {"AutoTokenizer": [None, "evil_tokenizer.EvilTokenizer"]}
+    cfg["tokenizer_class"] = tokenizer_class
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return marker
+
+
+@pytest.fixture
+def no_stdin(monkeypatch):
+    """Any prompt ('run the custom code? [y/N]') fails the test instead of waiting or being answered."""
+    def refuse(*a, **k):
+        raise AssertionError("stdin was read")
+
+    monkeypatch.setattr("builtins.input", refuse)
+    monkeypatch.setattr(sys, "stdin", type("NoStdin", (), {"read": refuse, "readline": refuse})())
+
+
+def test_tokenizer_auto_map_to_custom_only_class_is_an_error_and_runs_nothing(checkpoint_with_tokenizer, tmp_path,
+                                                                                no_stdin):
+    path = _copy_checkpoint(checkpoint_with_tokenizer, tmp_path / "ckpt")
+    marker = _evil_tokenizer(path, "EvilTokenizer")
+    with pytest.raises(ModelLoadError, match="never runs code from a checkpoint"):
+        load_tokenizer(path)
+    assert not marker.exists()
+    assert "evil_tokenizer" not in sys.modules
+
+
+def test_tokenizer_auto_map_beside_a_transformers_class_loads_the_plain_class(checkpoint_with_tokenizer, tmp_path,
+                                                                              no_stdin):
+    path = _copy_checkpoint(checkpoint_with_tokenizer, tmp_path / "ckpt")
+    marker = _evil_tokenizer(path, "PreTrainedTokenizerFast")
+    tok = load_tokenizer(path)
+    assert type(tok).__name__ != "EvilTokenizer" and not marker.exists()
+    assert tok("hello world").input_ids == [2, 8, 9]
+
+
+# -- 7 and 8. weights that would run wrong, and files that cannot be parsed --------------------------
+from flexgemma import compose  # noqa: E402
+from flexgemma.model.load import build_model  # noqa: E402
+
+
+def _build(path: Path, *overrides: str):
+    cfg = compose(["+model=tiny", f"model.path={path}", "device=cpu", *overrides])
+    return build_model(cfg.model, torch.device("cpu"))
+
+
+def _rewrite_weights(path: Path, change) -> str:
+    """Applies change(tensors) to the checkpoint's model.safetensors; returns the changed key."""
+    from safetensors.torch import load_file, save_file
+
+    f = path / "model.safetensors"
+    tensors = load_file(str(f))
+    key = change(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    return key
+
+
+@pytest.fixture
+def ckpt(checkpoint_with_tokenizer, tmp_path):
+    return _copy_checkpoint(checkpoint_with_tokenizer, tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("name", ["model.pt", "pytorch_model.pth", "last.ckpt"])
+def test_unreadable_weight_files_are_an_error_not_random_weights(ckpt, name):
+    (ckpt / "model.safetensors").rename(ckpt / name)
+    with pytest.raises(ModelLoadError, match=rf"cannot read \({name}\).*not run on random weights"):
+        _build(ckpt)
+
+
+def _nan_at(key_part: str):
+    def change(tensors):
+        key = next(k for k in sorted(tensors) if key_part in k)
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[5] = float("nan")
+        return key
+    return change
+
+
+def _as(dtype, key_part: str):
+    def change(tensors):
+        key = next(k for k in sorted(tensors) if key_part in k)
+        tensors[key] = (tensors[key] * 100).to(dtype) if dtype != torch.bool else tensors[key] > 0
+        return key
+    return change
+
+
+@pytest.mark.parametrize("change, needle", [
+    (_nan_at("layers.1.mlp.down_proj"), "holds 1 non-finite values"),
+    (_nan_at("embed_tokens"), "holds 1 non-finite values"),
+    (_as(torch.int8, "layers.0.self_attn.q_proj"), "dtype torch.int8 but the model's parameter is floating point"),
+    (_as(torch.bool, "norm"), "dtype torch.bool but the model's parameter is floating point"),
+])
+def test_non_finite_or_integer_weights_are_errors_naming_the_tensor(ckpt, change, needle):
+    key = _rewrite_weights(ckpt, change)
+    with pytest.raises(ModelLoadError, match=needle) as err:
+        _build(ckpt)
+    assert key in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "tokenizer_config.json"])
+def test_invalid_json_names_the_file(ckpt, name):
+    text = (ckpt / name).read_text()
+    (ckpt / name).write_text(text[: len(text) // 2])  # a truncated download
+    with pytest.raises(ModelLoadError, match=rf"{name}: invalid JSON at line \d+ column \d+"):
+        _build(ckpt)
+
+
+def test_a_json_array_config_names_the_file(ckpt):
+    (ckpt / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelLoadError, match=r"config.json: expected a JSON object"):
+        _build(ckpt)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999, 4])
+def test_truncated_safetensors_names_the_file(ckpt, keep):
+    f = ckpt / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: int(len(data) * keep)] if keep < 1 else data[:keep])
+    with pytest.raises(ModelLoadError, match=r"model.safetensors: .*(truncated|corrupt)"):
+        _build(ckpt)
+
+
+def test_truncated_safetensors_names_the_file_in_the_4bit_build(ckpt):
+    f = ckpt / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match=r"model.safetensors: .*(truncated|corrupt)"):
+        _build(ckpt, "quant=bnb4")
+
+
+def test_adapter_files_that_cannot_be_parsed_name_the_file(lora_engine, tmp_path):
+    lora_engine.lora.save(tmp_path / "a")
+    adapter = tmp_path / "a"
+    (adapter / "adapter_config.json").write_text('{"r": 16,')
+    with pytest.raises(LoraError, match=r"adapter_config.json: invalid JSON"):
+        make_engine(f"lora.path={adapter}")
+    lora_engine.lora.save(tmp_path / "b")
+    adapter = tmp_path / "b"
+    f = adapter / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(LoraError, match=r"adapter_model.safetensors: .*(truncated|corrupt)"):
+        make_engine(f"lora.path={adapter}")
