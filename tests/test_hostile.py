@@ -214,3 +214,93 @@ def test_adapter_files_that_cannot_be_parsed_name_the_file(lora_engine, tmp_path
     f.write_bytes(f.read_bytes()[:-100])
     with pytest.raises(LoraError, match=r"adapter_model.safetensors: .*(truncated|corrupt)"):
         make_engine(f"lora.path={adapter}")
+
+
+# -- 6. sweeps: one job's I/O failure, bad launcher options, a job directory in use -------------------
+from test_sweep import APP, APP_CONFIG, run_python  # noqa: E402
+
+from flexgemma.joblock import JobLock, JobLockedError, holder  # noqa: E402
+
+
+def _app(tmp_path: Path) -> Path:
+    import textwrap
+
+    (tmp_path / "app.py").write_text(textwrap.dedent(APP))
+    (tmp_path / "app.yaml").write_text(APP_CONFIG)
+    return tmp_path / "sweep"
+
+
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_bad_parallel_jobs_is_a_clear_error_not_a_hang(tmp_path, value):
+    sweep = _app(tmp_path)
+    r = run_python(["app.py", "-m", "x=1,4", f"hydra.sweep.dir={sweep}", f"hydra.launcher.parallel_jobs={value}"],
+                   cwd=tmp_path, timeout=120)
+    assert r.returncode != 0
+    assert f"hydra.launcher.parallel_jobs={value}: must be an integer >= 1" in r.stderr
+    assert not any(sweep.glob("*/.hydra"))  # no job started
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _lock_as(job_dir: Path, pid: int, start=None) -> None:
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / "job.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "start": start}))
+
+
+def test_a_job_dir_that_cannot_be_written_or_is_in_use_does_not_stop_the_sweep(tmp_path):
+    from flexgemma.joblock import _me
+
+    sweep = _app(tmp_path)
+    sweep.mkdir()
+    (sweep / "0").write_text("a file where job 0's directory should be")  # mkdir fails there, even as root
+    mine = _me()
+    _lock_as(sweep / "2", mine["pid"], mine["start"])  # a live process (this test) runs job 2
+    _lock_as(sweep / "3", _dead_pid())  # job 3's last process died: its lock is stale
+    r = run_python(["app.py", "-m", "x=0,1,3,4", f"hydra.sweep.dir={sweep}", "hydra.launcher.parallel_jobs=2"],
+                   cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    table = r.stdout[r.stdout.index("sweep results:"):]
+    rows = {line.split()[0]: line for line in table.splitlines()[2:] if line.strip()}
+    assert rows["0"].split()[1] == "failed" and "summary.json not written" in rows["0"]
+    assert rows["1"].split()[1] == "ok" and (sweep / "1" / ".hydra").is_dir()
+    assert rows["2"].split()[1] == "running" and f"locked by process {mine['pid']}" in rows["2"]
+    assert not (sweep / "2" / ".hydra").exists()  # never started in the locked directory
+    assert rows["3"].split()[1] == "ok" and (sweep / "3" / ".hydra").is_dir()  # the stale lock did not stop it
+
+
+def test_job_lock_is_exclusive_and_stale_locks_are_taken_over(tmp_path):
+    from flexgemma.joblock import _me
+
+    with JobLock(tmp_path / "a") as lock:
+        assert holder(tmp_path / "a")["pid"] == os.getpid()
+        with pytest.raises(JobLockedError, match=rf"in use by process {os.getpid()}"):
+            JobLock(tmp_path / "a").acquire()
+    assert not (tmp_path / "a" / "job.lock").exists() and not lock.held
+    _lock_as(tmp_path / "b", _dead_pid())
+    _lock_as(tmp_path / "c", os.getpid(), start="1")  # this pid, but another process's start time: reused
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "job.lock").write_text("{half")  # a lock whose writer died mid-write
+    for d in "bcd":
+        assert holder(tmp_path / d) is None
+        with JobLock(tmp_path / d):
+            assert json.loads((tmp_path / d / "job.lock").read_text()) == _me()
+
+
+def test_run_job_in_a_locked_directory_touches_nothing(tmp_path):
+    from flexgemma.joblock import _me
+    from flexgemma.run import run_job
+
+    mine = _me()
+    _lock_as(tmp_path / "job", mine["pid"], mine["start"])
+    (tmp_path / "job" / "metrics.jsonl").write_text("the running job's rows\n")
+    cfg = compose(["+model=tiny", "device=cpu", "logger=none"])
+    with pytest.raises(JobLockedError):
+        run_job(cfg, tmp_path / "job")
+    assert (tmp_path / "job" / "metrics.jsonl").read_text() == "the running job's rows\n"
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["job.lock", "metrics.jsonl"]
