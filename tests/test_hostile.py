@@ -304,3 +304,115 @@ def test_run_job_in_a_locked_directory_touches_nothing(tmp_path):
         run_job(cfg, tmp_path / "job")
     assert (tmp_path / "job" / "metrics.jsonl").read_text() == "the running job's rows\n"
     assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["job.lock", "metrics.jsonl"]
+
+
+# -- 7. jobs: checked before the build, failed when nothing ran, bounded summaries --------------------
+from flexgemma.run import run_job  # noqa: E402
+from flexgemma.tasks.common import bounded  # noqa: E402
+from flexgemma.tracking import RunDirError  # noqa: E402
+from flexgemma.workload import WorkloadError  # noqa: E402
+
+TINY_JOB = ["+model=tiny", "device=cpu", "logger=none", "kv.page_size=8", "kv.cpu_pages=80", "engine.max_model_len=256",
+            "workload.num_prompts=2", "workload.max_new_tokens=3", "workload.rounds=1", "workload.warmup_rounds=0"]
+
+
+@pytest.fixture
+def no_build(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr("flexgemma.run.build_engine", refuse)
+
+
+def test_sampling_settings_that_make_every_request_an_error_are_invalid_before_the_build(tmp_path, no_build):
+    summary = run_job(compose([*TINY_JOB, "workload.top_p=0"]), tmp_path / "job", raise_errors=False)
+    assert summary["status"] == "invalid" and "top_p=0.0 must be in (0, 1]" in summary["error"]
+    with pytest.raises(WorkloadError, match="workload sampling settings cannot run"):
+        run_job(compose([*TINY_JOB, "workload.top_p=0"]), tmp_path / "job2")
+
+
+def test_every_bad_line_of_a_prompts_file_is_listed_before_the_build(tmp_path, no_build):
+    lines = ['{"prompt_token_ids": [2, 5, 6]}', "not json", '{"prompt_token_ids": [2, true]}', '[1, 2]',
+             '{"prompt": ""}', '{"text": "hi"}', '{"messages": [{"content": "no role"}]}',
+             '{"prompt_token_ids": [2, -1]}', '{"prompt_token_ids": [2, 7]}']
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(lines) + "\n\n")
+    cfg = compose([*TINY_JOB, "workload=jsonl", f"workload.path={f}", "workload.num_prompts=null"])
+    summary = run_job(cfg, tmp_path / "job", raise_errors=False)
+    assert summary["status"] == "invalid"
+    assert "7 bad lines" in summary["error"]
+    assert [ln.split(": ", 1)[0] for ln in summary["error"].splitlines()[1:]] == [
+        f"  {f}:{n}" for n in (2, 3, 4, 5, 6, 7, 8)]
+
+
+def test_prompts_too_long_for_the_engine_are_listed_before_any_runs(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt_token_ids": [2] * n}) for n in (4, 300, 5, 400)) + "\n")
+    cfg = compose([*TINY_JOB, "workload=jsonl", f"workload.path={f}", "workload.num_prompts=null"])
+    summary = run_job(cfg, tmp_path / "job", raise_errors=False)
+    assert summary["status"] == "invalid" and "2 problems with the workload's requests" in summary["error"]
+    assert "prompt 1: prompt of 300 tokens" in summary["error"] and "prompt 3: prompt of 400 tokens" in summary["error"]
+    assert not (tmp_path / "job" / "completions.jsonl").exists()  # nothing ran
+
+
+def test_a_job_whose_every_request_errored_is_failed(tmp_path, monkeypatch):
+    from flexgemma import RequestOutput
+    from flexgemma.builder import build_engine
+
+    def erroring(cfg, demand=None):
+        engine = build_engine(cfg, demand)
+        engine.generate = lambda prompts, params, **k: [
+            RequestOutput(i, list(p), [], [], "error", error="sampling blew up") for i, p in enumerate(prompts)]
+        return engine
+
+    monkeypatch.setattr("flexgemma.run.build_engine", erroring)
+    summary = run_job(compose(TINY_JOB), tmp_path / "job", raise_errors=False)
+    assert summary["status"] == "failed" and summary["requests/errors"] == summary["requests/total"] == 2
+    assert "every one of the 2 requests ended in an error" in summary["error"] and "sampling blew up" in summary["error"]
+
+
+def test_summary_samples_are_bounded(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt_token_ids": [2] + list(range(3, 203))}) + "\n")
+    cfg = compose([*TINY_JOB, "workload=jsonl", f"workload.path={f}"])
+    summary = run_job(cfg, tmp_path / "job")
+    prompt = summary["samples"][0]["prompt"]
+    assert prompt[:16] == [2] + list(range(3, 18)) and prompt[-16:] == list(range(187, 203))
+    assert prompt[16] == "…[169 of 201 items left out]…" and len(prompt) == 33
+    row = json.loads((tmp_path / "job" / "completions.jsonl").read_text().splitlines()[0])
+    assert len(row["prompt"]) == 201  # completions.jsonl keeps the whole prompt
+    text = bounded("a" * 10_000_000 + "END")
+    assert len(text) < 300 and text.endswith("aEND") and "10000003 chars" in text
+    assert bounded([{"role": "user", "content": "b" * 5000}])[0]["content"].count("b") == 240
+
+
+# -- 8. unwritable run directories are named -------------------------------------------------------------
+def test_a_run_dir_that_cannot_be_written_is_named(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(RunDirError, match=rf"cannot write the job's files in {tmp_path / 'file' / 'job'}"):
+        run_job(compose(TINY_JOB), tmp_path / "file" / "job")
+
+
+# -- 8. reports survive any swept value -------------------------------------------------------------------
+HOSTILE_VALUES = [r"$\undefinedcommand{x}$", "a$b", "$x^$", "<script>alert(1)</script>", "100%_{}", "x" * 5000,
+                  "line1\nline2"]
+
+
+def test_report_survives_any_swept_value(tmp_path):
+    from PIL import Image
+
+    from flexgemma.report import build_report
+    from test_report import BASE, cpu_summary, write_job
+
+    sweep = tmp_path / "sweep"
+    for n, v in enumerate(HOSTILE_VALUES):
+        overrides = [*BASE, f"model.name={v}", f"attn.decode.block_n={16 * (n + 1)}"]
+        write_job(sweep / str(n), overrides, cpu_summary(1000.0 + n, model=v), rounds=[1000.0 + n] * 3)
+    report = build_report([sweep])
+    assert {p.path.name for p in report.plots} >= {"throughput_vs_model_name.png", "throughput_rounds.png"}
+    for plot in report.plots:
+        with Image.open(plot.path) as im:
+            assert im.size[0] < 4000  # a 5000-character value is shortened, not a 46,000-pixel-wide plot
+    html = (sweep / "report.html").read_text()
+    assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "$\\undefinedcommand{x}$" in (sweep / "report.md").read_text()
