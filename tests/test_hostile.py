@@ -416,3 +416,94 @@ def test_report_survives_any_swept_value(tmp_path):
     html = (sweep / "report.html").read_text()
     assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert "$\\undefinedcommand{x}$" in (sweep / "report.md").read_text()
+
+
+# -- 9. an offline W&B run makes no network calls ---------------------------------------------------------
+OFFLINE_RUN = """
+import sys
+from pathlib import Path
+from flexgemma import compose
+from flexgemma.wandb_logger import WandbRun
+
+out = Path(sys.argv[1])
+cfg = compose(["+model=tiny", "logger=wandb_offline"])
+run = WandbRun.start(cfg, out, {"name": "net", "group": "g", "job_type": "bench", "tags": []}, {"env/python": "3"})
+run.log_round({"round": 0, "throughput/total_tok_s": 1.0})
+run.set_summary({"status": "ok"})
+run.finish("ok")
+print("RUN_OK")
+"""
+
+
+def _wandb_env(tmp_path: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    root = Path(__file__).resolve().parents[1]
+    env.update(PYTHONPATH=str(root), WANDB_CONFIG_DIR=str(tmp_path / "cfg"), WANDB_CACHE_DIR=str(tmp_path / "cache"),
+               WANDB_DATA_DIR=str(tmp_path / "data"), WANDB_SILENT="true")
+    return env
+
+
+def test_offline_wandb_run_connects_to_nothing_in_any_process(tmp_path):
+    """strace over the job's process and every child (wandb-core, wandb-symon): not one AF_INET/AF_INET6
+    connect (DNS included: a resolver connects its UDP socket to port 53 first)."""
+    import shutil
+    import subprocess
+
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed")
+    script = tmp_path / "offline_run.py"
+    script.write_text(OFFLINE_RUN)
+    trace = tmp_path / "trace.txt"
+    r = subprocess.run([strace, "-f", "-qq", "-e", "trace=connect", "-o", str(trace), sys.executable, str(script),
+                        str(tmp_path / "job")], capture_output=True, text=True, env=_wandb_env(tmp_path), timeout=300)
+    if r.returncode != 0 and "ptrace" in r.stderr:
+        pytest.skip(f"strace cannot trace here: {r.stderr.strip()[:200]}")
+    assert r.returncode == 0 and "RUN_OK" in r.stdout, r.stderr[-3000:]
+    calls = [line for line in trace.read_text().splitlines() if "AF_INET" in line]
+    assert calls == []
+    assert len(list((tmp_path / "job").glob("wandb/offline-run-*/run-*.wandb"))) == 1  # the run was written
+
+
+def test_offline_wandb_run_with_networking_denied(tmp_path, monkeypatch):
+    """In this process: name resolution and IP connects raise (and are recorded); the run still works,
+    and wandb-core is started with its own telemetry off (--no-observability)."""
+    from flexgemma.wandb_logger import WandbRun, offline_runs, read_offline_run
+
+    attempts = []
+
+    def deny_resolve(host, *a, **k):
+        attempts.append(("getaddrinfo", host))
+        raise socket.gaierror("networking denied by the test")
+
+    real_connect = socket.socket.connect
+
+    def deny_connect(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6):
+            attempts.append(("connect", address))
+            raise OSError("networking denied by the test")
+        return real_connect(self, address)
+
+    monkeypatch.delenv("WANDB_ERROR_REPORTING", raising=False)
+    monkeypatch.setattr(socket, "getaddrinfo", deny_resolve)
+    monkeypatch.setattr(socket.socket, "connect", deny_connect)
+    cfg = compose(["+model=tiny", "logger=wandb_offline"])
+    run = WandbRun.start(cfg, tmp_path, {"name": "net", "group": "g", "job_type": "bench", "tags": []}, {})
+    assert run is not None
+    core_cmdlines = [p.read_bytes().split(b"\0") for p in Path("/proc").glob("[0-9]*/cmdline")
+                     if b"wandb-core" in _safe_read(p) and str(os.getpid()).encode() in _safe_read(p)]
+    run.log_round({"round": 0, "throughput/total_tok_s": 2.0})
+    run.finish("ok")
+    assert attempts == []
+    assert core_cmdlines and all(b"--no-observability" in c for c in core_cmdlines)
+    assert os.environ["WANDB_ERROR_REPORTING"] == "false"
+    monkeypatch.undo()  # wandb's reader below is a subprocess of its own
+    wb = read_offline_run(offline_runs(tmp_path)[0])
+    assert wb["history"] == [{"round": 0, "throughput/total_tok_s": 2.0}]
+
+
+def _safe_read(p: Path) -> bytes:
+    try:
+        return p.read_bytes()
+    except OSError:
+        return b""
