@@ -26,12 +26,15 @@ from flexgemma.builder import build_engine
 from flexgemma.compose import ensure_model
 from flexgemma.config import ConfigError, validate
 from flexgemma.tasks import bench, determinism, drift, parity
+from flexgemma.tasks.common import bounded
 from flexgemma.joblock import JobLock, JobLockedError
 from flexgemma.tracking import RunRecorder, environment, format_table, read_summary, unwritable
 from flexgemma.wandb_logger import WandbRun
 from flexgemma.workload import build_workload, check_workload, pool_demand
 
 log = logging.getLogger("flexgemma")
+
+MAX_ERROR_CHARS = 20_000  # an error quoting a huge input must not make summary.json huge
 
 TASKS = {
     "bench": [bench], "parity": [parity], "determinism": [determinism], "drift": [drift],
@@ -86,10 +89,11 @@ def _run_locked(cfg: DictConfig, out_dir: Path, identity: Optional[dict], raise_
         check_requests_ran(summary)
         summary["status"] = "ok"
     except ConfigError as e:
-        summary.update(status="invalid", error=str(e))
+        summary.update(status="invalid", error=bounded(str(e), chars=MAX_ERROR_CHARS))
         error = e
     except Exception as e:  # noqa: BLE001 - the job's record must say why it failed
-        summary.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        summary.update(status="failed", error=bounded(f"{type(e).__name__}: {e}", chars=MAX_ERROR_CHARS),
+                       traceback=bounded(traceback.format_exc(), chars=MAX_ERROR_CHARS))
         error = e
     except KeyboardInterrupt:
         summary["status"] = "interrupted"

@@ -230,13 +230,17 @@ def _app(tmp_path: Path) -> Path:
     return tmp_path / "sweep"
 
 
-@pytest.mark.parametrize("value", ["-1", "0"])
-def test_bad_parallel_jobs_is_a_clear_error_not_a_hang(tmp_path, value):
+@pytest.mark.parametrize("option, message", [
+    ("parallel_jobs=-1", "hydra.launcher.parallel_jobs=-1: must be an integer >= 1"),
+    ("parallel_jobs=0", "hydra.launcher.parallel_jobs=0: must be an integer >= 1"),
+    ("timeout_min=0", "hydra.launcher.timeout_min=0: must be a positive number"),
+])
+def test_bad_launcher_options_are_a_clear_error_not_a_hang(tmp_path, option, message):
     sweep = _app(tmp_path)
-    r = run_python(["app.py", "-m", "x=1,4", f"hydra.sweep.dir={sweep}", f"hydra.launcher.parallel_jobs={value}"],
+    r = run_python(["app.py", "-m", "x=1,4", f"hydra.sweep.dir={sweep}", f"hydra.launcher.{option}"],
                    cwd=tmp_path, timeout=120)
     assert r.returncode != 0
-    assert f"hydra.launcher.parallel_jobs={value}: must be an integer >= 1" in r.stderr
+    assert message in r.stderr
     assert not any(sweep.glob("*/.hydra"))  # no job started
 
 
@@ -507,3 +511,24 @@ def _safe_read(p: Path) -> bytes:
         return p.read_bytes()
     except OSError:
         return b""
+
+
+def test_numpy_integers_are_accepted_as_prompt_token_ids():
+    from flexgemma.workload import _tokenise, record_problem
+
+    ids = [np.int64(2), np.int32(7), 9]
+    assert record_problem({"prompt_token_ids": ids}) is None
+    got, _ = _tokenise({"prompt_token_ids": ids}, None, "here")
+    assert got == [2, 7, 9] and all(type(t) is int for t in got)
+    assert record_problem({"prompt_token_ids": [np.float64(2.0)]}) is not None
+
+
+def test_a_huge_error_message_is_bounded_in_the_summary(tmp_path, monkeypatch):
+    def explode(*a, **k):
+        raise RuntimeError("x" * 5_000_000)
+
+    monkeypatch.setattr("flexgemma.run.build_engine", explode)
+    summary = run_job(compose(TINY_JOB), tmp_path / "job", raise_errors=False)
+    assert summary["status"] == "failed" and summary["error"].startswith("RuntimeError: xxx")
+    assert len(summary["error"]) < 20_100 and "chars left out" in summary["error"]
+    assert (tmp_path / "job" / "summary.json").stat().st_size < 100_000

@@ -62,8 +62,11 @@ def write_summary(job_dir: Path, summary: dict) -> None:
         summary["record_error"] = f"summary.json not written: {type(e).__name__}: {e}"
 
 
-def check_options(parallel_jobs: Any) -> None:
+def check_options(parallel_jobs: Any, params: dict) -> None:
     """Launcher options that would hang or misbehave are errors before any job starts."""
+    timeout = params.get("timeout_min")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"hydra.launcher.timeout_min={timeout!r}: must be a positive number of minutes per job")
     if parallel_jobs is not None and (isinstance(parallel_jobs, bool) or not isinstance(parallel_jobs, int)
                                       or parallel_jobs < 1):
         raise ValueError(f"hydra.launcher.parallel_jobs={parallel_jobs!r}: must be an integer >= 1 (jobs at once), "
@@ -86,7 +89,7 @@ class _ResumableSubmititLauncher(BaseSubmititLauncher):
         from tqdm.auto import tqdm
 
         assert self.config is not None and self.hydra_context is not None
-        check_options(self.parallel_jobs)
+        check_options(self.parallel_jobs, self.params)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         state = Singleton.get_state()  # before job_dir() touches HydraConfig
