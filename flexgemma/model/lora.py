@@ -338,16 +338,8 @@ class LoraAdapters:
             if slot not in self.slots:
                 unknown.append(key)
                 continue
-            want = tuple(self.slots[slot].shape)
             _check_value(key, value)
-            if tuple(value.shape) != want:
-                rank_dim = 0 if m["ab"] == "A" else 1  # A [r, in], B [out, r]
-                what = "rank" if value.dim() == 2 and value.shape[rank_dim] != want[rank_dim] else "layer size"
-                raise LoraError(
-                    f"adapter tensor {key} has shape {tuple(value.shape)} but {path} needs {want}: a {what} mismatch "
-                    f"(the engine's rank there is {self.layers[path].r[adapter]}; was the adapter made for another "
-                    "rank or model?)"
-                )
+            self._check_shape(key, value, path, m["ab"], adapter)
             out[slot] = value
         if unknown:
             have = sorted({k.rsplit(".", 2)[0] for k in self.slots})
@@ -365,6 +357,17 @@ class LoraAdapters:
         if not out:
             raise LoraError("the update holds no LoRA tensor (keys like '<module>.lora_A[.<adapter>].weight')")
         return out
+
+    def _check_shape(self, key: str, value: torch.Tensor, path: str, ab: str, adapter: str) -> None:
+        want = tuple(self.slots[f"{path}.lora_{ab}.{adapter}"].shape)
+        if tuple(value.shape) != want:
+            rank_dim = 0 if ab == "A" else 1  # A [r, in], B [out, r]
+            what = "rank" if value.dim() == 2 and value.shape[rank_dim] != want[rank_dim] else "layer size"
+            raise LoraError(
+                f"adapter tensor {key} has shape {tuple(value.shape)} but {path} needs {want}: a {what} mismatch "
+                f"(the engine's rank there is {self.layers[path].r[adapter]}; was the adapter made for another "
+                "rank or model?)"
+            )
 
     @torch.no_grad()
     def update(self, source, adapter_name: Optional[str] = None) -> dict[str, float]:
