@@ -142,11 +142,11 @@ def test_unreadable_weight_files_are_an_error_not_random_weights(ckpt, name):
         _build(ckpt)
 
 
-def _nan_at(key_part: str):
+def _nan_at(key_part: str, value: float = float("nan")):
     def change(tensors):
         key = next(k for k in sorted(tensors) if key_part in k)
         tensors[key] = tensors[key].clone()
-        tensors[key].view(-1)[5] = float("nan")
+        tensors[key].view(-1)[5] = value
         return key
     return change
 
@@ -161,7 +161,7 @@ def _as(dtype, key_part: str):
 
 @pytest.mark.parametrize("change, needle", [
     (_nan_at("layers.1.mlp.down_proj"), "holds 1 non-finite values"),
-    (_nan_at("embed_tokens"), "holds 1 non-finite values"),
+    (_nan_at("embed_tokens", float("-inf")), "holds 1 non-finite values"),
     (_as(torch.int8, "layers.0.self_attn.q_proj"), "dtype torch.int8 but the model's parameter is floating point"),
     (_as(torch.bool, "norm"), "dtype torch.bool but the model's parameter is floating point"),
 ])
