@@ -494,8 +494,9 @@ def test_offline_wandb_run_with_networking_denied(tmp_path, monkeypatch):
     cfg = compose(["+model=tiny", "logger=wandb_offline"])
     run = WandbRun.start(cfg, tmp_path, {"name": "net", "group": "g", "job_type": "bench", "tags": []}, {})
     assert run is not None
-    core_cmdlines = [p.read_bytes().split(b"\0") for p in Path("/proc").glob("[0-9]*/cmdline")
-                     if b"wandb-core" in _safe_read(p) and str(os.getpid()).encode() in _safe_read(p)]
+    cmdlines = [_safe_read(p).split(b"\0") for p in Path("/proc").glob("[0-9]*/cmdline")]
+    core_cmdlines = [c for c in cmdlines if c[0].endswith(b"wandb-core")
+                     and str(os.getpid()).encode() in c[c.index(b"--pid") + 1:][:1]]
     run.log_round({"round": 0, "throughput/total_tok_s": 2.0})
     run.finish("ok")
     assert attempts == []
