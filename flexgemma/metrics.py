@@ -86,6 +86,9 @@ METRICS: dict[str, str] = {
     "workload/prompt_tokens": "prompt tokens per round",
     "samples": "a few completions of the first timed round (decoded when the checkpoint has a tokenizer); "
                "all of them in completions.jsonl",
+    "requests/errors": "requests of the first timed round that ended in an error (all of them: the job is failed)",
+    "requests/total": "requests of the first timed round",
+    "requests/first_error": "the first request error of the round, if any",
     # determinism and parity
     "determinism/run_to_run": "every timed round (bench) / two runs (determinism) give bitwise the same tokens",
     "determinism/batch_invariant": "seeded requests give the same tokens alone, and reversed in a batch",

@@ -26,11 +26,15 @@ from flexgemma.builder import build_engine
 from flexgemma.compose import ensure_model
 from flexgemma.config import ConfigError, validate
 from flexgemma.tasks import bench, determinism, drift, parity
-from flexgemma.tracking import RunRecorder, environment, format_table, read_summary
+from flexgemma.tasks.common import bounded
+from flexgemma.joblock import JobLock, JobLockedError
+from flexgemma.tracking import RunRecorder, environment, format_table, read_summary, unwritable
 from flexgemma.wandb_logger import WandbRun
-from flexgemma.workload import build_workload, pool_demand
+from flexgemma.workload import build_workload, check_workload, pool_demand
 
 log = logging.getLogger("flexgemma")
+
+MAX_ERROR_CHARS = 20_000  # an error quoting a huge input must not make summary.json huge
 
 TASKS = {
     "bench": [bench], "parity": [parity], "determinism": [determinism], "drift": [drift],
@@ -46,9 +50,22 @@ def run_job(cfg: DictConfig, out_dir: str | Path, identity: Optional[dict] = Non
     """Runs cfg.task into out_dir (summary.json, metrics.jsonl, config_resolved.yaml, W&B run).
 
     raise_errors: re-raise the job's error after recording it (a single run); False returns the
-    summary with status invalid/failed instead (a sweep job)."""
+    summary with status invalid/failed instead (a sweep job). Raises JobLockedError, touching
+    nothing, when another live process runs a job in out_dir."""
     cfg = ensure_model(cfg)
     out_dir = Path(out_dir)
+    lock = JobLock(out_dir)
+    try:
+        lock.acquire()
+    except OSError as e:  # JobLockedError is not one: it propagates as it is
+        raise unwritable(out_dir, e) from None
+    try:
+        return _run_locked(cfg, out_dir, identity, raise_errors)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: DictConfig, out_dir: Path, identity: Optional[dict], raise_errors: bool) -> dict:
     identity = identity or job_identity(cfg)
     task = task_name(cfg)
     env = environment()
@@ -59,21 +76,24 @@ def run_job(cfg: DictConfig, out_dir: str | Path, identity: Optional[dict] = Non
     try:
         recorder.write_config()
         validate(cfg)
+        records = check_workload(cfg)  # a bad prompts file or sampling setting fails before the model exists
         t0 = time.perf_counter()
         engine = build_engine(cfg, pool_demand(cfg.workload))
         summary["build/seconds"] = time.perf_counter() - t0
         summary.update({f"engine/{k}": v for k, v in engine.info.items()})
-        workload = build_workload(cfg, engine)
+        workload = build_workload(cfg, engine, records)
         summary["workload/prompts"] = len(workload.prompts)
         summary["workload/prompt_tokens"] = workload.num_prompt_tokens
         for module in TASKS[task]:
             summary.update(module.run(engine, workload, cfg, recorder))
+        check_requests_ran(summary)
         summary["status"] = "ok"
     except ConfigError as e:
-        summary.update(status="invalid", error=str(e))
+        summary.update(status="invalid", error=bounded(str(e), chars=MAX_ERROR_CHARS))
         error = e
     except Exception as e:  # noqa: BLE001 - the job's record must say why it failed
-        summary.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        summary.update(status="failed", error=bounded(f"{type(e).__name__}: {e}", chars=MAX_ERROR_CHARS),
+                       traceback=bounded(traceback.format_exc(), chars=MAX_ERROR_CHARS))
         error = e
     except KeyboardInterrupt:
         summary["status"] = "interrupted"
@@ -87,6 +107,17 @@ def run_job(cfg: DictConfig, out_dir: str | Path, identity: Optional[dict] = Non
     if error is not None and raise_errors:
         raise error
     return summary
+
+
+class AllRequestsFailed(RuntimeError):
+    """Every request of the job ended in an error: its throughput and determinism mean nothing."""
+
+
+def check_requests_ran(summary: dict) -> None:
+    errors, total = summary.get("requests/errors"), summary.get("requests/total")
+    if total and errors == total:
+        raise AllRequestsFailed(f"every one of the {total} requests ended in an error, e.g. "
+                                f"{summary.get('requests/first_error')!r}: the measurements of this job mean nothing")
 
 
 def objective(summary: dict, cfg: DictConfig) -> float:
@@ -114,6 +145,11 @@ def hydra_task(cfg: DictConfig) -> float:
             return objective(done, cfg)
     try:
         summary = run_job(cfg, out_dir, identity=job_identity(cfg), raise_errors=not multirun)
+    except JobLockedError as e:
+        if not multirun:
+            raise
+        log.error("not running this job: %s", e)  # its directory and files are the other process's
+        return math.nan
     except ConfigError as e:
         log.error("invalid configuration: %s", e)
         raise SystemExit(2) from None

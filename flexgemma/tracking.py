@@ -64,18 +64,33 @@ def _jsonable(v: Any) -> Any:
     return str(v)
 
 
+class RunDirError(OSError):
+    """The job's directory cannot be created or written; the message names it and says what to do."""
+
+
+def unwritable(path: Path, e: OSError) -> RunDirError:
+    return RunDirError(f"cannot write the job's files in {path} ({type(e).__name__}: {e.strerror or e}): a read-only "
+                       "directory or a full disk? give a writable one with hydra.run.dir=... (hydra.sweep.dir=... "
+                       "for a sweep)")
+
+
 class RunRecorder:
     """Writes a job's files into its own directory (the Hydra run dir), and mirrors rows and the
     summary to a W&B run (flexgemma.wandb_logger.WandbRun) when one is given."""
 
     def __init__(self, out_dir: str | Path, cfg: DictConfig, wandb_run=None):
         self.dir = Path(out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
         self.wandb_run = wandb_run
         self.completions_path = self.dir / "completions.jsonl"
-        # "w": a re-run of a failed sweep job starts its rows afresh
-        self._metrics = open(self.dir / "metrics.jsonl", "w")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            # "w": a re-run of a failed sweep job starts its rows afresh
+            self._metrics = open(self.dir / "metrics.jsonl", "w")
+        except OSError as e:
+            if wandb_run is not None:
+                wandb_run.finish("failed")
+            raise unwritable(self.dir, e) from None
 
     def write_config(self) -> None:
         """config_resolved.yaml; raises when an interpolation cannot resolve (the job then fails)."""
@@ -111,8 +126,11 @@ class RunRecorder:
 def write_summary(job_dir: str | Path, summary: dict[str, Any]) -> Path:
     path = Path(job_dir) / "summary.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=True))
-    tmp.replace(path)  # a summary exists only once complete: sweeps resume on its presence
+    try:
+        tmp.write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=True))
+        tmp.replace(path)  # a summary exists only once complete: sweeps resume on its presence
+    except OSError as e:
+        raise unwritable(Path(job_dir), e) from None
     return path
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,8 @@ class WandbRun:
                       "is recorded in %s; logger=none silences this.", kind, out_dir)
             return None
 
+        if _MODES[kind] == "offline":
+            keep_offline()
         config = {"config": _resolved(cfg), "env": environment, "choices": identity.get("choices", {}),
                   "overrides": identity.get("overrides", [])}
         tags = [t[:_MAX_TAG_LEN] for t in identity.get("tags", [])] + [str(t) for t in cfg.logger.get("tags", [])]
@@ -81,6 +84,23 @@ class WandbRun:
                 except Exception as e:  # noqa: BLE001 - a file W&B cannot take must not lose the run
                     log.warning("W&B could not attach %s: %s", path, e)
         self.run.finish(exit_code={"ok": 0, "invalid": 2}.get(status, 1))
+
+
+def keep_offline() -> None:
+    """No network from an offline run. wandb 0.31 writes the run locally in offline mode, but its own
+    usage analytics (OpenTelemetry, through a process-wide proxy built from wandb's global settings,
+    not the run's mode) still resolve and contact api.forge.coreweave.com. WANDB_ERROR_REPORTING=false
+    turns that recorder off in this process and starts wandb-core with --no-observability; disable()
+    stops the process's analytics proxy outright. Verified with strace (tests/test_hostile.py): no
+    AF_INET/AF_INET6 connect from this process, wandb-core or wandb-symon. A user's explicit
+    WANDB_ERROR_REPORTING is kept."""
+    os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+    try:
+        from wandb.analytics.opentelemetry import opentelemetry_proxy
+
+        opentelemetry_proxy.disable()
+    except (ImportError, AttributeError):  # another wandb version: the variable above still applies
+        log.debug("wandb has no opentelemetry_proxy.disable(); relying on WANDB_ERROR_REPORTING=false")
 
 
 def _resolved(cfg: DictConfig) -> dict:

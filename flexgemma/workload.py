@@ -69,11 +69,7 @@ def _repeat(prompts: list[list[int]], wcfg, sources: Optional[list] = None) -> W
         for j in range(n):
             reqs.append(list(p))
             index.append(i)
-            params.append(SamplingParams(
-                max_new_tokens=int(wcfg.max_new_tokens), temperature=float(wcfg.temperature),
-                top_k=int(wcfg.top_k), top_p=float(wcfg.top_p), ignore_eos=bool(wcfg.ignore_eos),
-                seed=int(wcfg.seed) + i * n + j,
-            ))
+            params.append(sampling_params(wcfg, i * n + j))
     return Workload(reqs, params, index, sources or [])
 
 
@@ -87,44 +83,95 @@ def synthetic(wcfg, vocab_size: int, bos_id: int = 2) -> Workload:
     return _repeat(prompts, wcfg)
 
 
-def jsonl(wcfg, tokenizer) -> Workload:
-    """Prompts of a JSONL file (text, chat messages or token ids), at most workload.num_prompts."""
+MAX_LISTED_PROBLEMS = 20  # a file of a million bad lines gets the first ones and a count
+
+
+class WorkloadError(ConfigError):
+    """A prompts file that cannot run; the message lists every bad line (file:line: what is wrong)."""
+
+
+def read_prompts_file(wcfg) -> list[tuple[str, Any]]:
+    """The (file:line, record) prompt lines of workload.path, at most workload.num_prompts, every one
+    checked before anything is built: WorkloadError lists all bad lines at once."""
     path = Path(str(wcfg.path)).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"workload.path={path}: no such file (a JSONL file of prompts, one a line)")
+    records, problems = [], []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                if wcfg.num_prompts is not None and len(records) + len(problems) >= int(wcfg.num_prompts):
+                    break
+                where = f"{path}:{lineno}"
+                try:
+                    record = json.loads(line)
+                except ValueError as e:
+                    problems.append(f"{where}: not JSON ({e})")
+                    continue
+                problem = record_problem(record)
+                if problem:
+                    problems.append(f"{where}: {problem}")
+                else:
+                    records.append((where, record))
+    except (OSError, UnicodeDecodeError) as e:
+        raise WorkloadError(f"workload.path={path}: cannot be read ({type(e).__name__}: {e})") from None
+    if problems:
+        more = len(problems) - MAX_LISTED_PROBLEMS
+        listed = problems[:MAX_LISTED_PROBLEMS] + ([f"... and {more} more"] if more > 0 else [])
+        raise WorkloadError(f"workload.path={path}: {len(problems)} bad lines (no prompt of it ran):\n  "
+                            + "\n  ".join(listed))
+    if not records:
+        raise WorkloadError(f"workload.path={path} holds no prompts")
+    return records
+
+
+def record_problem(record: Any) -> Optional[str]:
+    """What is wrong with one prompt line's JSON value (None: nothing)."""
+    if isinstance(record, str):
+        return None if record else "an empty prompt"
+    if not isinstance(record, Mapping):
+        return f"expected an object with 'prompt', 'messages' or 'prompt_token_ids', got a {type(record).__name__}"
+    kinds = [k for k in ("prompt_token_ids", "messages", "prompt") if k in record]
+    if not kinds:
+        return f"expected a key 'prompt' (text), 'messages' (chat) or 'prompt_token_ids'; got {sorted(record)}"
+    value = record[kinds[0]]
+    if kinds[0] == "prompt_token_ids":
+        if not isinstance(value, list) or not value or not all(_is_int(t) and t >= 0 for t in value):
+            return "prompt_token_ids must be a non-empty list of non-negative integers"
+    elif kinds[0] == "prompt":
+        if not isinstance(value, str) or not value:
+            return "prompt must be a non-empty string"
+    elif not isinstance(value, list) or not value or not all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and "content" in m for m in value):
+        return "messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects"
+    return None
+
+
+def _is_int(t: Any) -> bool:
+    return isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+
+
+def jsonl(wcfg, tokenizer, records: Optional[list[tuple[str, Any]]] = None) -> Workload:
+    """Prompts of a JSONL file (text, chat messages or token ids), at most workload.num_prompts.
+    records: the file as read_prompts_file read it before the model was built (read again if None)."""
+    records = read_prompts_file(wcfg) if records is None else records
     prompts, sources = [], []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if wcfg.num_prompts is not None and len(prompts) >= wcfg.num_prompts:
-                break
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
-            ids, source = _tokenise(record, tokenizer, f"{path}:{lineno}")
-            prompts.append(ids)
-            sources.append(source)
-    if not prompts:
-        raise ValueError(f"workload.path={path} holds no prompts")
+    for where, record in records:
+        ids, source = _tokenise(record, tokenizer, where)
+        prompts.append(ids)
+        sources.append(source)
     return _repeat(prompts, wcfg, sources)
 
 
 def _tokenise(record: Any, tokenizer, where: str) -> tuple[list[int], Any]:
     if isinstance(record, str):
         record = {"prompt": record}
-    if not isinstance(record, Mapping):
-        raise ValueError(f"{where}: expected an object with 'prompt', 'messages' or 'prompt_token_ids'")
     if "prompt_token_ids" in record:
-        ids = record["prompt_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            raise ValueError(f"{where}: prompt_token_ids must be a list of integers")
+        ids = [int(t) for t in record["prompt_token_ids"]]
         return ids, ids
-    kind = "messages" if "messages" in record else "prompt" if "prompt" in record else None
-    if kind is None:
-        raise ValueError(f"{where}: expected a key 'prompt' (text), 'messages' (chat) or 'prompt_token_ids'; "
-                         f"got {sorted(record)}")
+    kind = "messages" if "messages" in record else "prompt"
     if tokenizer is None:
         raise ConfigError(
             f"{where}: a {kind} prompt needs the checkpoint's tokenizer, and this model has none: give "
@@ -141,11 +188,46 @@ def _tokenise(record: Any, tokenizer, where: str) -> tuple[list[int], Any]:
     return list(ids), record["messages"]
 
 
-def build_workload(cfg, engine) -> Workload:
+def build_workload(cfg, engine, records: Optional[list[tuple[str, Any]]] = None) -> Workload:
+    """The workload's requests, each checked against the engine (vocabulary, max_model_len): a
+    WorkloadError lists every request that could only end in an error, before any runs."""
     w = cfg.workload
-    if w.path:
-        return jsonl(w, engine.tokenizer)
-    return synthetic(w, engine.spec.vocab_size)
+    workload = jsonl(w, engine.tokenizer, records) if w.path else synthetic(w, engine.spec.vocab_size)
+    check_requests(workload, engine)
+    return workload
+
+
+def check_requests(workload: Workload, engine) -> None:
+    problems, seen = [], set()
+    for req, (prompt, params) in enumerate(zip(workload.prompts, workload.params)):
+        src = workload.prompt_index[req]
+        if src in seen:
+            continue  # the n samples of a prompt share its problems (their seeds are valid)
+        seen.add(src)
+        for p in engine.request_problems(prompt, params):
+            problems.append(f"prompt {src}: {p}")
+    if problems:
+        more = len(problems) - MAX_LISTED_PROBLEMS
+        raise WorkloadError(f"{len(problems)} problems with the workload's requests (none ran):\n  "
+                            + "\n  ".join(problems[:MAX_LISTED_PROBLEMS] + ([f"... and {more} more"] if more > 0 else [])))
+
+
+def sampling_params(wcfg, seed_offset: int = 0) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=int(wcfg.max_new_tokens), temperature=float(wcfg.temperature), top_k=int(wcfg.top_k),
+        top_p=float(wcfg.top_p), ignore_eos=bool(wcfg.ignore_eos), seed=int(wcfg.seed) + seed_offset,
+    )
+
+
+def check_workload(cfg) -> Optional[list[tuple[str, Any]]]:
+    """What can be checked before the model is built: the sampling settings, and the prompts file
+    (returned, read once). Raises WorkloadError naming every problem."""
+    w = cfg.workload
+    problems = sampling_params(w).problems()
+    if problems:
+        raise WorkloadError("workload sampling settings cannot run: " + "; ".join(problems)
+                            + " (workload.temperature / top_k / top_p / max_new_tokens / seed)")
+    return read_prompts_file(w) if w.path else None
 
 
 def pool_demand(wcfg) -> PoolDemand:

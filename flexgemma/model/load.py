@@ -7,7 +7,6 @@ this module only decides the config, the dtype, the device and where the weights
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import warnings
@@ -18,7 +17,13 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
+from flexgemma.model.files import get_tensor, open_safetensors, read_json_object
+
 log = logging.getLogger("flexgemma")
+
+# Weight files of formats flexgemma does not read: a directory holding only these must not run on
+# random weights (a checkpoint saved with torch.save, a Lightning .ckpt, a GGUF export).
+_UNREADABLE_WEIGHTS = ("*.pt", "*.pth", "*.ckpt", "*.pkl", "*.gguf", "*.h5", "*.msgpack", "*.npz", "*.onnx")
 
 # Checkpoint key prefixes of the multimodal Gemma4ForConditionalGeneration and what they map to in
 # Gemma4ForCausalLM. Everything else there (vision/audio towers, their embedders) is never read.
@@ -60,7 +65,7 @@ def _read_checkpoint_config(path: Path) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"model.path={path}: no config.json there (expected a Hugging Face checkpoint directory)")
-    raw = json.loads(cfg_file.read_text())
+    raw = read_json_object(cfg_file, ModelLoadError)
     mtype = raw.get("model_type")
     if mtype == "gemma4":
         text = raw.get("text_config")
@@ -99,17 +104,22 @@ def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], str]:
                 "model.allow_pickle=true."
             )
         return bins, "pickle"
+    other = sorted(f.name for pattern in _UNREADABLE_WEIGHTS for f in path.glob(pattern))
+    if other:
+        raise ModelLoadError(
+            f"model.path={path} holds weights flexgemma cannot read ({', '.join(other[:3])}): it reads "
+            "*.safetensors (save with save_pretrained(..., safe_serialization=True)), or pickled *.bin with "
+            "model.allow_pickle=true. It will not run on random weights instead."
+        )
     return [], "none"
 
 
 def _iter_checkpoint_tensors(files: list[Path], kind: str):
     if kind == "safetensors":
-        from safetensors import safe_open
-
         for f in files:
-            with safe_open(str(f), framework="pt", device="cpu") as h:
+            with open_safetensors(f, ModelLoadError) as h:
                 for key in h.keys():
-                    yield key, (lambda h=h, key=key: h.get_tensor(key))
+                    yield key, (lambda h=h, key=key, f=f: get_tensor(h, f, key, ModelLoadError))
     else:
         for f in files:
             sd = torch.load(str(f), map_location="cpu", weights_only=False)
@@ -141,7 +151,9 @@ def _load_weights(model, files: list[Path], kind: str) -> dict[str, int]:
         t = get()
         if tuple(t.shape) != tuple(target.shape):
             raise ModelLoadError(f"checkpoint tensor {key}: shape {tuple(t.shape)} != model {tuple(target.shape)}")
+        check_source_dtype(key, t, target)
         target.copy_(t.to(dtype=target.dtype))
+        check_finite(key, target)
         loaded.add(name)
     expected = {n for n, _ in model.named_parameters()}
     if model.config.tie_word_embeddings:
@@ -150,6 +162,26 @@ def _load_weights(model, files: list[Path], kind: str) -> dict[str, int]:
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} text weights, e.g. {missing[:3]}")
     return {"loaded": len(loaded), "skipped": skipped}
+
+
+def check_source_dtype(key: str, src: torch.Tensor, target: torch.Tensor) -> None:
+    """A float parameter takes only float values: an int8/bool tensor cast to float is garbage, silently."""
+    if target.dtype.is_floating_point and not src.dtype.is_floating_point:
+        raise ModelLoadError(
+            f"checkpoint tensor {key} has dtype {src.dtype} but the model's parameter is floating point "
+            f"({target.dtype}): a quantised or corrupt checkpoint? flexgemma reads bf16/fp16/fp32 weights (and "
+            "bitsandbytes 4-bit linears with quant=bnb4)"
+        )
+
+
+def check_finite(key: str, t: torch.Tensor) -> None:
+    """Checked on the loaded parameter (on its device: fast on a GPU), after the dtype cast. A NaN or
+    inf anywhere makes the float32 sum non-finite; the sum needs no tensor-sized temporary (a 0.5 GB
+    expert tensor would need a 0.5 GB mask), and finite weights cannot reach 3e38."""
+    if t.dtype.is_floating_point and not bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ModelLoadError(f"checkpoint tensor {key} holds {bad} non-finite values (NaN or inf) of {t.numel()}: "
+                             "a corrupt checkpoint, or one saved after training diverged")
 
 
 def free_memory(device: torch.device) -> int:
@@ -274,7 +306,7 @@ class CheckpointReader:
             from safetensors import safe_open
 
             for f in files:
-                h = self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
+                h = self._handles[f] = open_safetensors(f, ModelLoadError)
                 for key in h.keys():
                     name = _text_key(key)
                     if name is None:
@@ -287,7 +319,8 @@ class CheckpointReader:
 
     def get(self, name: str) -> torch.Tensor:
         where = self._where[name]
-        return where[1] if where[0] == "tensor" else self._handles[where[1]].get_tensor(where[2])
+        return where[1] if where[0] == "tensor" else get_tensor(self._handles[where[1]], where[1], where[2],
+                                                                 ModelLoadError)
 
     def prequantized_linears(self, module_name: str) -> list[str]:
         """`module_name` and modules under it stored as bitsandbytes 4-bit (packed weight + quant state)."""
@@ -370,7 +403,9 @@ def _copy_plain_tensors(module, prefix: str, reader: CheckpointReader, model) ->
                 )
             if tuple(src.shape) != tuple(t.shape):
                 raise ModelLoadError(f"checkpoint tensor {name}: shape {tuple(src.shape)} != model {tuple(t.shape)}")
+            check_source_dtype(name, src, t)
             t.copy_(src.to(dtype=t.dtype))
+            check_finite(name, t)
             reader.loaded += 1
 
 
@@ -401,8 +436,22 @@ def _build_quantised(model_cls, config, dtype, device, settings, reader, seed: i
 
 
 def load_tokenizer(path: Optional[Path]):
-    if path is None or not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+    """The checkpoint's tokenizer, never running code of the checkpoint: trust_remote_code=False is
+    passed explicitly, so transformers neither asks on stdin nor imports an `auto_map` module; a
+    tokenizer that only exists as such code is an error."""
+    names = [f for f in ("tokenizer.json", "tokenizer_config.json") if (path / f).exists()] if path else []
+    if not names:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    for name in names:  # a broken file is named here, not deep inside transformers
+        read_json_object(path / name, ModelLoadError)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
+    except (ValueError, OSError, TypeError, KeyError, AttributeError, ImportError) as e:
+        raise ModelLoadError(
+            f"model.path={path}: its tokenizer cannot be loaded without running the checkpoint's own code, or is "
+            f"broken ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}). flexgemma "
+            "never runs code from a checkpoint: give a tokenizer.json (and tokenizer_config.json with a "
+            "transformers tokenizer_class), or use prompt_token_ids"
+        ) from e

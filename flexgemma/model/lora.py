@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import logging
 import math
 import re
@@ -46,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexgemma.config import ConfigError
+from flexgemma.model.files import get_tensor, open_safetensors, read_json_object
 
 log = logging.getLogger("flexgemma")
 
@@ -187,6 +187,22 @@ class LowRankGroup:
         return outs
 
 
+def _check_value(key: str, value: Any) -> None:
+    """An incoming adapter tensor must be a finite floating-point torch tensor: anything else would
+    either fail half-way through an update or merge garbage (NaN, or an int cast) into every weight."""
+    if not isinstance(value, torch.Tensor):
+        raise LoraError(f"adapter tensor {key} is a {type(value).__name__}, not a torch.Tensor "
+                        "(convert it with torch.as_tensor)")
+    if not value.dtype.is_floating_point:
+        raise LoraError(f"adapter tensor {key} has dtype {value.dtype}: LoRA factors must be floating point "
+                        "(float32, bfloat16 or float16)")
+    if value.is_meta:
+        raise LoraError(f"adapter tensor {key} is on the meta device (it holds no values)")
+    if not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        raise LoraError(f"adapter tensor {key} holds {bad} non-finite values (NaN or inf) of {value.numel()}")
+
+
 def _normalise_path(path: str) -> Optional[str]:
     """A module path as the engine's Gemma4ForCausalLM names it; None for other towers' modules."""
     changed = True
@@ -322,15 +338,8 @@ class LoraAdapters:
             if slot not in self.slots:
                 unknown.append(key)
                 continue
-            want = tuple(self.slots[slot].shape)
-            if tuple(value.shape) != want:
-                rank_dim = 0 if m["ab"] == "A" else 1  # A [r, in], B [out, r]
-                what = "rank" if value.dim() == 2 and value.shape[rank_dim] != want[rank_dim] else "layer size"
-                raise LoraError(
-                    f"adapter tensor {key} has shape {tuple(value.shape)} but {path} needs {want}: a {what} mismatch "
-                    f"(the engine's rank there is {self.layers[path].r[adapter]}; was the adapter made for another "
-                    "rank or model?)"
-                )
+            _check_value(key, value)
+            self._check_shape(key, value, path, m["ab"], adapter)
             out[slot] = value
         if unknown:
             have = sorted({k.rsplit(".", 2)[0] for k in self.slots})
@@ -348,6 +357,17 @@ class LoraAdapters:
         if not out:
             raise LoraError("the update holds no LoRA tensor (keys like '<module>.lora_A[.<adapter>].weight')")
         return out
+
+    def _check_shape(self, key: str, value: torch.Tensor, path: str, ab: str, adapter: str) -> None:
+        want = tuple(self.slots[f"{path}.lora_{ab}.{adapter}"].shape)
+        if tuple(value.shape) != want:
+            rank_dim = 0 if ab == "A" else 1  # A [r, in], B [out, r]
+            what = "rank" if value.dim() == 2 and value.shape[rank_dim] != want[rank_dim] else "layer size"
+            raise LoraError(
+                f"adapter tensor {key} has shape {tuple(value.shape)} but {path} needs {want}: a {what} mismatch "
+                f"(the engine's rank there is {self.layers[path].r[adapter]}; was the adapter made for another "
+                "rank or model?)"
+            )
 
     @torch.no_grad()
     def update(self, source, adapter_name: Optional[str] = None) -> dict[str, float]:
@@ -457,7 +477,7 @@ def _load_peft_config(directory: Path, lora_cfg, model):
     cfg_file = directory / "adapter_config.json"
     if not cfg_file.is_file():
         raise LoraError(f"lora.path={directory}: no adapter_config.json (expected a peft adapter directory)")
-    raw = json.loads(cfg_file.read_text())
+    raw = read_json_object(cfg_file, LoraError)
     if raw.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"{cfg_file}: peft_type {raw.get('peft_type')!r} is not a LoRA adapter")
     pc = PeftLoraConfig.from_pretrained(str(directory))
@@ -475,8 +495,6 @@ def _load_peft_config(directory: Path, lora_cfg, model):
 
 
 def _adapter_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         pickled = sorted(directory.glob("*.bin"))
@@ -484,7 +502,8 @@ def _adapter_tensors(directory: Path) -> dict[str, torch.Tensor]:
         raise LoraError(f"lora.path={directory}: no adapter_model.safetensors{hint}")
     out = {}
     for f in files:
-        out.update(load_file(str(f)))
+        with open_safetensors(f, LoraError) as h:
+            out.update({k: get_tensor(h, f, k, LoraError) for k in h.keys()})
     return out
 
 

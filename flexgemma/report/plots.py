@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
+from matplotlib import rc_context
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
@@ -41,7 +42,17 @@ class Plot:
     caption: str
 
 
+# Labels are swept values and job names, which may hold anything ("$x^$", "a$b"): as text, never
+# as mathtext (which raises on most of it). Every Text object reads this when it is created.
+PLAIN_TEXT = {"text.parse_math": False, "text.usetex": False}
+
+
 def make_plots(coll: Collection, out_dir: Path) -> list[Plot]:
+    with rc_context(PLAIN_TEXT):
+        return _make_plots(coll, out_dir)
+
+
+def _make_plots(coll: Collection, out_dir: Path) -> list[Plot]:
     plots: list[Plot] = []
     if coll.best() is not None:
         for key in coll.swept_keys:
@@ -102,7 +113,7 @@ def throughput_vs_key(coll: Collection, key: str, out_dir: Path) -> Plot:
             lo = [max(0.0, m - s[0]) if s else 0.0 for m, s in zip(med, spreads)]
             hi = [max(0.0, s[2] - m) if s else 0.0 for m, s in zip(med, spreads)]
             top = max(top, *(m + h for m, h in zip(med, hi)))
-            ax.errorbar(pos, med, yerr=[lo, hi], marker="o", capsize=4, label=label)
+            ax.errorbar(pos, med, yerr=[lo, hi], marker="o", capsize=4, label=label and _short(label))
             for p, (_, j) in zip(pos, pts):
                 if j is best and name == "total":
                     ax.plot([p], [j.get(median_key)], marker="*", markersize=18, color=BEST_COLOR,
@@ -110,7 +121,7 @@ def throughput_vs_key(coll: Collection, key: str, out_dir: Path) -> Plot:
         if failed_x:  # where a job failed there is no point: say so instead of leaving a gap
             ax.plot(failed_x, [0] * len(failed_x), marker="x", markersize=10, color=FAIL_COLOR,
                     linestyle="none", clip_on=False, zorder=5, label="failed / invalid job")
-        ax.set_xticks(range(len(xs)), xs)
+        ax.set_xticks(range(len(xs)), [_short(x) for x in xs])
         ax.set_xlim(-0.5, len(xs) - 0.5)
         ax.set_ylim(0, top * 1.15 if top > 0 else 1)
         ax.set_xlabel(key)
@@ -130,6 +141,12 @@ def throughput_vs_key(coll: Collection, key: str, out_dir: Path) -> Plot:
                 + (f", one line per {', '.join(others)}" if others and per_line else "")
                 + (f", best over {', '.join(others)}" if others and not per_line else "")
                 + "; error bars span the fastest and slowest timed round; the star marks the best job.")
+
+
+def _short(text: object, limit: int = 60) -> str:
+    """A label on one line and at most `limit` characters (a swept value may be a whole prompt)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else f"{text[: limit // 2 - 1]}…{text[-(limit // 2 - 1):]}"
 
 
 def _matches(job: Job, keys: list[str], values: tuple) -> bool:
@@ -156,7 +173,7 @@ def throughput_rounds(coll: Collection, out_dir: Path) -> Plot:
         if isinstance(job.get(TOTAL), (int, float)):
             ax.scatter([job.get(TOTAL)], [y], marker="|", s=400, color="black", linewidths=2,
                        label="median" if y == 0 else None)
-    ax.set_yticks(range(len(jobs)), [f"{job_label(j, coll)}  (job {j.name})" for j in jobs])
+    ax.set_yticks(range(len(jobs)), [_short(f"{job_label(j, coll)}  (job {j.name})") for j in jobs])
     ax.set_xlabel("total tokens/s (generated tokens over round wall time, prefill included)")
     ax.set_title("Total throughput per timed round (best job in red)")
     ax.set_xlim(left=0)
@@ -195,7 +212,7 @@ def memory_per_job(coll: Collection, out_dir: Path) -> Plot | None:
         vals = [get(j) or 0.0 for j in jobs]
         bars = ax.barh(offsets, vals, height=height * 0.9, label=label)
         ax.bar_label(bars, labels=[f"{v:.3g}" if v else "" for v in vals], fontsize=7, padding=2)
-    ax.set_yticks(range(len(jobs)), [f"{job_label(j, coll)}  (job {j.name})" for j in jobs])
+    ax.set_yticks(range(len(jobs)), [_short(f"{job_label(j, coll)}  (job {j.name})") for j in jobs])
     ax.set_ylim(-0.6, len(jobs) - 0.4)
     ax.set_xlabel("GiB")
     ax.set_title("Memory per job")
@@ -229,7 +246,7 @@ def determinism_per_job(coll: Collection, out_dir: Path) -> Plot | None:
     ax.set_ylim(-0.5, len(jobs) - 0.5)
     ax.set_xticks(range(len(checks)), [k.split("/", 1)[1].replace("_", " ") for k in checks])
     ax.xaxis.tick_top()
-    ax.set_yticks(range(len(jobs)), [f"{job_label(j, coll)}  (job {j.name})" for j in jobs])
+    ax.set_yticks(range(len(jobs)), [_short(f"{job_label(j, coll)}  (job {j.name})") for j in jobs])
     ax.tick_params(length=0)
     for side in ax.spines.values():
         side.set_visible(False)

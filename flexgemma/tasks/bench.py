@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from flexgemma.tasks.common import bandwidth_metrics, memory_metrics, round_metrics
+from flexgemma.tasks.common import bandwidth_metrics, bounded, memory_metrics, request_error_metrics, round_metrics
 
 
 def run(engine, workload, cfg, recorder) -> dict:
@@ -68,10 +68,11 @@ def run(engine, workload, cfg, recorder) -> dict:
     completions = workload.completion_rows(first_outputs, engine.tokenizer)
     recorder.write_completions(completions)
     summary["samples"] = sample_completions(completions)
+    summary.update(request_error_metrics(first_outputs))
     return summary
 
 
 def sample_completions(rows: list[dict], n: int = 3) -> list[dict]:
     """A few completions of the first timed round for the summary (all of them: completions.jsonl)."""
     keep = ("prompt_index", "sample", "prompt", "prompt_tokens", "completion", "finish_reason")
-    return [{**{k: r[k] for k in keep if k in r}, "completion_ids": r["token_ids"][:32]} for r in rows[:n]]
+    return [bounded({**{k: r[k] for k in keep if k in r}, "completion_ids": r["token_ids"][:32]}) for r in rows[:n]]

@@ -35,6 +35,36 @@ class TimedRound:
         return self.decode_time / max(self.decode_steps, 1) * 1e3
 
 
+SAMPLE_CHARS = 240  # a sample's text keeps its first and last half of this
+SAMPLE_ITEMS = 32  # a sample's list (token ids, chat messages) keeps its first and last half of this
+
+
+def bounded(value, chars: int = SAMPLE_CHARS, items: int = SAMPLE_ITEMS):
+    """`value` cut to a bounded size for summary.json: long text and long lists keep their start and
+    end with a marker saying how much was left out (completions.jsonl keeps everything)."""
+    if isinstance(value, str) and len(value) > chars:
+        half = chars // 2
+        return f"{value[:half]} …[{len(value) - 2 * half} of {len(value)} chars left out]… {value[-half:]}"
+    if isinstance(value, (list, tuple)):
+        if len(value) > items:
+            half = items // 2
+            value = [*value[:half], f"…[{len(value) - 2 * half} of {len(value)} items left out]…", *value[-half:]]
+        return [bounded(v, chars, items) for v in value]
+    if isinstance(value, dict):
+        return {k: bounded(v, chars, items) for k, v in value.items()}
+    return value
+
+
+def request_error_metrics(outputs) -> dict:
+    """How many requests of a round ended in an error, and the first error (a job whose every
+    request errored is failed, not ok)."""
+    errored = [o for o in outputs if o.finish_reason == "error"]
+    out = {"requests/errors": len(errored), "requests/total": len(outputs)}
+    if errored:
+        out["requests/first_error"] = bounded(str(errored[0].error), chars=2000)
+    return out
+
+
 def cuda_time_ms(fn, iters: int = 50, warmup: int = 5) -> float:
     """Median milliseconds of fn() on the GPU, each call between two CUDA events (the kernel
     benchmarks' and the decode profiler's timer)."""

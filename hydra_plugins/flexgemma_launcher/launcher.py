@@ -49,10 +49,34 @@ def read_summary(job_dir: Path) -> Optional[dict]:
 
 
 def write_summary(job_dir: Path, summary: dict) -> None:
-    job_dir.mkdir(parents=True, exist_ok=True)
-    tmp = job_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
-    tmp.replace(job_dir / "summary.json")
+    """Records a job's summary; a directory that cannot be written is logged, never raised: one job's
+    I/O failure must not stop the sweep (the end table still shows the job and its error)."""
+    try:
+        job_dir.mkdir(parents=True, exist_ok=True)
+        tmp = job_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+        tmp.replace(job_dir / "summary.json")
+    except OSError as e:
+        log.error("could not record job %s in %s (%s: %s); the sweep goes on", summary.get("status"), job_dir,
+                  type(e).__name__, e)
+        summary["record_error"] = f"summary.json not written: {type(e).__name__}: {e}"
+
+
+def check_options(parallel_jobs: Any, params: dict) -> None:
+    """Launcher options that would hang or misbehave are errors before any job starts."""
+    timeout = params.get("timeout_min")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"hydra.launcher.timeout_min={timeout!r}: must be a positive number of minutes per job")
+    if parallel_jobs is not None and (isinstance(parallel_jobs, bool) or not isinstance(parallel_jobs, int)
+                                      or parallel_jobs < 1):
+        raise ValueError(f"hydra.launcher.parallel_jobs={parallel_jobs!r}: must be an integer >= 1 (jobs at once), "
+                         "or null for one job per visible GPU")
+
+
+def _lock_holder(job_dir: Path) -> Optional[dict]:
+    from flexgemma.joblock import holder  # imported here: the plugin scan must stay light
+
+    return holder(job_dir)
 
 
 class _ResumableSubmititLauncher(BaseSubmititLauncher):
@@ -65,6 +89,7 @@ class _ResumableSubmititLauncher(BaseSubmititLauncher):
         from tqdm.auto import tqdm
 
         assert self.config is not None and self.hydra_context is not None
+        check_options(self.parallel_jobs, self.params)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         state = Singleton.get_state()  # before job_dir() touches HydraConfig
@@ -84,8 +109,12 @@ class _ResumableSubmititLauncher(BaseSubmititLauncher):
         todo = []
         for job in jobs:
             summary = read_summary(job.dir)
+            owner = _lock_holder(job.dir) if summary is None or summary.get("status") != "ok" else None
             if summary is not None and summary.get("status") == "ok":
                 job.finish_skipped(summary, self._objective(summary))
+                done(job)
+            elif owner is not None:  # an earlier launch's job still runs there: never a second copy
+                job.finish_running(owner)
                 done(job)
             else:
                 todo.append(job)
@@ -139,6 +168,10 @@ class _ResumableSubmititLauncher(BaseSubmititLauncher):
                 job.result.return_value = self._objective(job.summary)
             return
         summary = read_summary(job.dir) or {}
+        owner = _lock_holder(job.dir)
+        if owner is not None:  # this job found its directory locked by a live process and ran nothing
+            job.finish_running(owner)
+            return
         if ret.status == JobStatus.FAILED:  # the task raised outside of what it records itself
             err = ret._return_value
             if summary.get("status") not in ("failed", "invalid"):
@@ -166,6 +199,8 @@ class _ResumableSubmititLauncher(BaseSubmititLauncher):
             text = " ".join(filter_overrides(j.overrides)) or "(defaults)"
             if j.status not in ("ok", "skipped") and j.summary.get("error"):
                 text += f"  | {str(j.summary['error']).splitlines()[0][:120]}"
+            if j.summary.get("record_error"):
+                text += f"  | {j.summary['record_error'][:120]}"
             rows.append((str(j.idx), j.status, "" if math.isnan(v) else f"{v:,.2f}", text))
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
@@ -186,9 +221,16 @@ class _Job:
     def finish_skipped(self, summary: dict, value: float) -> None:
         self.status, self.summary, self.result = "skipped", summary, self._return(value)
 
-    def finish_crashed(self, error: Exception, stderr_tail: str) -> None:
+    def finish_running(self, owner: dict) -> None:
+        message = (f"not run: its directory is locked by process {owner.get('pid')} on {owner.get('host')}, "
+                   "a job of an earlier launch still running; re-run the sweep when it ends")
+        self.status, self.summary = "running", {"status": "running", "error": message}
+        self.result = self._return(math.nan)
+
+    def finish_crashed(self, error: Exception, stderr_tail: str, started: bool = True) -> None:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        message = f"the job's process ended without a result ({type(error).__name__}: {first})"
+        what = "the job's process ended without a result" if started else "the job could not be started"
+        message = f"{what} ({type(error).__name__}: {first})"
         summary = read_summary(self.dir) or {}
         if summary.get("status") == "ok":
             # the job finished and recorded itself, then its process died on the way out (e.g. in
@@ -239,9 +281,13 @@ class FlexgemmaLocalLauncher(_ResumableSubmititLauncher):
         try:
             while pending or any(slots):
                 for s in range(n):
-                    if slots[s] is None and pending:
+                    while slots[s] is None and pending:
                         job = pending.pop(0)
-                        slots[s] = (job, self._submit(job, state, gpus[s % len(gpus)] if gpus else None))
+                        try:
+                            slots[s] = (job, self._submit(job, state, gpus[s % len(gpus)] if gpus else None))
+                        except Exception as e:  # noqa: BLE001 - this job cannot start; the others still can
+                            job.finish_crashed(e, "", started=False)
+                            done(job)
                     entry = slots[s]
                     if entry is not None and entry[1].done():
                         self._collect(*entry)
