@@ -253,41 +253,40 @@ class Engine:
         self._requests.clear()
 
     # -- generation ----------------------------------------------------------------------------
-    def generate(
-        self,
-        prompts: Seq[Seq[int]],
-        params: Union[SamplingParams, Seq[SamplingParams], None] = None,
-        use_tqdm: bool = False,
-        strict: bool = False,
-    ) -> list[RequestOutput]:
+    def generate(self, prompts: Seq[Seq[int]], params: Union[SamplingParams, Seq[SamplingParams], None] = None,
+                 use_tqdm: bool = False, strict: bool = False) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in order.
 
         An invalid request (empty prompt, unknown token id, too long, bad sampling values) does not
         stop the others: its output has finish_reason "error" and `error` says what is wrong.
-        With strict=True the call raises RequestError before generating anything instead.
-        If the call raises or is interrupted, its requests are aborted and their pages freed: the
-        next call runs as if it had not happened. Needs an engine with no step-API request pending.
+        With strict=True the call raises RequestError before generating anything instead. A call
+        that raises or is interrupted leaves no trace: its requests are aborted, their pages freed.
         """
         with self._lock:
             outputs, accepted = self._validate_call(prompts, params, strict)
             first_id = self._begin_call()
+            bar = tqdm(total=len(accepted), desc="generate", unit="req", disable=not use_tqdm, leave=False)
             try:
-                with tqdm(total=len(accepted), desc="generate", unit="req", disable=not use_tqdm, leave=False) as bar:
-                    for i, tokens, sp in accepted:
-                        self._add(tokens, sp, index=i)
-                    while self.has_work:
-                        for out in self.step():
-                            outputs[out.index] = out
-                            bar.update(1)
-                        if use_tqdm:
-                            bar.set_postfix(tok_s=f"{self.stats.decode_tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}",
-                                            refresh=False)
+                for i, tokens, sp in accepted:
+                    self._add(tokens, sp, index=i)
+                while self.has_work:
+                    for out in self.step():
+                        outputs[out.index] = out
+                        bar.update(1)
+                    self._show_rate(bar)
             except BaseException:
                 self._abort_all()
-                self._next_id = first_id  # the failed call leaves no trace (request ids pick default seeds)
+                self._next_id = first_id  # request ids pick default seeds: the next call's are as if this one never ran
                 raise
+            finally:
+                bar.close()
             self._end_call(outputs)
             return outputs
+
+    def _show_rate(self, bar) -> None:
+        if not bar.disable:
+            rate = self.stats.decode_tokens / max(bar.format_dict["elapsed"], 1e-9)
+            bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
 
     def _validate_call(self, prompts, params, strict: bool) -> tuple[list, list]:
         """Checks every request of a generate() call before any is queued. Returns the outputs

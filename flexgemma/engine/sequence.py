@@ -96,7 +96,8 @@ def prompt_tokens(prompt) -> tuple[Optional[list[int]], Optional[str]]:
         if prompt.ndim != 1:
             return None, f"prompt must be 1-D token ids, got an array of shape {tuple(prompt.shape)}"
         if kind == "torch":
-            integral = not (prompt.dtype.is_floating_point or prompt.dtype.is_complex or str(prompt.dtype) == "torch.bool")
+            dtype = prompt.dtype
+            integral = not (dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool")
         else:
             integral = prompt.dtype.kind in "iu"
         if not integral:
