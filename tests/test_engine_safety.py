@@ -224,3 +224,13 @@ def test_two_threads_on_one_engine_are_serialised(async_decode):
     for t in threads:
         t.join(timeout=120)
     assert got == [[want[0]] * 3, [want[1]] * 3]
+
+
+def test_a_request_that_cannot_get_pages_is_a_clear_error_and_the_engine_goes_on(monkeypatch):
+    engine = make_engine(mode(True))
+    monkeypatch.setattr(engine.scheduler, "grow", lambda seq, upto: False)  # as if the pool were too small
+    with pytest.raises(RuntimeError, match=r"request 0 \(4 tokens\) cannot get KV pages even with nothing else"):
+        engine.generate(PROMPTS, PARAMS)
+    monkeypatch.undo()
+    assert not engine.has_work and free_pages(engine) == [g.num_pages - 1 for g in engine.runner.cache.page_groups]
+    assert engine.generate([[2, 5]], SamplingParams(max_new_tokens=3))[0].finish_reason == "length"

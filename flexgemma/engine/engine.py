@@ -110,7 +110,8 @@ class InflightDecode:
 class Engine:
     """Generation over a paged KV cache. generate(), step(), add_request(), abort() and
     update_lora() take one lock: a second thread calling any of them waits until the first
-    call returns (generate() holds it for its whole call), so outputs are never mixed."""
+    call returns (generate() holds it for its whole call), so outputs are never mixed.
+    generate() needs an idle engine: it refuses to start while step-API requests are pending."""
 
     compile_counter = None  # a compiled.CompileCounter when the decode step is compiled
     # queue decode step N+1 (its input tokens taken on the device) before reading step N's tokens,
@@ -219,12 +220,6 @@ class Engine:
         if not self.scheduler.has_work:
             return []
         plan = self.scheduler.schedule()
-        if not plan.seqs:
-            stuck = self.scheduler.waiting[0]
-            raise RuntimeError(
-                f"request {stuck.index} ({stuck.num_tokens} tokens) cannot get KV pages even with nothing else "
-                f"running: the pool is too small for it (raise kv.max_pages or lower engine.max_prefill_tokens)"
-            )
         if plan.kind == "decode" and self.async_decode:
             self._inflight.launch(plan.seqs)
             return []
@@ -320,11 +315,9 @@ class Engine:
             raise RuntimeError(f"generate() needs an idle engine, but {len(self._requests)} requests added with "
                                f"add_request() are pending: step() until has_work is False, or abort() them")
         self.stats = StepStats()
-        for g in self.runner.cache.page_groups:
-            g.peak_in_use = g.in_use
-            g.allocator.reset_order()
+        self.scheduler.reset_peaks()
         return self._next_id
 
     def _end_call(self, outputs: list[RequestOutput]) -> None:
         self.stats.preemptions = sum(o.num_preemptions for o in outputs)
-        self.stats.kv_peak_pages = {g.name: g.peak_in_use for g in self.runner.cache.page_groups}
+        self.stats.kv_peak_pages = self.scheduler.peak_pages()

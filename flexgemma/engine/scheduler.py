@@ -49,6 +49,17 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stop_rule: Optional[StopRule] = None  # set by the Engine (EOS ids, max_model_len)
 
+    def reset_peaks(self) -> None:
+        """Starts counting the most pages in use at once anew (and, on an idle pool, hands pages out
+        in id order again: the same requests land on the same pages whatever ran before)."""
+        for g in self.cache.page_groups:
+            g.peak_in_use = g.in_use
+            g.allocator.reset_order()
+
+    def peak_pages(self) -> dict[str, int]:
+        """Page group -> the most pages in use at once since reset_peaks()."""
+        return {g.name: g.peak_in_use for g in self.cache.page_groups}
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
@@ -114,6 +125,12 @@ class Scheduler:
             # every running request is a stalled chunked prefill: free the newest one's pages
             self.preempt(self.running[-1])
             return self.schedule()
+        if not batch:
+            stuck = (self.waiting or self.running)[0]
+            raise RuntimeError(
+                f"request {stuck.index} ({stuck.num_tokens} tokens) cannot get KV pages even with nothing else "
+                f"running: the pool is too small for it (raise kv.max_pages or lower engine.max_prefill_tokens)"
+            )
         return StepPlan("decode", batch)
 
     def _decode_batch(self) -> list[Sequence]:
