@@ -125,7 +125,7 @@ class Scheduler:
             # every running request is a stalled chunked prefill: free the newest one's pages
             self.preempt(self.running[-1])
             return self.schedule()
-        if not batch:
+        if not batch and self.has_work:
             stuck = (self.waiting or self.running)[0]
             raise RuntimeError(
                 f"request {stuck.index} ({stuck.num_tokens} tokens) cannot get KV pages even with nothing else "
