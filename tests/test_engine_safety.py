@@ -129,6 +129,16 @@ def test_bad_prompts_are_named(tiny_engine, prompt, message):
     assert not tiny_engine.has_work
 
 
+def test_prompts_that_are_not_a_list_of_prompts(tiny_engine):
+    with pytest.raises(RequestError, match="prompts must be a list of prompts .* got int"):
+        tiny_engine.generate(5)
+    with pytest.raises(RequestError, match="2 prompts but 3 SamplingParams"):
+        tiny_engine.generate([[2], [2]], [SamplingParams()] * 3)
+    out = tiny_engine.generate([[2, 5], [2, 6]], [SamplingParams(max_new_tokens=2), {"max_new_tokens": 2}])
+    assert out[0].finish_reason == "length" and "not a SamplingParams" in out[1].error
+    assert not tiny_engine.has_work
+
+
 # -- transactional generate() and step() ------------------------------------------------------------
 
 class Injected(Exception):
@@ -159,7 +169,8 @@ CASES = [  # (async_decode, runner method, its call that fails)
 
 
 @pytest.mark.parametrize("exc", [Injected, KeyboardInterrupt], ids=["exception", "ctrl-c"])
-@pytest.mark.parametrize("async_decode,method,n", CASES, ids=[f"{'async' if a else 'sync'}-{m}{n}" for a, m, n in CASES])
+@pytest.mark.parametrize("async_decode,method,n", CASES, ids=[
+    f"{'async' if a else 'sync'}-{m}{n}" for a, m, n in CASES])
 def test_failed_generate_leaves_the_engine_as_it_was(fresh, monkeypatch, async_decode, method, n, exc):
     engine = make_engine(mode(async_decode))
     before = free_pages(engine)

@@ -286,6 +286,8 @@ class Engine:
     def _validate_call(self, prompts, params, strict: bool) -> tuple[list, list]:
         """Checks every request of a generate() call before any is queued. Returns the outputs
         list (invalid requests' error outputs filled in) and the accepted (index, tokens, params)."""
+        if not hasattr(prompts, "__iter__") or isinstance(prompts, (str, bytes)):
+            raise RequestError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
         prompts = list(prompts)
         if params is None:
             params = SamplingParams()
