@@ -245,3 +245,28 @@ def test_a_request_that_cannot_get_pages_is_a_clear_error_and_the_engine_goes_on
     monkeypatch.undo()
     assert not engine.has_work and free_pages(engine) == [g.num_pages - 1 for g in engine.runner.cache.page_groups]
     assert engine.generate([[2, 5]], SamplingParams(max_new_tokens=3))[0].finish_reason == "length"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method,n", [("collect", 3), ("launch_decode", 4)])
+def test_gpu_interrupted_async_generate_with_graphs_recovers(monkeypatch, method, n):
+    """On the GPU a failure leaves queued device work behind: it is drained, pages are freed, and
+    the step API and the next generate() give a fresh engine's tokens (CUDA graphs, async decode)."""
+    over = ["+model=tiny", "device=cuda", "kv.max_pages=128", "engine.max_model_len=256", "engine.max_batch_size=8",
+            "cudagraph.buckets=[1,2,4,8]", "engine.async_decode=true"]
+    from flexgemma import build_engine, compose
+
+    want = tokens(build_engine(compose(over)).generate(PROMPTS, PARAMS))
+    engine = build_engine(compose(over))
+    before = free_pages(engine)
+    fail_on_call(engine, monkeypatch, method, n, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPTS, PARAMS)
+    monkeypatch.undo()
+    assert free_pages(engine) == before and not engine.has_work
+    assert tokens(engine.generate(PROMPTS, PARAMS)) == want and engine.stats.chained_steps > 0
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:3], PARAMS[:3])]
+    got = {}
+    while engine.has_work:
+        got.update({o.request_id: (o.token_ids, o.finish_reason) for o in engine.step()})
+    assert [got[i] for i in ids] == want[:3]
