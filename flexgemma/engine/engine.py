@@ -25,8 +25,7 @@ from tqdm.auto import tqdm
 
 from flexgemma.engine.runner import DecodeLaunch, ModelRunner
 from flexgemma.engine.scheduler import Scheduler, StepPlan
-from flexgemma.engine.sequence import (PENDING, RequestOutput, SamplingParams, Sequence, StopRule, is_int,  # noqa: F401
-                                       prompt_tokens)
+from flexgemma.engine.sequence import RequestOutput, SamplingParams, Sequence, StopRule, is_int, prompt_tokens
 from flexgemma.model.spec import ModelSpec
 
 log = logging.getLogger("flexgemma")
