@@ -166,13 +166,17 @@ class Scheduler:
         """Applies a step that ran to completion: its KV is computed, sampling rows get their token,
         out-of-window pages are reclaimed, and finished sequences release their pages. `now` is
         time.perf_counter() when the tokens arrived. Returns the sequences that finished."""
-        finished, k = [], 0
+        finished, k, prefill = [], 0, plan.kind == "prefill"
         for i, s in enumerate(list(plan.seqs)):
-            samples = plan.samples(i)  # before num_computed moves
-            s.num_computed += plan.chunk_lens[i] if plan.kind == "prefill" else 1
-            self.reclaim(s)
-            if not samples:
-                continue  # a chunk of a longer prompt
+            if prefill:
+                samples = plan.samples(i)  # before num_computed moves
+                s.num_computed += plan.chunk_lens[i]
+                self.reclaim(s)
+                if not samples:
+                    continue  # a chunk of a longer prompt
+            else:
+                s.num_computed += 1
+                self.reclaim(s)
             s.generated.append(tokens[k])
             s.logprobs.append(logprobs[k])
             k += 1
