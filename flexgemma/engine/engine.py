@@ -1,31 +1,43 @@
-"""Engine.generate(): validate requests, run the step loop, collect outputs and timings."""
+"""The engine loop: requests in, one step at a time, finished outputs out.
+
+    add_request(prompt, params) -> id     validate completely, queue a Sequence (nothing else)
+    step() -> [RequestOutput]             schedule -> run -> postprocess; the outputs that finished
+    generate(prompts, params)             add every request, step() while has_work, outputs in order
+
+`Scheduler.schedule` decides each step (a packed prefill or a decode), `ModelRunner.run` computes it,
+and `Scheduler.postprocess` is where sequence state (tokens, KV count, reclaim, finish) changes.
+With engine.async_decode, a decode step is queued and read one step() later; `InflightDecode` owns
+that step and queues the next decode of the same batch before reading it (the GPU never waits on
+the host). Any exception or KeyboardInterrupt inside step() or generate() aborts the pending
+requests and frees every page, so the engine stays usable; one lock serialises callers.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence as Seq, Union
 
+import torch
 from tqdm.auto import tqdm
 
-from flexgemma.engine.runner import ModelRunner
-from flexgemma.engine.scheduler import Scheduler
-from flexgemma.engine.sequence import RequestOutput, SamplingParams, Sequence, Status
+from flexgemma.engine.runner import DecodeLaunch, ModelRunner
+from flexgemma.engine.scheduler import Scheduler, StepPlan
+from flexgemma.engine.sequence import RequestOutput, SamplingParams, Sequence, StopRule, is_int, prompt_tokens
 from flexgemma.model.spec import ModelSpec
 
 log = logging.getLogger("flexgemma")
 
-PENDING = -1  # the token of a queued decode step, until the host reads it
-
 
 class RequestError(ValueError):
-    """Raised by generate(strict=True) when a request is invalid; lists every bad request."""
+    """An invalid request: raised by add_request(), and by generate(strict=True) listing every bad one."""
 
 
 @dataclass
 class StepStats:
-    """Counters of the last generate() call (reset at each call)."""
+    """Counters of the last generate() call (reset at each call; step() adds to them)."""
 
     prefill_steps: int = 0
     decode_steps: int = 0
@@ -38,8 +50,68 @@ class StepStats:
     kv_peak_pages: dict[str, int] = field(default_factory=dict)  # page group -> most pages in use at once
     chained_steps: int = 0  # async decode: steps queued before the previous step's tokens were read
 
+    def add_decode(self, batch: int, dt: float) -> None:
+        self.decode_steps += 1
+        self.decode_tokens += batch
+        self.decode_time += dt
+        self.decode_batch_sizes.append(batch)
+
+    def add_step(self, plan: StepPlan, dt: float) -> None:
+        if plan.kind == "decode":
+            return self.add_decode(len(plan.seqs), dt)
+        self.prefill_steps += 1
+        self.prefill_tokens += plan.num_tokens
+        self.prefill_time += dt
+
+
+class InflightDecode:
+    """engine.async_decode: owns the decode step that is queued on the device but not read yet.
+
+    `advance` queues the next decode of the same batch (when nothing else must run first and
+    pages are free) before reading this one's tokens, so the host's bookkeeping overlaps the GPU."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler):
+        self.runner, self.scheduler = runner, scheduler
+        self.step: Optional[DecodeLaunch] = None
+        self.mark = 0.0  # when the time of the step in flight started counting
+
+    def launch(self, seqs: list[Sequence]) -> None:
+        self.mark = time.perf_counter()
+        self.step = self._queue(seqs, None)
+
+    def _queue(self, seqs: list[Sequence], chained: Optional[DecodeLaunch]) -> DecodeLaunch:
+        launch = self.runner.launch_decode(seqs, chained)
+        launch.index = self.scheduler.launched(seqs)
+        return launch
+
+    def advance(self, stats: StepStats) -> list[Sequence]:
+        """Reads the step in flight (queuing the next first when it can); returns who finished."""
+        cur, sch = self.step, self.scheduler
+        chain = sch.can_chain(cur.seqs) and sch.grow_for_decode(cur.seqs)
+        self.step = self._queue(cur.seqs, cur) if chain else None
+        stats.chained_steps += chain
+        tokens, logprobs = self.runner.collect(cur)
+        now = time.perf_counter()
+        stats.add_decode(len(cur.seqs), now - self.mark)
+        self.mark = now
+        return sch.postprocess_launched(cur.seqs, cur.index, tokens, logprobs, now)
+
+    def drop(self) -> None:
+        """Forgets the step in flight after a failure, once the device has finished it."""
+        self.step = None
+        if self.runner.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.runner.device)
+            except Exception as e:  # the failure itself may be the device's: report, keep cleaning up
+                log.warning("async decode: the dropped step's device work failed: %s", e)
+
 
 class Engine:
+    """Generation over a paged KV cache. generate(), step(), add_request(), abort() and
+    update_lora() take one lock: a second thread calling any of them waits until the first
+    call returns (generate() holds it for its whole call), so outputs are never mixed.
+    generate() needs an idle engine: it refuses to start while step-API requests are pending."""
+
     compile_counter = None  # a compiled.CompileCounter when the decode step is compiled
     # queue decode step N+1 (its input tokens taken on the device) before reading step N's tokens,
     # so the host's bookkeeping overlaps the GPU instead of stalling it once a step
@@ -50,12 +122,16 @@ class Engine:
                  seed: int = 0, tokenizer=None, info: Optional[dict] = None):
         self.model = model  # the transformers Gemma4ForCausalLM whose weights the engine runs
         self.spec, self.runner, self.scheduler = spec, runner, scheduler
+        scheduler.stop_rule = StopRule(frozenset(spec.eos_token_ids), max_model_len)
         self.max_model_len = max_model_len
         self.seed = seed
         self.tokenizer = tokenizer
         self.info = info or {}
         self.stats = StepStats()
         self._next_id = 0
+        self._requests: dict[int, Sequence] = {}  # pending requests by id
+        self._inflight = InflightDecode(runner, scheduler)
+        self._lock = threading.RLock()
 
     # -- LoRA --------------------------------------------------------------------------------------
     def update_lora(self, source, adapter_name: Optional[str] = None) -> dict:
@@ -64,42 +140,153 @@ class Engine:
         without re-capture. Returns timings in ms (`refresh_ms` = copy + merge, synchronised)."""
         if self.lora is None:
             raise RuntimeError("this engine was built without a LoRA adapter (lora=none): build it with lora=r16 etc.")
-        report = self.lora.update(source, adapter_name)
+        with self._lock:  # never between two steps of a generate() in another thread
+            report = self.lora.update(source, adapter_name)
         log.debug("update_lora: %.2f ms (copy %.2f, merge %.2f)", report["refresh_ms"], report["copy_ms"],
                   report["merge_ms"])
         return report
 
     # -- validation --------------------------------------------------------------------------
     def request_problems(self, prompt, params: SamplingParams) -> list[str]:
-        out = list(params.problems()) if isinstance(params, SamplingParams) else [f"not a SamplingParams: {params!r}"]
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
-            return out + ["prompt must be a list of token ids (ints)"]
-        if len(prompt) == 0:
-            out.append("empty prompt: give at least one token (e.g. BOS)")
-        bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
+        """Everything wrong with one request (empty when it is valid)."""
+        return self._check(prompt, params)[2]
+
+    def _check(self, prompt, params) -> tuple[Optional[list[int]], Optional[SamplingParams], list[str]]:
+        """(prompt as ints, params with plain Python values, problems): the request as it will run."""
+        if params is None:
+            params = SamplingParams()
+        errs = params.problems() if isinstance(params, SamplingParams) else [f"not a SamplingParams: {params!r}"]
+        tokens, err = prompt_tokens(prompt)
+        if err:
+            return None, None, errs + [err]
+        if len(tokens) == 0:
+            errs.append("empty prompt: give at least one token (e.g. BOS)")
+        vocab = self.spec.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
-            out.append(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            out.append(
-                f"prompt of {len(prompt)} tokens leaves no room to generate: the maximum length is "
+            errs.append(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(tokens) >= self.max_model_len:
+            errs.append(
+                f"prompt of {len(tokens)} tokens leaves no room to generate: the maximum length is "
                 f"{self.max_model_len} (engine.max_model_len), so prompts may have at most {self.max_model_len - 1}"
             )
-        return out
+        if errs:
+            return tokens, None, errs
+        params = params.normalized()
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            return tokens, None, [f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})"]
+        return tokens, params, []
+
+    # -- the step API ----------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        """Some request is still pending (waiting, running, or in a queued decode step)."""
+        return self.scheduler.has_work or self._inflight.step is not None
+
+    def add_request(self, prompt, params: Optional[SamplingParams] = None) -> int:
+        """Queues one request; returns its id. An invalid request raises RequestError and queues
+        nothing. Its output comes from the step() in which it finishes."""
+        with self._lock:
+            tokens, params, errs = self._check(prompt, params)
+            if errs:
+                raise RequestError("invalid request (nothing was queued): " + "; ".join(errs))
+            return self._add(tokens, params)
+
+    def _add(self, tokens: list[int], params: SamplingParams, index: Optional[int] = None) -> int:
+        sid = self._next_id
+        seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + sid) & 0x7FFFFFFF
+        seq = Sequence(sid, sid if index is None else index, tokens, params, seed, arrival=time.perf_counter())
+        self._next_id += 1
+        self._requests[sid] = seq
+        self.scheduler.add(seq)
+        return sid
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step (a prefill, a decode, or reading a queued decode); returns the outputs of
+        the requests that finished in it. If it raises (or is interrupted), every pending request
+        is aborted and every page freed before the exception propagates: the engine stays usable."""
+        with self._lock:
+            try:
+                return [self._requests.pop(s.seq_id).to_output() for s in self._run_step()]
+            except BaseException:
+                self._abort_all()
+                raise
+
+    def _run_step(self) -> list[Sequence]:
+        if self._inflight.step is not None:
+            return self._inflight.advance(self.stats)
+        if not self.scheduler.has_work:
+            return []
+        plan = self.scheduler.schedule()
+        if plan.kind == "decode" and self.async_decode:
+            self._inflight.launch(plan.seqs)
+            return []
+        t0 = time.perf_counter()
+        tokens, logprobs = self.runner.run(plan)
+        now = time.perf_counter()
+        self.stats.add_step(plan, now - t0)
+        return self.scheduler.postprocess(plan, tokens, logprobs, now)
+
+    def abort(self, request_id: int) -> Optional[RequestOutput]:
+        """Stops a pending request and frees its pages. Returns its output (finish_reason "abort",
+        with the tokens it had), or None when it already finished; an id never issued is a KeyError."""
+        with self._lock:
+            seq = self._requests.pop(request_id, None)
+            if seq is None:
+                if is_int(request_id) and 0 <= request_id < self._next_id:
+                    return None
+                raise KeyError(f"no request with id {request_id!r}: ids are what add_request() returned")
+            self.scheduler.abort(seq)
+            return seq.to_output()
+
+    def _abort_all(self) -> None:
+        """After a failure: drops the step in flight, aborts every pending request, frees every page."""
+        self._inflight.drop()
+        self.scheduler.abort_all(list(self._requests.values()))
+        self._requests.clear()
 
     # -- generation ----------------------------------------------------------------------------
-    def generate(
-        self,
-        prompts: Seq[Seq[int]],
-        params: Union[SamplingParams, Seq[SamplingParams], None] = None,
-        use_tqdm: bool = False,
-        strict: bool = False,
-    ) -> list[RequestOutput]:
+    def generate(self, prompts: Seq[Seq[int]], params: Union[SamplingParams, Seq[SamplingParams], None] = None,
+                 use_tqdm: bool = False, strict: bool = False) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in order.
 
         An invalid request (empty prompt, unknown token id, too long, bad sampling values) does not
         stop the others: its output has finish_reason "error" and `error` says what is wrong.
-        With strict=True the call raises RequestError before generating anything instead.
+        With strict=True the call raises RequestError before generating anything instead. A call
+        that raises or is interrupted leaves no trace: its requests are aborted, their pages freed.
         """
+        with self._lock:
+            outputs, accepted = self._validate_call(prompts, params, strict)
+            first_id = self._begin_call()
+            bar = tqdm(total=len(accepted), desc="generate", unit="req", disable=not use_tqdm, leave=False)
+            try:
+                for i, tokens, sp in accepted:
+                    self._add(tokens, sp, index=i)
+                while self.has_work:
+                    for out in self.step():
+                        outputs[out.index] = out
+                        bar.update(1)
+                    self._show_rate(bar)
+            except BaseException:
+                self._abort_all()
+                self._next_id = first_id  # request ids pick default seeds: the next call's are as if this one never ran
+                raise
+            finally:
+                bar.close()
+            self._end_call(outputs)
+            return outputs
+
+    def _show_rate(self, bar) -> None:
+        if not bar.disable:
+            rate = self.stats.decode_tokens / max(bar.format_dict["elapsed"], 1e-9)
+            bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
+
+    def _validate_call(self, prompts, params, strict: bool) -> tuple[list, list]:
+        """Checks every request of a generate() call before any is queued. Returns the outputs
+        list (invalid requests' error outputs filled in) and the accepted (index, tokens, params)."""
+        if not hasattr(prompts, "__iter__") or isinstance(prompts, (str, bytes)):
+            raise RequestError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
         prompts = list(prompts)
         if params is None:
             params = SamplingParams()
@@ -107,155 +294,31 @@ class Engine:
         if len(plist) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
         outputs: list[Optional[RequestOutput]] = [None] * len(prompts)
-        seqs, problems = [], []
+        accepted, problems = [], []
         for i, (prompt, sp) in enumerate(zip(prompts, plist)):
-            errs = self.request_problems(prompt, sp)
-            if errs:
-                msg = f"request {i}: " + "; ".join(errs)
-                problems.append(msg)
-                outputs[i] = RequestOutput(i, list(prompt) if isinstance(prompt, (list, tuple)) else [], [], [],
-                                           "error", error=msg)
+            tokens, sp, errs = self._check(prompt, sp)
+            if not errs:
+                accepted.append((i, tokens, sp))
                 continue
-            seed = sp.seed if sp.seed is not None else (self.seed * 1_000_003 + self._next_id) & 0x7FFFFFFF
-            seqs.append(Sequence(self._next_id, i, list(prompt), sp, seed))
-            self._next_id += 1
-        if problems:
-            if strict:
-                raise RequestError("invalid requests (nothing was generated):\n  " + "\n  ".join(problems))
-            for p in problems:
-                log.warning("skipped %s", p)
+            msg = f"request {i}: " + "; ".join(errs)
+            problems.append(msg)
+            shown = list(prompt) if isinstance(prompt, (list, tuple)) else tokens or []
+            outputs[i] = RequestOutput(i, shown, [], [], "error", error=msg)
+        if problems and strict:
+            raise RequestError("invalid requests (nothing was generated):\n  " + "\n  ".join(problems))
+        for p in problems:
+            log.warning("skipped %s", p)
+        return outputs, accepted
+
+    def _begin_call(self) -> int:
+        """Fresh counters for a generate() call; returns the first request id it will use."""
+        if self._requests:
+            raise RuntimeError(f"generate() needs an idle engine, but {len(self._requests)} requests added with "
+                               f"add_request() are pending: step() until has_work is False, or abort() them")
         self.stats = StepStats()
-        for g in self.runner.cache.page_groups:
-            g.peak_in_use = g.in_use
-            g.allocator.reset_order()
-        start = time.perf_counter()
-        for s in seqs:
-            self.scheduler.add(s)
-        bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm, leave=False)
-        generated = 0
-        inflight = None  # an asynchronous decode step whose tokens are not read yet
-        mark = start
-        while self.scheduler.has_work or inflight is not None:
-            if inflight is not None:
-                # queue the next step before reading this one's tokens, when the batch stays the same
-                nxt = self._launch(inflight.seqs, inflight) if self._can_chain(inflight.seqs) else None
-                self.stats.chained_steps += nxt is not None
-                tokens, logprobs = self.runner.collect(inflight)
-                now = time.perf_counter()
-                self._account_decode(len(inflight.seqs), now - mark)
-                mark = now
-                for s, i, tok, lp in zip(inflight.seqs, inflight.index, tokens, logprobs):
-                    if s.status is Status.FINISHED:
-                        continue  # finished by the step before: this row was computed in vain
-                    s.generated[i], s.logprobs[i] = tok, lp
-                    generated += 1
-                    if not self._finish_if_done(s, i, now - start, outputs, bar):
-                        self.scheduler.reclaim(s)
-                inflight = nxt
-                continue
-            plan = self.scheduler.schedule()
-            if not plan.seqs:
-                stuck = self.scheduler.waiting[0]
-                raise RuntimeError(
-                    f"request {stuck.index} ({stuck.num_tokens} tokens) cannot get KV pages even with nothing else "
-                    f"running: the pool is too small for it (raise kv.max_pages or lower engine.max_prefill_tokens)"
-                )
-            if plan.kind == "decode" and self.async_decode:
-                mark = time.perf_counter()
-                inflight = self._launch(plan.seqs, None)
-                continue
-            t0 = time.perf_counter()
-            tokens, logprobs = self.runner.run(plan)
-            dt = time.perf_counter() - t0
-            now = t0 + dt - start
-            self._account(plan, dt)
-            k = 0
-            for i, s in enumerate(list(plan.seqs)):
-                if plan.kind == "prefill":
-                    samples = plan.samples(i)
-                    s.num_computed += plan.chunk_lens[i]
-                    self.scheduler.reclaim(s)
-                    if not samples:
-                        continue  # a chunk of a longer prompt
-                else:
-                    s.num_computed += 1
-                    self.scheduler.reclaim(s)
-                s.generated.append(tokens[k])
-                s.logprobs.append(logprobs[k])
-                k += 1
-                generated += 1
-                self._finish_if_done(s, len(s.generated) - 1, now, outputs, bar)
-            if use_tqdm and dt > 0:
-                bar.set_postfix(tok_s=f"{generated / max(now, 1e-9):.0f}", refresh=False)
-        bar.close()
-        self.stats.preemptions = sum(s.num_preemptions for s in seqs)
-        self.stats.kv_peak_pages = {g.name: g.peak_in_use for g in self.runner.cache.page_groups}
-        return outputs  # type: ignore[return-value]
+        self.scheduler.reset_peaks()
+        return self._next_id
 
-    # -- asynchronous decode (engine.async_decode) ---------------------------------------------------
-    def _launch(self, seqs: list[Sequence], chained):
-        """Queues a decode step for `seqs` and gives each a placeholder token until it is read."""
-        launch = self.runner.launch_decode(seqs, chained)
-        for s in seqs:
-            launch.index.append(len(s.generated))
-            s.generated.append(PENDING)
-            s.logprobs.append(float("nan"))
-            s.num_computed += 1
-        return launch
-
-    def _can_chain(self, seqs: list[Sequence]) -> bool:
-        """The next step is a decode of exactly these sequences: nothing waits to be admitted or
-        prefilled, none reaches a known limit with the queued token, and pages are free for all."""
-        sch = self.scheduler
-        if sch.waiting or len(sch.running) != len(seqs):
-            return False
-        for s in seqs:
-            if s.status is not Status.RUNNING or s.needs_prefill:
-                return False
-            if len(s.generated) >= s.params.max_new_tokens or s.num_tokens >= self.max_model_len:
-                return False
-        return all(sch.grow(s, s.num_tokens) for s in seqs)
-
-    def _account_decode(self, batch: int, dt: float) -> None:
-        st = self.stats
-        st.decode_steps += 1
-        st.decode_tokens += batch
-        st.decode_time += dt
-        st.decode_batch_sizes.append(batch)
-
-    def _account(self, plan, dt: float) -> None:
-        st = self.stats
-        if plan.kind == "prefill":
-            st.prefill_steps += 1
-            st.prefill_tokens += plan.num_tokens
-            st.prefill_time += dt
-        else:
-            st.decode_steps += 1
-            st.decode_tokens += len(plan.seqs)
-            st.decode_time += dt
-            st.decode_batch_sizes.append(len(plan.seqs))
-
-    def _finish_if_done(self, s: Sequence, i: int, now: float, outputs: list, bar) -> bool:
-        """After s's token i arrived at `now` (s after start): finishes s if that token stops it
-        (dropping a queued step's placeholder behind it). Returns whether s finished."""
-        if s.first_token_time is None:
-            s.first_token_time = now
-        reason = self._finish_reason(s, s.generated[i], count=i + 1)
-        if not reason:
-            return False
-        del s.generated[i + 1:], s.logprobs[i + 1:]
-        s.finish_time = now
-        self.scheduler.finish(s, reason)
-        outputs[s.index] = s.to_output()
-        bar.update(1)
-        return True
-
-    def _finish_reason(self, s: Sequence, tok: int, count: int) -> Optional[str]:
-        """Why `s` stops after its `count`-th generated token `tok`, if it does."""
-        if (not s.params.ignore_eos and tok in self.spec.eos_token_ids) or tok in s.params.stop_token_ids:
-            return "stop"
-        if count >= s.params.max_new_tokens:
-            return "length"
-        if len(s.prompt) + count >= self.max_model_len:
-            return "max_model_len"
-        return None
+    def _end_call(self, outputs: list[RequestOutput]) -> None:
+        self.stats.preemptions = sum(o.num_preemptions for o in outputs)
+        self.stats.kv_peak_pages = self.scheduler.peak_pages()

@@ -64,6 +64,10 @@ class PageAllocator:
     def release(self, pages: list[int]) -> None:
         self._free.extend(pages)
 
+    def free_all(self) -> None:
+        """Every page free again, in id order (after the engine aborted every sequence)."""
+        self._free = deque(range(1, self.num_pages))
+
     def reset_order(self) -> None:
         """With every page free: hand them out in id order again. The same requests on an idle
         engine then land on the same pages whatever ran before (the CPU's dense attention sums
@@ -111,6 +115,11 @@ class PageGroup:
         # over every slot, and a preempted sequence comes back under the same id.
         self.owner[torch.tensor(pages, dtype=torch.long).to(self.owner.device)] = NO_OWNER
         self.allocator.release(pages)
+
+    def free_all(self) -> None:
+        """Every page free and owned by no one: the engine holds no sequence any more (an abort)."""
+        self.owner.fill_(NO_OWNER)
+        self.allocator.free_all()
 
 
 class KVCache:

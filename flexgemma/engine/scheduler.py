@@ -7,15 +7,20 @@ pages free up. When decode needs a page and none is free, the most recently admi
 preempted: its pages are freed and it waits at the head of the queue to be recomputed from
 prompt + generated tokens, which it keeps. After every step, sliding-window pages that no later
 query of a request can see go back to the free list (`reclaim`).
+
+Sequence state (tokens, num_computed, reclaim, finish, abort) changes only here: `postprocess`
+applies a step's sampled tokens; with asynchronous decode, `launched` gives the sequences of a
+queued step placeholder tokens and `postprocess_launched` fills them in once read.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from flexgemma.engine.kv_cache import KVCache
-from flexgemma.engine.sequence import Sequence, Status
+from flexgemma.engine.sequence import PENDING, Sequence, Status, StopRule
 
 
 @dataclass
@@ -42,7 +47,18 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.stop_rule: Optional[StopRule] = None  # set by the Engine (EOS ids, max_model_len)
+
+    def reset_peaks(self) -> None:
+        """Starts counting the most pages in use at once anew (and, on an idle pool, hands pages out
+        in id order again: the same requests land on the same pages whatever ran before)."""
+        for g in self.cache.page_groups:
+            g.peak_in_use = g.in_use
+            g.allocator.reset_order()
+
+    def peak_pages(self) -> dict[str, int]:
+        """Page group -> the most pages in use at once since reset_peaks()."""
+        return {g.name: g.peak_in_use for g in self.cache.page_groups}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -109,6 +125,12 @@ class Scheduler:
             # every running request is a stalled chunked prefill: free the newest one's pages
             self.preempt(self.running[-1])
             return self.schedule()
+        if not batch and self.has_work:
+            stuck = (self.waiting or self.running)[0]
+            raise RuntimeError(
+                f"request {stuck.index} ({stuck.num_tokens} tokens) cannot get KV pages even with nothing else "
+                f"running: the pool is too small for it (raise kv.max_pages or lower engine.max_prefill_tokens)"
+            )
         return StepPlan("decode", batch)
 
     def _decode_batch(self) -> list[Sequence]:
@@ -131,7 +153,6 @@ class Scheduler:
         seq.num_computed = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -139,3 +160,111 @@ class Scheduler:
         seq.status = Status.FINISHED
         self.running.remove(seq)
         self._release_all(seq)
+
+    # -- after a step: the only place sequence state changes ---------------------------------------
+    def postprocess(self, plan: StepPlan, tokens: list[int], logprobs: list[float], now: float) -> list[Sequence]:
+        """Applies a step that ran to completion: its KV is computed, sampling rows get their token,
+        out-of-window pages are reclaimed, and finished sequences release their pages. `now` is
+        time.perf_counter() when the tokens arrived. Returns the sequences that finished."""
+        finished, k, prefill = [], 0, plan.kind == "prefill"
+        for i, s in enumerate(list(plan.seqs)):
+            if prefill:
+                samples = plan.samples(i)  # before num_computed moves
+                s.num_computed += plan.chunk_lens[i]
+                self.reclaim(s)
+                if not samples:
+                    continue  # a chunk of a longer prompt
+            else:
+                s.num_computed += 1
+                self.reclaim(s)
+            s.generated.append(tokens[k])
+            s.logprobs.append(logprobs[k])
+            k += 1
+            if self._finish_if_done(s, len(s.generated) - 1, now):
+                finished.append(s)
+        return finished
+
+    def launched(self, seqs: list[Sequence]) -> list[int]:
+        """A decode step of `seqs` was queued: each gets a placeholder token (its KV counts as
+        computed) until the step's tokens are read. Returns where each token goes in `generated`."""
+        index = []
+        for s in seqs:
+            index.append(len(s.generated))
+            s.generated.append(PENDING)
+            s.logprobs.append(float("nan"))
+            s.num_computed += 1
+        return index
+
+    def postprocess_launched(self, seqs: list[Sequence], index: list[int], tokens: list[int],
+                             logprobs: list[float], now: float) -> list[Sequence]:
+        """Fills in the placeholders of a queued decode step whose tokens were read (see `launched`)."""
+        finished = []
+        for s, i, tok, lp in zip(seqs, index, tokens, logprobs):
+            if s.status is Status.FINISHED:
+                continue  # finished (or aborted) before: this row was computed in vain
+            s.generated[i], s.logprobs[i] = tok, lp
+            if self._finish_if_done(s, i, now):
+                finished.append(s)
+            else:
+                self.reclaim(s)
+        return finished
+
+    def _finish_if_done(self, s: Sequence, i: int, now: float) -> bool:
+        """After s's token i arrived: finishes s if that token stops it (dropping a queued step's
+        placeholder behind it). Returns whether s finished."""
+        if s.first_token_time is None:
+            s.first_token_time = now - s.arrival
+        reason = self.stop_rule.reason(s, s.generated[i], count=i + 1)
+        if not reason:
+            return False
+        del s.generated[i + 1:], s.logprobs[i + 1:]
+        s.finish_time = now - s.arrival
+        self.finish(s, reason)
+        return True
+
+    # -- asynchronous decode: may the next step be queued before this one's tokens are read? ------
+    def can_chain(self, seqs: list[Sequence]) -> bool:
+        """The next step is a decode of exactly these sequences: nothing waits to be admitted or
+        prefilled and none reaches a known limit with the queued token. Changes nothing."""
+        if self.waiting or len(self.running) != len(seqs):
+            return False
+        for s in seqs:
+            if s.status is not Status.RUNNING or s.needs_prefill:
+                return False
+            if len(s.generated) >= s.params.max_new_tokens or s.num_tokens >= self.stop_rule.max_model_len:
+                return False
+        return True
+
+    def grow_for_decode(self, seqs: list[Sequence]) -> bool:
+        """Gives every sequence the pages of its next decode position; False when the pool runs
+        out (those already grown keep their pages: their next decode needs them anyway)."""
+        return all(self.grow(s, s.num_tokens) for s in seqs)
+
+    # -- abort ---------------------------------------------------------------------------------------
+    def abort(self, seq: Sequence) -> None:
+        """Stops `seq` wherever it is (waiting, running, in a queued step) and frees its pages."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+        self._release_all(seq)
+        self._mark_aborted(seq)
+
+    def abort_all(self, seqs) -> None:
+        """Aborts `seqs` (every sequence the engine holds) wherever a failure left them, and puts
+        every page back on the free lists: with no sequence left, no page is in use."""
+        for s in seqs:
+            self._mark_aborted(s)
+        self.waiting.clear()
+        self.running.clear()
+        for g in self.cache.page_groups:
+            g.free_all()
+
+    @staticmethod
+    def _mark_aborted(seq: Sequence) -> None:
+        while seq.generated and seq.generated[-1] == PENDING:  # a queued step's token, never read
+            seq.generated.pop()
+            seq.logprobs.pop()
+        seq.pages, seq.window_pages = [], []
+        seq.status = Status.FINISHED
+        seq.finish_reason = "abort"

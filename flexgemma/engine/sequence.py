@@ -3,8 +3,34 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional
+
+import numpy as np
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+PENDING = -1  # the token of a queued decode step (engine.async_decode), until the host reads it
+
+
+def is_int(x) -> bool:
+    """A Python or numpy integer (numpy scalars count), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def is_real(x) -> bool:
+    """A Python or numpy int or float, not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _int_problem(name: str, value, low: int, high: int, hint: str = "") -> Optional[str]:
+    if not is_int(value):
+        return f"{name}={value!r} must be an integer (got {type(value).__name__}){hint}"
+    if not low <= value <= high:
+        return f"{name}={value} must be in [{low}, {high}]{hint}"
+    return None
 
 
 @dataclass
@@ -12,7 +38,8 @@ class SamplingParams:
     """How one request samples. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters.
 
     The same seed gives the same tokens whatever else shares the batch: the noise of each draw is
-    a hash of (seed, position), not a stream shared by the batch.
+    a hash of (seed, position), not a stream shared by the batch. Numbers may be Python or numpy
+    scalars; `problems()` lists what is wrong, `normalized()` returns plain Python values.
     """
 
     max_new_tokens: int = 64
@@ -24,16 +51,64 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def problems(self) -> list[str]:
-        out = []
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            out.append(f"max_new_tokens={self.max_new_tokens} must be an integer >= 1")
-        if not self.temperature >= 0:
-            out.append(f"temperature={self.temperature} must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            out.append(f"top_k={self.top_k} must be an integer >= 0 (0 disables it)")
-        if not 0 < self.top_p <= 1:
-            out.append(f"top_p={self.top_p} must be in (0, 1]")
-        return out
+        """Everything wrong with these values (types, ranges, int64 bounds); empty when valid."""
+        out = [
+            _int_problem("max_new_tokens", self.max_new_tokens, 1, INT64_MAX),
+            _int_problem("top_k", self.top_k, 0, INT64_MAX, " (0 disables it)"),
+            None if self.seed is None else _int_problem("seed", self.seed, INT64_MIN, INT64_MAX, " (or None)"),
+        ]
+        t = self.temperature
+        if not is_real(t) or not (math.isfinite(t) and 0 <= t <= FLOAT32_MAX):
+            out.append(f"temperature={t!r} must be a finite number >= 0 (0 is greedy)")
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
+            out.append(f"top_p={self.top_p!r} must be a number in (0, 1] (1 disables it)")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            out.append(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        out.append(self._stop_problem())
+        return [p for p in out if p]
+
+    def _stop_problem(self) -> Optional[str]:
+        ids = self.stop_token_ids
+        if isinstance(ids, np.ndarray) and ids.ndim == 1:
+            ids = ids.tolist()
+        if not isinstance(ids, (list, tuple, set, frozenset, range)):
+            return f"stop_token_ids={ids!r} must be a list or tuple of token ids (ints; () for none)"
+        bad = [t for t in ids if not is_int(t) or not 0 <= t <= INT64_MAX]
+        if bad:
+            return f"stop_token_ids holds {bad[0]!r}: every stop token must be an integer token id >= 0"
+        return None
+
+    def normalized(self) -> "SamplingParams":
+        """A copy with plain Python values (numpy scalars converted); call only when problems() is empty."""
+        ids = self.stop_token_ids.tolist() if isinstance(self.stop_token_ids, np.ndarray) else self.stop_token_ids
+        return SamplingParams(
+            max_new_tokens=int(self.max_new_tokens), temperature=float(self.temperature), top_k=int(self.top_k),
+            top_p=float(self.top_p), seed=None if self.seed is None else int(self.seed),
+            ignore_eos=bool(self.ignore_eos), stop_token_ids=tuple(int(t) for t in ids),
+        )
+
+
+def prompt_tokens(prompt) -> tuple[Optional[list[int]], Optional[str]]:
+    """A prompt as a list of Python ints, or None and why not. Accepts a list or tuple of ints
+    (numpy integers included), a 1-D integer numpy array or a 1-D integer torch tensor."""
+    kind = type(prompt).__module__.split(".")[0]
+    if kind in ("numpy", "torch") and hasattr(prompt, "ndim") and hasattr(prompt, "tolist"):
+        if prompt.ndim != 1:
+            return None, f"prompt must be 1-D token ids, got an array of shape {tuple(prompt.shape)}"
+        if kind == "torch":
+            dtype = prompt.dtype
+            integral = not (dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool")
+        else:
+            integral = prompt.dtype.kind in "iu"
+        if not integral:
+            return None, f"prompt must hold integer token ids, got dtype {prompt.dtype}"
+        return [int(t) for t in prompt.tolist()], None
+    if not isinstance(prompt, (list, tuple)):
+        return None, f"prompt must be a list of token ids (ints), got {type(prompt).__name__}"
+    bad = next((t for t in prompt if not is_int(t)), None)
+    if bad is not None:
+        return None, f"prompt must be a list of token ids (ints), it holds {bad!r} ({type(bad).__name__})"
+    return [int(t) for t in prompt], None
 
 
 class Status(enum.Enum):
@@ -44,23 +119,43 @@ class Status(enum.Enum):
 
 @dataclass
 class RequestOutput:
-    """What generate() returns for one prompt, in prompt order."""
+    """What generate() returns for one prompt (in prompt order), and step() for a finished request."""
 
-    index: int
+    index: int  # generate(): the prompt's position in the call; the step API: the request id
     prompt_token_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]  # log-probability of each generated token under the model (temperature 1, no filters)
-    finish_reason: str  # "stop" (EOS / stop token) | "length" (max_new_tokens) | "max_model_len" | "error"
+    # "stop" (EOS / stop token) | "length" (max_new_tokens) | "max_model_len" | "error" | "abort"
+    finish_reason: str
     error: Optional[str] = None
     num_preemptions: int = 0
-    first_token_time: Optional[float] = None  # seconds after generate() started
+    first_token_time: Optional[float] = None  # seconds after the request was added (generate(): started)
     finish_time: Optional[float] = None
+    request_id: Optional[int] = None  # the id add_request() returned (None for an invalid request)
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a sequence stops, besides its own max_new_tokens and stop tokens."""
+
+    eos_token_ids: frozenset
+    max_model_len: int
+
+    def reason(self, s: "Sequence", tok: int, count: int) -> Optional[str]:
+        """Why `s` stops after its `count`-th generated token `tok`, if it does."""
+        if (not s.params.ignore_eos and tok in self.eos_token_ids) or tok in s.params.stop_token_ids:
+            return "stop"
+        if count >= s.params.max_new_tokens:
+            return "length"
+        if len(s.prompt) + count >= self.max_model_len:
+            return "max_model_len"
+        return None
 
 
 @dataclass
 class Sequence:
     seq_id: int
-    index: int  # position in the generate() call
+    index: int  # reported as RequestOutput.index
     prompt: list[int]
     params: SamplingParams
     seed: int
@@ -74,6 +169,7 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    arrival: float = 0.0  # time.perf_counter() when it was added; the times above count from it
 
     @property
     def tokens(self) -> list[int]:
@@ -105,4 +201,5 @@ class Sequence:
             num_preemptions=self.num_preemptions,
             first_token_time=self.first_token_time,
             finish_time=self.finish_time,
+            request_id=self.seq_id,
         )
