@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from flexgemma.builder import build_engine
 from flexgemma.compose import ensure_model
 from flexgemma.config import ConfigError, validate
-from flexgemma.tasks import bench, determinism, drift, parity
+from flexgemma.tasks import bench, determinism, drift, grpo, parity
 from flexgemma.tracking import RunRecorder, environment, format_table, read_summary
 from flexgemma.wandb_logger import WandbRun
 from flexgemma.workload import build_workload, pool_demand
@@ -33,7 +33,7 @@ from flexgemma.workload import build_workload, pool_demand
 log = logging.getLogger("flexgemma")
 
 TASKS = {
-    "bench": [bench], "parity": [parity], "determinism": [determinism], "drift": [drift],
+    "bench": [bench], "parity": [parity], "determinism": [determinism], "drift": [drift], "grpo": [grpo],
     "all": [bench, determinism, parity],
 }
 
@@ -60,7 +60,7 @@ def run_job(cfg: DictConfig, out_dir: str | Path, identity: Optional[dict] = Non
         recorder.write_config()
         validate(cfg)
         t0 = time.perf_counter()
-        engine = build_engine(cfg, pool_demand(cfg.workload))
+        engine = build_engine(cfg, grpo.pool_demand(cfg) if task == "grpo" else pool_demand(cfg.workload))
         summary["build/seconds"] = time.perf_counter() - t0
         summary.update({f"engine/{k}": v for k, v in engine.info.items()})
         workload = build_workload(cfg, engine)
