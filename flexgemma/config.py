@@ -203,6 +203,7 @@ class TaskConfig:
     generator: str = "flexgemma"  # flexgemma (the engine) | trl (TRL's transformers generate, for the side-by-side)
     is_correction: bool = True  # token-level importance-sampling correction exp(trainer - engine), clipped
     is_clip_max: float = 3.0
+    gradient_checkpointing: bool = False  # recompute activations in the trainer's backward (large models)
 
 
 @dataclass

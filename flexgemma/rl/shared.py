@@ -57,6 +57,10 @@ class SharedModel:
             raise RuntimeError(f"{target.name}: the base module does not hold the engine's merged tensor")
         return module, name, param
 
+    def owner(self, target) -> tuple[nn.Module, str, nn.Parameter]:
+        """(module, attribute name, the engine's merged Parameter) of a merge target."""
+        return self._merged_params[id(target)]
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return list(self.lora.slots.values())
 

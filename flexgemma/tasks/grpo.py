@@ -113,6 +113,7 @@ def grpo_args(cfg, out_dir: Path, device: torch.device):
         disable_tqdm=True, seed=int(cfg.seed), use_cpu=device.type == "cpu", bf16=False, fp16=False,
         remove_unused_columns=False, dataloader_num_workers=0, shuffle_dataset=True,
         vllm_importance_sampling_clip_max=float(t.is_clip_max),
+        gradient_checkpointing=bool(t.gradient_checkpointing),
     )
 
 
@@ -216,6 +217,9 @@ def run(engine, workload, cfg, recorder) -> dict:
         is_correction=bool(t.is_correction) and generator == "flexgemma",
     )
     ref.append(trainer)
+    from transformers import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # TRL's per-step dict print; the rows go to metrics.jsonl
     t0 = time.perf_counter()
     trainer.train()
     train_wall = time.perf_counter() - t0
