@@ -23,6 +23,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from flexgemma import build_engine, compose  # noqa: E402
 from flexgemma.config import ConfigError  # noqa: E402
 from flexgemma.engine.sequence import SamplingParams  # noqa: E402
+from flexgemma.metrics import is_catalogued  # noqa: E402
 from flexgemma.rl.rewards import AnswerMatch, CopyTail, TargetTokens, final_answer  # noqa: E402
 from flexgemma.rl.rollout import EngineRollout, mismatch_stats  # noqa: E402
 from flexgemma.rl.shared import SharedModel  # noqa: E402
@@ -76,6 +77,9 @@ def test_grpo_learns_on_tiny_moe_through_the_cli_job(tmp_path):
     assert summary["grpo/reward_last5"] - summary["grpo/reward_first5"] >= MARGIN, summary
     assert summary["grpo/logprob_absdiff_mean"] <= 1e-4
     assert 0 < summary["grpo/rollout_share"] < 1
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [k for k in summary if not is_catalogued(k)] == []
+    assert [k for r in rows for k in r if not is_catalogued(k)] == []
 
 
 def test_trl_generator_runs_the_same_config(tmp_path):

@@ -133,3 +133,32 @@ def make_trainer_class():
             return out
 
     return FlexGemmaGRPOTrainer
+
+
+def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=None, prompt_ids_of=None,
+                 generator: str = "flexgemma", is_correction: bool = True, callbacks=None):
+    """A FlexGemmaGRPOTrainer training `engine`'s LoRA adapter (one model: see shared.SharedModel),
+    generating through the engine (generator="flexgemma") or with TRL's transformers generate ("trl").
+
+    args: a trl.GRPOConfig (its temperature and max_completion_length drive the engine too).
+    prompt_ids_of: text prompt -> token ids; default: the tokenizer's ids without special tokens.
+    Returns (trainer, shared, rollout or None)."""
+    from flexgemma.rl.shared import SharedModel
+    from flexgemma.rl.tokenizer import tiny_tokenizer
+
+    shared = SharedModel(engine)
+    tokenizer = processing_class or engine.tokenizer or tiny_tokenizer(engine.spec.vocab_size)
+    if prompt_ids_of is None:
+        def prompt_ids_of(text):
+            return tokenizer(text, add_special_tokens=False).input_ids
+    rollout = None
+    if generator == "flexgemma":
+        rollout = EngineRollout(engine, shared, prompt_ids_of, int(args.max_completion_length),
+                                float(args.temperature), top_k=int(args.top_k or 0), top_p=float(args.top_p),
+                                seed=int(args.seed))
+    trainer = make_trainer_class()(
+        model=shared.peft_model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+        processing_class=tokenizer, rollout_func=rollout, callbacks=callbacks,
+        is_correction=is_correction and rollout is not None,
+    )
+    return trainer, shared, rollout

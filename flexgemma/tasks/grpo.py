@@ -122,7 +122,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def make_step_logger(trainer_ref: list, reward: RecordedReward, rollout, recorder, rows: list):
+def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: list):
     """A TrainerCallback writing one metrics.jsonl row per optimizer step."""
     from transformers import TrainerCallback
 
@@ -134,7 +134,8 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, rollout, recorde
         def on_step_end(self, args, state, control, **kw):
             _sync()
             step_s = time.perf_counter() - self.t0
-            stats = trainer_ref[0].step_stats
+            trainer = trainer_ref[0]
+            stats, rollout = trainer.step_stats, trainer.rollout_func
             vals = reward.values
             rollout_s = stats.get("rollout_s", float("nan"))
             row = {
@@ -185,8 +186,13 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def run(engine, workload, cfg, recorder) -> dict:
-    from flexgemma.rl.rollout import EngineRollout, make_trainer_class
-    from flexgemma.rl.shared import SharedModel
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        raise ConfigError("task=grpo needs TRL: pip install 'flexgemma[rl]' (trl 1.16)") from None
+    from transformers import PrinterCallback
+
+    from flexgemma.rl.rollout import grpo_trainer
     from flexgemma.rl.tokenizer import tiny_tokenizer
 
     t = cfg.task
@@ -195,7 +201,6 @@ def run(engine, workload, cfg, recorder) -> dict:
         raise ConfigError(f"task.generator={generator!r}: choose flexgemma or trl")
     if str(t.loss_type) == "vespo" and bool(t.is_correction):
         raise ConfigError("task.loss_type=vespo is not linear in the advantage: set task.is_correction=false")
-    shared = SharedModel(engine)
     tokenizer = engine.tokenizer or tiny_tokenizer(engine.spec.vocab_size)
     dataset, ids_of = build_dataset(engine, workload, cfg, tokenizer)
     if len(dataset) < int(t.prompts_per_step):
@@ -203,22 +208,13 @@ def run(engine, workload, cfg, recorder) -> dict:
                           "raise workload.num_prompts")
     device = next(engine.model.parameters()).device
     reward = make_reward(cfg)
-    rollout = None
-    if generator == "flexgemma":
-        rollout = EngineRollout(engine, shared, ids_of, int(t.max_new_tokens), float(t.temperature),
-                                seed=int(cfg.seed))
-    trainer_cls = make_trainer_class()
     rows: list[dict] = []
     ref: list = []
-    trainer = trainer_cls(
-        model=shared.peft_model, reward_funcs=[reward], args=grpo_args(cfg, recorder.dir, device),
-        train_dataset=dataset, processing_class=tokenizer, rollout_func=rollout,
-        callbacks=[make_step_logger(ref, reward, rollout, recorder, rows)],
-        is_correction=bool(t.is_correction) and generator == "flexgemma",
-    )
+    logger = make_step_logger(ref, reward, recorder, rows)
+    trainer, shared, _ = grpo_trainer(
+        engine, grpo_args(cfg, recorder.dir, device), [reward], dataset, tokenizer, ids_of, generator,
+        bool(t.is_correction), callbacks=[logger])
     ref.append(trainer)
-    from transformers import PrinterCallback
-
     trainer.remove_callback(PrinterCallback)  # TRL's per-step dict print; the rows go to metrics.jsonl
     t0 = time.perf_counter()
     trainer.train()
