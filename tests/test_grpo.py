@@ -177,3 +177,23 @@ def test_bad_configs_say_what_to_do(tmp_path):
     assert s["status"] == "invalid" and "lora=r16" in s["error"]
     s = run_job(compose(["+model=tiny", *LEARN, "task.generator=vllm"]), tmp_path / "b", raise_errors=False)
     assert s["status"] == "invalid" and "flexgemma or trl" in s["error"]
+
+
+def test_python_form_trains_with_a_users_dataset(tmp_path):
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from flexgemma.rl.rollout import grpo_trainer
+
+    engine = build_engine(compose(["+model=tiny", "lora=r16", "device=cpu", "model.dtype=float32", "kv.page_size=8"]))
+    prompts = [[2, 10 + i, 20 + i, 30 + i, 40 + i] for i in range(4)]
+    data = Dataset.from_dict({"prompt": [ids_to_text(p) for p in prompts], "prompt_token_ids": prompts})
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=4, learning_rate=1e-2, report_to="none", use_cpu=True,
+                      save_strategy="no", disable_tqdm=True, bf16=False)  # TRL's default bf16=True autocasts
+    trainer, shared, rollout = grpo_trainer(engine, args, [TargetTokens(3, 259)], data)
+    before = {k: v.detach().clone() for k, v in engine.lora.slots.items()}
+    trainer.train()
+    assert rollout.calls == 2 and trainer.state.global_step == 2
+    assert trainer.step_stats["logprob_absdiff_mean"] <= 1e-4  # the last step's, before the logger resets it
+    assert any(not torch.equal(before[k], v) for k, v in engine.lora.slots.items())  # the adapter trained

@@ -141,7 +141,7 @@ def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=Non
     generating through the engine (generator="flexgemma") or with TRL's transformers generate ("trl").
 
     args: a trl.GRPOConfig (its temperature and max_completion_length drive the engine too).
-    prompt_ids_of: text prompt -> token ids; default: the tokenizer's ids without special tokens.
+    prompt_ids_of: prompt (text or chat messages) -> token ids; default: as TRL tokenises them.
     Returns (trainer, shared, rollout or None)."""
     from flexgemma.rl.shared import SharedModel
     from flexgemma.rl.tokenizer import tiny_tokenizer
@@ -149,8 +149,11 @@ def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=Non
     shared = SharedModel(engine)
     tokenizer = processing_class or engine.tokenizer or tiny_tokenizer(engine.spec.vocab_size)
     if prompt_ids_of is None:
-        def prompt_ids_of(text):
-            return tokenizer(text, add_special_tokens=False).input_ids
+        def prompt_ids_of(prompt):  # as TRL tokenises for its own generator
+            if isinstance(prompt, str):
+                return tokenizer(text=prompt)["input_ids"]
+            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+            return ids["input_ids"]
     rollout = None
     if generator == "flexgemma":
         rollout = EngineRollout(engine, shared, prompt_ids_of, int(args.max_completion_length),

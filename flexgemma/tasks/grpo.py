@@ -78,7 +78,10 @@ def build_dataset(engine, workload, cfg, tokenizer):
         first.setdefault(src, req)
     ids = [workload.prompts[first[i]] for i in sorted(first)]
     own = engine.tokenizer is not None
-    texts = [tokenizer.decode(p) if own else ids_to_text(p) for p in ids]
+    sources = [workload.sources[i] if i < len(workload.sources) else None for i in sorted(first)]
+    # a JSONL prompt's own text (what TRL's generator tokenises the same way); else the ids spelled out
+    texts = [src if isinstance(src, str) else tokenizer.decode(p) if own else ids_to_text(p)
+             for src, p in zip(sources, ids)]
     if len(set(texts)) != len(texts):
         raise ConfigError("two workload prompts have the same text: use more distinct prompts (workload.seed)")
     rows = {"prompt": texts, "prompt_token_ids": ids}
