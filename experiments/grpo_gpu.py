@@ -24,12 +24,12 @@ COMMON = ["task=grpo", "logger=none", "workload.num_prompts=64", "workload.min_p
           "workload.max_prompt_len=128", "task.learning_rate=1e-5", "task.temperature=1.0", *REWARD]
 JOBS = {
     "e2b_flexgemma": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
-                      "task.max_new_tokens=256", "task.generator=flexgemma"],
+                      "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=flexgemma"],
     "e2b_trl": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
-                "task.max_new_tokens=256", "task.generator=trl"],
+                "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=trl"],
     "26b_bnb4_flexgemma": ["+model=26b_a4b", "quant=bnb4", "lora=r16", "task.prompts_per_step=4",
                            "task.num_generations=8", "task.max_new_tokens=256", "task.generator=flexgemma",
-                           "task.gradient_checkpointing=true"],
+                           "task.micro_batch=8", "task.gradient_checkpointing=true"],
 }
 COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_median"),
            ("rollout s", "grpo/rollout_s_median"), ("train s", "grpo/train_s_median"),
@@ -37,7 +37,8 @@ COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_media
            ("rollout tok/s", "grpo/rollout_tok_s_median"), ("|dlogp| mean", "grpo/logprob_absdiff_mean"),
            ("|dlogp| max", "grpo/logprob_absdiff_max"), ("kl_k3", "grpo/kl_k3"), ("IS max", "grpo/is_ratio_max"),
            ("reward 1st5", "grpo/reward_first5"), ("reward last5", "grpo/reward_last5"),
-           ("peak GiB", "memory/peak_allocated_gib"), ("status", "status")]
+           ("peak GiB", "memory/peak_allocated_gib"), ("KV GiB", "engine/kv_pool_bytes"),
+           ("optim GiB", "grpo/optimizer_state_bytes"), ("merged GiB", "grpo/merged_copy_bytes"), ("status", "status")]
 
 
 def run(name: str, overrides: list[str], out: Path, steps: int) -> dict:
@@ -61,7 +62,8 @@ def fmt(v) -> str:
 def table(results: dict[str, dict]) -> str:
     rows = [[h for h, _ in COLUMNS]]
     for name, s in results.items():
-        rows.append([name] + [fmt(s.get(k, "-")) for _, k in COLUMNS[1:]])
+        rows.append([name] + [fmt(s[k] / 2**30 if k.endswith("_bytes") and k in s else s.get(k, "-"))
+                              for _, k in COLUMNS[1:]])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
 

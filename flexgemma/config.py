@@ -204,6 +204,7 @@ class TaskConfig:
     is_correction: bool = True  # token-level importance-sampling correction exp(trainer - engine), clipped
     is_clip_max: float = 3.0
     gradient_checkpointing: bool = False  # recompute activations in the trainer's backward (large models)
+    micro_batch: Optional[int] = None  # completions per backward (gradient accumulation); null: the whole step
 
 
 @dataclass

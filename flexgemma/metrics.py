@@ -130,6 +130,7 @@ METRICS: dict[str, str] = {
     "grpo/merged_copy_bytes": "bytes of the engine's merged copies of the adapted weights (the only duplicate; 0 for "
                               "unmerged 4-bit projections)",
     "grpo/adapter_bytes": "bytes of the LoRA factors (float32 when the model is bf16: the trainer's master copy)",
+    "grpo/optimizer_state_bytes": "bytes of the optimizer's state (AdamW: two moments of every LoRA factor)",
     "grpo/adapter_path": "the trained adapter, saved with peft (lora.path=... loads it into an engine)",
     # environment
     "env/python": "Python version",

@@ -197,3 +197,14 @@ def test_python_form_trains_with_a_users_dataset(tmp_path):
     assert rollout.calls == 2 and trainer.state.global_step == 2
     assert trainer.step_stats["logprob_absdiff_mean"] <= 1e-4  # the last step's, before the logger resets it
     assert any(not torch.equal(before[k], v) for k, v in engine.lora.slots.items())  # the adapter trained
+
+
+@pytest.mark.gpu
+def test_grpo_e2b_bf16_steps_stay_finite(tmp_path):
+    cfg = compose(["+model=e2b", "lora=r32", "task=grpo", "logger=none", "task.steps=3", "task.max_new_tokens=32",
+                   "task.reward.high=32771", "task.learning_rate=1e-5", "task.micro_batch=16"])
+    summary = run_job(cfg, tmp_path)
+    assert summary["status"] == "ok" and summary["grpo/steps"] == 3
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert all(r[k] == r[k] and abs(r[k]) < float("inf") for r in rows for k in ROW_KEYS)
+    assert summary["grpo/logprob_absdiff_mean"] < 1.0  # bf16 random weights: ~0.6 (transformers bf16 vs fp32)

@@ -106,12 +106,18 @@ def grpo_args(cfg, out_dir: Path, device: torch.device):
     from trl import GRPOConfig
 
     t = cfg.task
+    batch = int(t.prompts_per_step) * int(t.num_generations)
+    micro = int(t.micro_batch) if t.micro_batch else batch
+    if micro < 1 or batch % micro:
+        raise ConfigError(f"task.micro_batch={t.micro_batch} must divide the step's {batch} completions "
+                          "(prompts_per_step x num_generations)")
+    # one rollout of `batch` completions per optimizer step, trained in batch / micro backward passes
     return GRPOConfig(
         output_dir=str(out_dir / "trainer"), max_steps=int(t.steps), learning_rate=float(t.learning_rate),
-        per_device_train_batch_size=int(t.prompts_per_step) * int(t.num_generations),
+        per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
+        steps_per_generation=batch // micro, num_iterations=1,
         num_generations=int(t.num_generations), max_completion_length=int(t.max_new_tokens),
         temperature=float(t.temperature), beta=float(t.beta), loss_type=str(t.loss_type),
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
         lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, seed=int(cfg.seed), use_cpu=device.type == "cpu", bf16=False, fp16=False,
         remove_unused_columns=False, dataloader_num_workers=0, shuffle_dataset=True,
@@ -223,7 +229,9 @@ def run(engine, workload, cfg, recorder) -> dict:
     trainer.train()
     train_wall = time.perf_counter() - t0
     summary = summarise(rows)
-    summary.update({"grpo/generator": generator, "grpo/wall_s": train_wall,
+    opt_bytes = sum(v.numel() * v.element_size() for st in trainer.optimizer.state.values()
+                    for v in st.values() if torch.is_tensor(v))
+    summary.update({"grpo/generator": generator, "grpo/wall_s": train_wall, "grpo/optimizer_state_bytes": opt_bytes,
                     **{f"grpo/{k}": v for k, v in shared.base_bytes().items()}})
     # the engine ends with the trained adapter: what the saved directory reloads to
     shared.engine_view()
