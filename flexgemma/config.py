@@ -196,7 +196,7 @@ class TaskConfig:
     num_generations: int = 8  # completions per prompt (the group), each with its own seed
     max_new_tokens: int = 8
     temperature: float = 1.0  # the engine's logprobs are at temperature 1: the IS correction is exact there
-    learning_rate: float = 1e-3
+    learning_rate: float = 1e-5
     beta: float = 0.0  # KL coefficient against the adapter-free base (0: no reference forward)
     loss_type: str = "dapo"  # TRL's loss types: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo
     reward: Any = None  # a Hydra node with _target_: a callable reward(prompts, completions, completion_ids, **cols)

@@ -161,6 +161,9 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
                 row["memory/allocated_gib"] = torch.cuda.memory_allocated() / 2**30
             rows.append(row)
             recorder.log_round(row)
+            log.info("grpo step %d/%d: reward %.3f, step %.2f s (rollout %.2f s, refresh %.1f ms), |dlogp| %.2g",
+                     state.global_step, state.max_steps, row["grpo/reward_mean"], step_s, rollout_s,
+                     row["grpo/refresh_ms"], row["grpo/logprob_absdiff_mean"])
             trainer_ref[0].step_stats = {}
 
     return StepLogger()
@@ -239,4 +242,7 @@ def run(engine, workload, cfg, recorder) -> dict:
     adapter_dir = recorder.dir / "adapter"
     engine.lora.save(adapter_dir)
     summary["grpo/adapter_path"] = str(adapter_dir)
+    log.info("grpo: reward %.3f (first 5 steps) -> %.3f (last 5); step %.2f s median, rollout share %.2f; "
+             "adapter saved to %s", summary["grpo/reward_first5"], summary["grpo/reward_last5"],
+             summary["grpo/step_s_median"], summary["grpo/rollout_share"], adapter_dir)
     return summary
