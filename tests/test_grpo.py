@@ -208,3 +208,19 @@ def test_grpo_e2b_bf16_steps_stay_finite(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert all(r[k] == r[k] and abs(r[k]) < float("inf") for r in rows for k in ROW_KEYS)
     assert summary["grpo/logprob_absdiff_mean"] < 1.0  # bf16 random weights: ~0.6 (transformers bf16 vs fp32)
+
+
+def test_jsonl_prompts_bring_their_answers_to_the_reward(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    records = [{"prompt_token_ids": [2, 10 + i, 20 + i, 30 + i], "answer": f"#### {100 + i}"} for i in range(5)]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    overrides = ["+model=tiny", *LEARN, "workload=jsonl", f"workload.path={path}", "workload.num_prompts=4",
+                 "task.steps=1", "task.max_new_tokens=3", "task.reward._target_=flexgemma.rl.rewards.AnswerMatch",
+                 "~task.reward.low", "~task.reward.high"]
+    cfg = compose(overrides)
+    engine = build_engine(cfg, grpo.pool_demand(cfg))
+    data, ids_of = grpo.build_dataset(engine, build_workload(cfg, engine), cfg, tiny_tokenizer(512))
+    assert data["answer"] == [r["answer"] for r in records[:4]]
+    assert [ids_of(t) for t in data["prompt"]] == [r["prompt_token_ids"] for r in records[:4]]
+    summary = run_job(cfg, tmp_path / "job")
+    assert summary["status"] == "ok" and summary["grpo/steps"] == 1
