@@ -2,6 +2,10 @@
 quant=bnb4 + LoRA r16, each a `python -m flexgemma ... task=grpo` job; prints the step-time table.
 
     python experiments/grpo_gpu.py [--steps 12] [--out results/grpo] [--only e2b_flexgemma,...]
+    python experiments/grpo_gpu.py --collect DIR [DIR ...]   # the table of finished job dirs, no run
+
+(One job takes ~2-5 minutes with its build; under a 10-minute limit a call, run them one by one with
+--only and --out $OUT, then --collect the job dirs.)
 
 Needs the rl extra (trl, datasets) beside torch/transformers/peft/hydra/bitsandbytes; logger=none.
 Random weights: the reward is TargetTokens on 1/8 of the vocabulary, so the numbers are about speed,
@@ -37,7 +41,8 @@ COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_media
            ("rollout tok/s", "grpo/rollout_tok_s_median"), ("|dlogp| mean", "grpo/logprob_absdiff_mean"),
            ("|dlogp| max", "grpo/logprob_absdiff_max"), ("kl_k3", "grpo/kl_k3"), ("IS max", "grpo/is_ratio_max"),
            ("reward 1st5", "grpo/reward_first5"), ("reward last5", "grpo/reward_last5"),
-           ("peak GiB", "memory/peak_allocated_gib"), ("KV GiB", "engine/kv_pool_bytes"),
+           ("peak GiB", "memory/peak_allocated_gib"), ("base GiB", "grpo/shared_base_bytes"),
+           ("KV GiB", "engine/kv_pool_bytes"),
            ("optim GiB", "grpo/optimizer_state_bytes"), ("merged GiB", "grpo/merged_copy_bytes"), ("status", "status")]
 
 
@@ -73,10 +78,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default=os.environ.get("OUT", "results/grpo"))
     ap.add_argument("--only", default=",".join(JOBS))
+    ap.add_argument("--collect", nargs="*", help="job dirs (with summary.json) to tabulate instead of running")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {name: run(name, JOBS[name], out, args.steps) for name in args.only.split(",")}
+    if args.collect:
+        results = {Path(d).name: json.loads((Path(d) / "summary.json").read_text()) for d in args.collect}
+    else:
+        results = {name: run(name, JOBS[name], out, args.steps) for name in args.only.split(",")}
     text = table(results)
     e2b = results.get("e2b_flexgemma"), results.get("e2b_trl")
     if all(e2b) and all("grpo/step_s_median" in s for s in e2b):
