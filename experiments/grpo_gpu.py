@@ -3,6 +3,7 @@ quant=bnb4 + LoRA r16, each a `python -m flexgemma ... task=grpo` job; prints th
 
     python experiments/grpo_gpu.py [--steps 12] [--out results/grpo] [--only e2b_flexgemma,...]
     python experiments/grpo_gpu.py --collect DIR [DIR ...]   # the table of finished job dirs, no run
+    python experiments/grpo_gpu.py --smoke --steps 2 --out /tmp/smoke  # the same jobs, tiny models, CPU
 
 (One job takes ~2-5 minutes with its build; under a 10-minute limit a call, run them one by one with
 --only and --out $OUT, then --collect the job dirs.)
@@ -35,6 +36,14 @@ JOBS = {
                            "task.num_generations=8", "task.max_new_tokens=256", "task.generator=flexgemma",
                            "task.micro_batch=8", "task.gradient_checkpointing=true"],
 }
+# --smoke: the same three jobs on the CPU test models (a script that crashes on the H200 wastes device time)
+SMOKE = ["device=cpu", "model.dtype=float32", "workload.num_prompts=8", "workload.min_prompt_len=8",
+         "workload.max_prompt_len=16", "task.prompts_per_step=2", "task.num_generations=4", "task.max_new_tokens=4",
+         "task.micro_batch=4", "task.reward.high=67"]
+SMOKE_JOBS = {"e2b_flexgemma": ["+model=tiny", "lora=r32", "task.generator=flexgemma", *SMOKE],
+              "e2b_trl": ["+model=tiny", "lora=r32", "task.generator=trl", *SMOKE],
+              "26b_bnb4_flexgemma": ["+model=tiny_moe", "quant=bnb4", "lora=r16", "task.generator=flexgemma",
+                                     "task.gradient_checkpointing=true", *SMOKE]}
 COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_median"),
            ("rollout s", "grpo/rollout_s_median"), ("train s", "grpo/train_s_median"),
            ("refresh ms", "grpo/refresh_ms_median"), ("rollout share", "grpo/rollout_share"),
@@ -48,7 +57,8 @@ COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_media
 
 def run(name: str, overrides: list[str], out: Path, steps: int) -> dict:
     job_dir = out / name
-    cmd = [sys.executable, "-m", "flexgemma", *overrides, *COMMON, f"task.steps={steps}", f"hydra.run.dir={job_dir}"]
+    # the job's own overrides last: they win over COMMON (the smoke jobs' smaller settings)
+    cmd = [sys.executable, "-m", "flexgemma", *COMMON, *overrides, f"task.steps={steps}", f"hydra.run.dir={job_dir}"]
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"})
@@ -78,6 +88,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default=os.environ.get("OUT", "results/grpo"))
     ap.add_argument("--only", default=",".join(JOBS))
+    ap.add_argument("--smoke", action="store_true", help="the same jobs on tiny / tiny_moe on the CPU")
     ap.add_argument("--collect", nargs="*", help="job dirs (with summary.json) to tabulate instead of running")
     args = ap.parse_args()
     out = Path(args.out)
@@ -85,7 +96,8 @@ def main() -> None:
     if args.collect:
         results = {Path(d).name: json.loads((Path(d) / "summary.json").read_text()) for d in args.collect}
     else:
-        results = {name: run(name, JOBS[name], out, args.steps) for name in args.only.split(",")}
+        jobs = SMOKE_JOBS if args.smoke else JOBS
+        results = {name: run(name, jobs[name], out, args.steps) for name in args.only.split(",")}
     text = table(results)
     e2b = results.get("e2b_flexgemma"), results.get("e2b_trl")
     if all(e2b) and all("grpo/step_s_median" in s for s in e2b):

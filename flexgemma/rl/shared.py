@@ -92,9 +92,17 @@ class SharedModel:
             self.trainer_view()
 
     def base_bytes(self) -> dict[str, int]:
-        """Bytes of the weights the trainer and engine share, and of the engine's merged copies."""
+        """Bytes of the weights the trainer and engine share, of the engine's merged copies and of the
+        adapter factors. The census runs in the trainer's view, whose module tree holds the pristine
+        weights, not the merged ones (4-bit weights count with their quant states)."""
+        from flexgemma.model.quant import storage_census
+
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        lora_ids = {id(p) for p in self.lora.slots.values()}
-        merged = nbytes(t.weight for t in self.lora.targets)
-        return {"shared_base_bytes": nbytes(p for p in self.peft_model.parameters() if id(p) not in lora_ids),
-                "merged_copy_bytes": merged, "adapter_bytes": nbytes(self.lora.slots.values())}
+        view = self.view
+        self.trainer_view()
+        adapter = nbytes(self.lora.slots.values())
+        total = storage_census(self.lora.model)["quant/weight_bytes"]
+        if view == "engine":
+            self.engine_view()
+        return {"shared_base_bytes": total - adapter, "merged_copy_bytes": nbytes(t.weight for t in self.lora.targets),
+                "adapter_bytes": adapter}
