@@ -21,7 +21,6 @@ pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from flexgemma import build_engine, compose  # noqa: E402
-from flexgemma.config import ConfigError  # noqa: E402
 from flexgemma.engine.sequence import SamplingParams  # noqa: E402
 from flexgemma.metrics import is_catalogued  # noqa: E402
 from flexgemma.rl.rewards import AnswerMatch, CopyTail, TargetTokens, final_answer  # noqa: E402

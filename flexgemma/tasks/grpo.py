@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from flexgemma.config import ConfigError
 
