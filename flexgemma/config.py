@@ -181,6 +181,7 @@ class TaskName(str, Enum):
     parity = "parity"
     determinism = "determinism"
     drift = "drift"
+    grpo = "grpo"
     all = "all"
 
 
@@ -192,6 +193,21 @@ class TaskConfig:
     objective: str = "throughput/total_tok_s_median"
     cycles: int = 10  # drift: perturb-and-refresh cycles before the original adapter is restored
     noise: float = 0.1  # drift: perturbation std, relative to each adapter tensor's RMS
+    # grpo (flexgemma/tasks/grpo.py, docs/grpo.md): TRL's GRPOTrainer on the engine's LoRA adapter
+    steps: int = 30  # optimizer steps (one rollout each)
+    prompts_per_step: int = 4
+    num_generations: int = 8  # completions per prompt (the group), each with its own seed
+    max_new_tokens: int = 8
+    temperature: float = 1.0  # the engine's logprobs are at temperature 1: the IS correction is exact there
+    learning_rate: float = 1e-5
+    beta: float = 0.0  # KL coefficient against the adapter-free base (0: no reference forward)
+    loss_type: str = "dapo"  # TRL's loss types: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo
+    reward: Any = None  # a Hydra node with _target_: a callable reward(prompts, completions, completion_ids, **cols)
+    generator: str = "flexgemma"  # flexgemma (the engine) | trl (TRL's transformers generate, for the side-by-side)
+    is_correction: bool = True  # token-level importance-sampling correction exp(trainer - engine), clipped
+    is_clip_max: float = 3.0
+    gradient_checkpointing: bool = False  # recompute activations in the trainer's backward (large models)
+    micro_batch: Optional[int] = None  # completions per backward (gradient accumulation); null: the whole step
 
 
 @dataclass

@@ -29,6 +29,21 @@ ROUND_METRICS: dict[str, str] = {
     "parity/exact_prompts": "task=parity row: prompts whose tokens all match",
     "parity/prompts": "task=parity row: prompts compared",
     "parity/first_divergence": "task=parity row: earliest token index where any prompt diverges (-1: none)",
+    # task=grpo: one row per optimizer step (docs/grpo.md)
+    "grpo/step": "task=grpo row: the optimizer step (1-based)",
+    "grpo/reward_mean": "mean reward over the step's completions (prompts_per_step x num_generations)",
+    "grpo/reward_std": "standard deviation of the step's rewards",
+    "grpo/rollout_s": "generation time of the step (s): adapter refresh + engine.generate (or TRL's generate)",
+    "grpo/train_s": "the rest of the step (s): rewards, the trainer's logprob forward, loss, backward, optimizer",
+    "grpo/refresh_ms": "engine.update_lora before the rollout: copy of the trainer's adapter + merge (ms)",
+    "grpo/step_s": "wall time of the optimizer step (s)",
+    "grpo/rollout_tok_s": "completion tokens / grpo/rollout_s",
+    "grpo/logprob_absdiff_mean": "mean |engine logprob - trainer logprob| of the sampled tokens, before the update",
+    "grpo/logprob_absdiff_max": "max of the same over the step's tokens",
+    "grpo/kl_k3": "k3 estimate of KL(engine || trainer) per token: r - 1 - log r, r = p_trainer / p_engine",
+    "grpo/is_ratio_p99": "99th percentile of the token importance ratio p_trainer / p_engine (before clipping)",
+    "grpo/is_ratio_max": "largest token importance ratio of the step (before clipping at task.is_clip_max)",
+    "memory/allocated_gib": "task=grpo row: memory allocated by torch at the end of the step (GiB; GPU)",
 }
 
 METRICS: dict[str, str] = {
@@ -39,7 +54,7 @@ METRICS: dict[str, str] = {
     "stderr_tail": "end of the stderr of a job whose process died (written by the sweep launcher)",
     "exit_error": "a job that recorded status ok but whose process then died on exit (written by the sweep launcher)",
     "model": "model name (+model=, or the checkpoint's)",
-    "task": "bench | parity | determinism | all",
+    "task": "bench | parity | determinism | drift | grpo | all",
     "choices": "the Hydra group choices (model, attn, cudagraph, quant, workload, experiment, ...); also the W&B tags",
     "overrides": "the job's command-line overrides; also the W&B run name",
     # throughput, over the timed rounds (build, compile, capture and warm-up are outside every window)
@@ -97,6 +112,29 @@ METRICS: dict[str, str] = {
     "parity/exact_prompts": "prompts whose greedy tokens all match",
     "parity/prompts": "prompts compared",
     "parity/first_divergence": "earliest divergent token index over the prompts (-1: none)",
+    # task=grpo (docs/grpo.md)
+    "grpo/steps": "optimizer steps taken",
+    "grpo/reward_first5": "mean of grpo/reward_mean over the first five steps",
+    "grpo/reward_last5": "mean of grpo/reward_mean over the last five steps",
+    "grpo/step_s_median": "median step time (s)",
+    "grpo/rollout_share": "sum of rollout time / sum of step time",
+    "grpo/rollout_s_median": "median rollout time of a step (s)",
+    "grpo/train_s_median": "median training time of a step (s)",
+    "grpo/refresh_ms_median": "median adapter refresh before a rollout (ms)",
+    "grpo/rollout_tok_s_median": "median rollout tokens per second",
+    "grpo/logprob_absdiff_mean": "mean over steps of the engine-vs-trainer mean |logprob difference|",
+    "grpo/logprob_absdiff_max": "largest engine-vs-trainer |logprob difference| of the run",
+    "grpo/kl_k3": "mean over steps of the k3 KL(engine || trainer) per token",
+    "grpo/is_ratio_max": "largest token importance ratio of the run (before clipping)",
+    "grpo/generator": "flexgemma (the engine generates) | trl (TRL's transformers generate)",
+    "grpo/wall_s": "wall time of trainer.train() (s)",
+    "grpo/shared_base_bytes": "bytes of the weights trainer and engine share (one copy: base, norms, embeddings, "
+                              "pristine copies of the adapted weights)",
+    "grpo/merged_copy_bytes": "bytes of the engine's merged copies of the adapted weights (the only duplicate; 0 for "
+                              "unmerged 4-bit projections)",
+    "grpo/adapter_bytes": "bytes of the LoRA factors (float32 when the model is bf16: the trainer's master copy)",
+    "grpo/optimizer_state_bytes": "bytes of the optimizer's state (AdamW: two moments of every LoRA factor)",
+    "grpo/adapter_path": "the trained adapter, saved with peft (lora.path=... loads it into an engine)",
     # environment
     "env/python": "Python version",
     "env/torch": "torch version",

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from flexgemma.builder import build_engine
 from flexgemma.compose import ensure_model
 from flexgemma.config import ConfigError, validate
-from flexgemma.tasks import bench, determinism, drift, parity
+from flexgemma.tasks import bench, determinism, drift, grpo, parity
 from flexgemma.tasks.common import bounded
 from flexgemma.joblock import JobLock, JobLockedError
 from flexgemma.tracking import RunRecorder, environment, format_table, read_summary, unwritable
@@ -37,7 +37,7 @@ log = logging.getLogger("flexgemma")
 MAX_ERROR_CHARS = 20_000  # an error quoting a huge input must not make summary.json huge
 
 TASKS = {
-    "bench": [bench], "parity": [parity], "determinism": [determinism], "drift": [drift],
+    "bench": [bench], "parity": [parity], "determinism": [determinism], "drift": [drift], "grpo": [grpo],
     "all": [bench, determinism, parity],
 }
 
@@ -78,7 +78,7 @@ def _run_locked(cfg: DictConfig, out_dir: Path, identity: Optional[dict], raise_
         validate(cfg)
         records = check_workload(cfg)  # a bad prompts file or sampling setting fails before the model exists
         t0 = time.perf_counter()
-        engine = build_engine(cfg, pool_demand(cfg.workload))
+        engine = build_engine(cfg, grpo.pool_demand(cfg) if task == "grpo" else pool_demand(cfg.workload))
         summary["build/seconds"] = time.perf_counter() - t0
         summary.update({f"engine/{k}": v for k, v in engine.info.items()})
         workload = build_workload(cfg, engine, records)

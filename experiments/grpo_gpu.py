@@ -1,0 +1,111 @@
+"""GRPO on the H200: E2B bf16 + LoRA r32 (generator flexgemma vs trl, side by side) and 26B-A4B
+quant=bnb4 + LoRA r16, each a `python -m flexgemma ... task=grpo` job; prints the step-time table.
+
+    python experiments/grpo_gpu.py [--steps 12] [--out results/grpo] [--only e2b_flexgemma,...]
+    python experiments/grpo_gpu.py --collect DIR [DIR ...]   # the table of finished job dirs, no run
+    python experiments/grpo_gpu.py --smoke --steps 2 --out /tmp/smoke  # the same jobs, tiny models, CPU
+
+(One job takes ~2-5 minutes with its build; under a 10-minute limit a call, run them one by one with
+--only and --out $OUT, then --collect the job dirs.)
+
+Needs the rl extra (trl, datasets) beside torch/transformers/peft/hydra/bitsandbytes; logger=none.
+Random weights: the reward is TargetTokens on 1/8 of the vocabulary, so the numbers are about speed,
+memory and engine-vs-trainer agreement, not about what is learned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# the vocabulary's first eighth (Gemma-4: 262,144 ids)
+REWARD = ["task.reward.low=3", "task.reward.high=32771"]
+COMMON = ["task=grpo", "logger=none", "workload.num_prompts=64", "workload.min_prompt_len=64",
+          "workload.max_prompt_len=128", "task.learning_rate=1e-5", "task.temperature=1.0", *REWARD]
+JOBS = {
+    "e2b_flexgemma": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
+                      "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=flexgemma"],
+    "e2b_trl": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
+                "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=trl"],
+    "26b_bnb4_flexgemma": ["+model=26b_a4b", "quant=bnb4", "lora=r16", "task.prompts_per_step=4",
+                           "task.num_generations=8", "task.max_new_tokens=256", "task.generator=flexgemma",
+                           "task.micro_batch=8", "task.gradient_checkpointing=true"],
+}
+# --smoke: the same three jobs on the CPU test models (a script that crashes on the H200 wastes device time)
+SMOKE = ["device=cpu", "model.dtype=float32", "workload.num_prompts=8", "workload.min_prompt_len=8",
+         "workload.max_prompt_len=16", "task.prompts_per_step=2", "task.num_generations=4", "task.max_new_tokens=4",
+         "task.micro_batch=4", "task.reward.high=67"]
+SMOKE_JOBS = {"e2b_flexgemma": ["+model=tiny", "lora=r32", "task.generator=flexgemma", *SMOKE],
+              "e2b_trl": ["+model=tiny", "lora=r32", "task.generator=trl", *SMOKE],
+              "26b_bnb4_flexgemma": ["+model=tiny_moe", "quant=bnb4", "lora=r16", "task.generator=flexgemma",
+                                     "task.gradient_checkpointing=true", *SMOKE]}
+COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_median"),
+           ("rollout s", "grpo/rollout_s_median"), ("train s", "grpo/train_s_median"),
+           ("refresh ms", "grpo/refresh_ms_median"), ("rollout share", "grpo/rollout_share"),
+           ("rollout tok/s", "grpo/rollout_tok_s_median"), ("|dlogp| mean", "grpo/logprob_absdiff_mean"),
+           ("|dlogp| max", "grpo/logprob_absdiff_max"), ("kl_k3", "grpo/kl_k3"), ("IS max", "grpo/is_ratio_max"),
+           ("reward 1st5", "grpo/reward_first5"), ("reward last5", "grpo/reward_last5"),
+           ("peak GiB", "memory/peak_allocated_gib"), ("base GiB", "grpo/shared_base_bytes"),
+           ("KV GiB", "engine/kv_pool_bytes"),
+           ("optim GiB", "grpo/optimizer_state_bytes"), ("merged GiB", "grpo/merged_copy_bytes"), ("status", "status")]
+
+
+def run(name: str, overrides: list[str], out: Path, steps: int) -> dict:
+    job_dir = out / name
+    # the job's own overrides last: they win over COMMON (the smoke jobs' smaller settings)
+    cmd = [sys.executable, "-m", "flexgemma", *COMMON, *overrides, f"task.steps={steps}", f"hydra.run.dir={job_dir}"]
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"})
+    summary_path = job_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {"status": f"rc {proc.returncode}"}
+    summary["wall_s"] = time.perf_counter() - t0
+    return summary
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    return str(v)
+
+
+def table(results: dict[str, dict]) -> str:
+    rows = [[h for h, _ in COLUMNS]]
+    for name, s in results.items():
+        rows.append([name] + [fmt(s[k] / 2**30 if k.endswith("_bytes") and k in s else s.get(k, "-"))
+                              for _, k in COLUMNS[1:]])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--out", default=os.environ.get("OUT", "results/grpo"))
+    ap.add_argument("--only", default=",".join(JOBS))
+    ap.add_argument("--smoke", action="store_true", help="the same jobs on tiny / tiny_moe on the CPU")
+    ap.add_argument("--collect", nargs="*", help="job dirs (with summary.json) to tabulate instead of running")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.collect:
+        results = {Path(d).name: json.loads((Path(d) / "summary.json").read_text()) for d in args.collect}
+    else:
+        jobs = SMOKE_JOBS if args.smoke else JOBS
+        results = {name: run(name, jobs[name], out, args.steps) for name in args.only.split(",")}
+    text = table(results)
+    e2b = results.get("e2b_flexgemma"), results.get("e2b_trl")
+    if all(e2b) and all("grpo/step_s_median" in s for s in e2b):
+        text += f"\n\nE2B GRPO step, trl / flexgemma: {e2b[1]['grpo/step_s_median'] / e2b[0]['grpo/step_s_median']:.2f}x"
+    print("\n" + text, flush=True)
+    (out / "grpo_table.txt").write_text(text + "\n")
+    (out / "grpo_summaries.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""task=grpo: TRL's GRPOTrainer trains the engine's LoRA adapter, generating through the engine.
+
+Each step: the engine takes the trainer's adapter (update_lora, in place), generates
+`num_generations` completions for each of `prompts_per_step` prompts, the reward scores them, the
+trainer computes its own logprobs of the sampled tokens (the importance-sampling correction and the
+mismatch metrics), and takes one optimizer step. `task.generator=trl` lets TRL generate with
+transformers instead (the same model, config and reward), for the side-by-side.
+
+Rows of metrics.jsonl: one per step (grpo/*); summary: grpo/* aggregates (flexgemma/metrics.py).
+The trained adapter is saved to <job dir>/adapter (a peft directory: lora.path=... loads it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from flexgemma.config import ConfigError
+
+log = logging.getLogger("flexgemma")
+
+
+class RecordedReward:
+    """The user's reward, keeping the last step's values for the metrics."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.values: list[float] = []
+
+    def __call__(self, **kwargs):
+        out = self.fn(**kwargs)
+        self.values = [float(v) for v in out if v is not None]
+        return out
+
+
+def make_reward(cfg):
+    from hydra.utils import instantiate
+
+    spec = cfg.task.reward
+    if spec is None or "_target_" not in spec:
+        raise ConfigError("task.reward must be a Hydra node with _target_ (e.g. flexgemma.rl.rewards.TargetTokens)")
+    return RecordedReward(instantiate(spec))
+
+
+def _answers(cfg) -> list | None:
+    """The `answer` field of each JSONL record, in the workload's order (None without a file)."""
+    w = cfg.workload
+    if not w.path:
+        return None
+    out = []
+    with open(Path(str(w.path)).expanduser()) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            if w.num_prompts is not None and len(out) >= w.num_prompts:
+                break
+            record = json.loads(line)
+            out.append(record.get("answer") if isinstance(record, dict) else None)
+    return out if any(a is not None for a in out) else None
+
+
+def build_dataset(engine, workload, cfg, tokenizer):
+    """A datasets.Dataset of the workload's prompts (prompt text, prompt_token_ids, answer) and the
+    text -> ids map the rollout uses (never re-tokenised)."""
+    from datasets import Dataset
+
+    from flexgemma.rl.tokenizer import ids_to_text
+
+    first = {}
+    for req, src in enumerate(workload.prompt_index):
+        first.setdefault(src, req)
+    ids = [workload.prompts[first[i]] for i in sorted(first)]
+    own = engine.tokenizer is not None
+    sources = [workload.sources[i] if i < len(workload.sources) else None for i in sorted(first)]
+    # a JSONL prompt's own text (what TRL's generator tokenises the same way); else the ids spelled out
+    texts = [src if isinstance(src, str) else tokenizer.decode(p) if own else ids_to_text(p)
+             for src, p in zip(sources, ids)]
+    if len(set(texts)) != len(texts):
+        raise ConfigError("two workload prompts have the same text: use more distinct prompts (workload.seed)")
+    rows = {"prompt": texts, "prompt_token_ids": ids}
+    answers = _answers(cfg)
+    if answers is not None:
+        rows["answer"] = answers[: len(ids)]
+    by_text = dict(zip(texts, ids))
+    return Dataset.from_dict(rows), by_text.__getitem__
+
+
+def pool_demand(cfg):
+    """The KV pool a step needs: every completion of the step in flight, each as long as the longest
+    prompt plus task.max_new_tokens (a prompts file's lengths are unknown before its tokenizer)."""
+    from flexgemma.engine.kv_cache import PoolDemand
+
+    t, w = cfg.task, cfg.workload
+    tokens = None if w.path else int(w.max_prompt_len) + int(t.max_new_tokens)
+    return PoolDemand(int(t.prompts_per_step) * int(t.num_generations), tokens)
+
+
+def grpo_args(cfg, out_dir: Path, device: torch.device):
+    from trl import GRPOConfig
+
+    t = cfg.task
+    batch = int(t.prompts_per_step) * int(t.num_generations)
+    micro = int(t.micro_batch) if t.micro_batch else batch
+    if micro < 1 or batch % micro:
+        raise ConfigError(f"task.micro_batch={t.micro_batch} must divide the step's {batch} completions "
+                          "(prompts_per_step x num_generations)")
+    # one rollout of `batch` completions per optimizer step, trained in batch / micro backward passes
+    return GRPOConfig(
+        output_dir=str(out_dir / "trainer"), max_steps=int(t.steps), learning_rate=float(t.learning_rate),
+        per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
+        steps_per_generation=batch // micro, num_iterations=1,
+        num_generations=int(t.num_generations), max_completion_length=int(t.max_new_tokens),
+        temperature=float(t.temperature), beta=float(t.beta), loss_type=str(t.loss_type),
+        lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, seed=int(cfg.seed), use_cpu=device.type == "cpu", bf16=False, fp16=False,
+        remove_unused_columns=False, dataloader_num_workers=0, shuffle_dataset=True,
+        vllm_importance_sampling_clip_max=float(t.is_clip_max),
+        gradient_checkpointing=bool(t.gradient_checkpointing),
+    )
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: list):
+    """A TrainerCallback writing one metrics.jsonl row per optimizer step."""
+    from transformers import TrainerCallback
+
+    class StepLogger(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            _sync()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            _sync()
+            step_s = time.perf_counter() - self.t0
+            trainer = trainer_ref[0]
+            stats, rollout = trainer.step_stats, trainer.rollout_func
+            vals = reward.values
+            rollout_s = stats.get("rollout_s", float("nan"))
+            row = {
+                "grpo/step": state.global_step,
+                "grpo/reward_mean": statistics.fmean(vals) if vals else float("nan"),
+                "grpo/reward_std": statistics.pstdev(vals) if len(vals) > 1 else 0.0,
+                "grpo/rollout_s": rollout_s, "grpo/train_s": step_s - rollout_s, "grpo/step_s": step_s,
+                "grpo/rollout_tok_s": stats.get("rollout_tokens", 0.0) / rollout_s if rollout_s > 0 else float("nan"),
+                "grpo/refresh_ms": rollout.last.get("refresh_ms", float("nan")) if rollout else float("nan"),
+            }
+            for k in ("logprob_absdiff_mean", "logprob_absdiff_max", "kl_k3", "is_ratio_p99", "is_ratio_max"):
+                row[f"grpo/{k}"] = stats.get(k, float("nan"))
+            if torch.cuda.is_available():
+                row["memory/allocated_gib"] = torch.cuda.memory_allocated() / 2**30
+            rows.append(row)
+            recorder.log_round(row)
+            log.info("grpo step %d/%d: reward %.3f, step %.2f s (rollout %.2f s, refresh %.1f ms), |dlogp| %.2g",
+                     state.global_step, state.max_steps, row["grpo/reward_mean"], step_s, rollout_s,
+                     row["grpo/refresh_ms"], row["grpo/logprob_absdiff_mean"])
+            trainer_ref[0].step_stats = {}
+
+    return StepLogger()
+
+
+def summarise(rows: list[dict]) -> dict:
+    def col(k):
+        return [r[k] for r in rows if r.get(k) == r.get(k)]  # drops NaN
+
+    def mean(k, sl=slice(None)):
+        v = col(k)[sl]
+        return statistics.fmean(v) if v else float("nan")
+
+    step_s, rollout_s = col("grpo/step_s"), col("grpo/rollout_s")
+    out = {
+        "grpo/steps": len(rows),
+        "grpo/reward_first5": mean("grpo/reward_mean", slice(0, 5)),
+        "grpo/reward_last5": mean("grpo/reward_mean", slice(-5, None)),
+        "grpo/step_s_median": statistics.median(step_s) if step_s else float("nan"),
+        "grpo/rollout_share": sum(rollout_s) / sum(step_s) if step_s and rollout_s else float("nan"),
+    }
+    for k in ("rollout_s", "train_s", "refresh_ms", "rollout_tok_s"):
+        v = col(f"grpo/{k}")
+        out[f"grpo/{k}_median"] = statistics.median(v) if v else float("nan")
+    out["grpo/logprob_absdiff_mean"] = mean("grpo/logprob_absdiff_mean")
+    v = col("grpo/logprob_absdiff_max")
+    out["grpo/logprob_absdiff_max"] = max(v) if v else float("nan")
+    out["grpo/kl_k3"] = mean("grpo/kl_k3")
+    v = col("grpo/is_ratio_max")
+    out["grpo/is_ratio_max"] = max(v) if v else float("nan")
+    return out
+
+
+def run(engine, workload, cfg, recorder) -> dict:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        raise ConfigError("task=grpo needs TRL: pip install 'flexgemma[rl]' (trl 1.16)") from None
+    from transformers import PrinterCallback
+
+    from flexgemma.rl.rollout import grpo_trainer
+    from flexgemma.rl.tokenizer import tiny_tokenizer
+
+    t = cfg.task
+    generator = str(getattr(t.generator, "value", t.generator))
+    if generator not in ("flexgemma", "trl"):
+        raise ConfigError(f"task.generator={generator!r}: choose flexgemma or trl")
+    if str(t.loss_type) == "vespo" and bool(t.is_correction):
+        raise ConfigError("task.loss_type=vespo is not linear in the advantage: set task.is_correction=false")
+    tokenizer = engine.tokenizer or tiny_tokenizer(engine.spec.vocab_size)
+    dataset, ids_of = build_dataset(engine, workload, cfg, tokenizer)
+    if len(dataset) < int(t.prompts_per_step):
+        raise ConfigError(f"task.prompts_per_step={t.prompts_per_step} but the workload has {len(dataset)} prompts: "
+                          "raise workload.num_prompts")
+    device = next(engine.model.parameters()).device
+    reward = make_reward(cfg)
+    rows: list[dict] = []
+    ref: list = []
+    logger = make_step_logger(ref, reward, recorder, rows)
+    trainer, shared, _ = grpo_trainer(
+        engine, grpo_args(cfg, recorder.dir, device), [reward], dataset, tokenizer, ids_of, generator,
+        bool(t.is_correction), callbacks=[logger])
+    ref.append(trainer)
+    trainer.remove_callback(PrinterCallback)  # TRL's per-step dict print; the rows go to metrics.jsonl
+    t0 = time.perf_counter()
+    trainer.train()
+    train_wall = time.perf_counter() - t0
+    summary = summarise(rows)
+    opt_bytes = sum(v.numel() * v.element_size() for st in trainer.optimizer.state.values()
+                    for v in st.values() if torch.is_tensor(v))
+    summary.update({"grpo/generator": generator, "grpo/wall_s": train_wall, "grpo/optimizer_state_bytes": opt_bytes,
+                    **{f"grpo/{k}": v for k, v in shared.base_bytes().items()}})
+    # the engine ends with the trained adapter: what the saved directory reloads to
+    shared.engine_view()
+    engine.update_lora(shared.peft_model)
+    adapter_dir = recorder.dir / "adapter"
+    engine.lora.save(adapter_dir)
+    summary["grpo/adapter_path"] = str(adapter_dir)
+    log.info("grpo: reward %.3f (first 5 steps) -> %.3f (last 5); step %.2f s median, rollout share %.2f; "
+             "adapter saved to %s", summary["grpo/reward_first5"], summary["grpo/reward_last5"],
+             summary["grpo/step_s_median"], summary["grpo/rollout_share"], adapter_dir)
+    return summary
