@@ -2,7 +2,7 @@
 # Everything that needs the GPU, stage by stage, each under its own time limit (device time is
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
-# Stages (in this order): tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): grpo_e2b grpo_e2b_trl grpo_26b grpo_tests speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -28,13 +28,37 @@ run() {  # name timeout command...
   if (( limit < 30 )); then echo "== $name skipped: ${left}s left"; return 0; fi
   timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - t0 ))s"
-  grep -E "passed|failed|^FAILED|Error:|tok/s|tok_s_median|speedup|peak|parity|ratio|refresh|build_seconds|capture_seconds|best|sum over|^built " \
+  grep -E "passed|failed|^FAILED|Error:|GRPO|grpo step|e2b_|26b_|tok/s|tok_s_median|speedup|peak|parity|ratio|refresh|build_seconds|capture_seconds|best|sum over|^built " \
     "$WORK/$name.log" | grep -v DEBUG | tail -25
   pack
 }
 bench=experiments/bench_vs_hf.py
 # 26B-A4B cut to its first six layers (five sliding, one full) so that float32 fits beside the tests
 L6="model.hf_config.num_hidden_layers=6 model.hf_config.layer_types=[sliding_attention,sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]"
+
+# GRPO through TRL (issue 17): one job a stage (build + 10-12 steps, 2-5 min each); the table of every
+# finished job is printed after each stage (experiments/grpo_gpu.py --collect)
+export TRL_EXPERIMENTAL_SILENCE=1
+grpo_job() {  # name steps
+  python3 experiments/grpo_gpu.py --only "$1" --steps "$2" --out "$WORK/grpo"
+  python3 experiments/grpo_gpu.py --collect "$WORK"/grpo/*/ --out "$WORK/grpo_table" | tail -6
+}
+export -f grpo_job
+run grpo_e2b 300 bash -c 'grpo_job e2b_flexgemma 12'
+run grpo_e2b_trl 330 bash -c 'grpo_job e2b_trl 12'
+run grpo_26b 450 bash -c 'grpo_job 26b_bnb4_flexgemma 10'
+run grpo_tests 240 python3 -m pytest -q -p no:logging -m gpu -s tests/test_grpo.py tests/test_engine_safety.py
+# issue 15's speed check: the same E2B workload at the session's base commit (a copy in .old/, carried)
+# and on this tree, one after the other in one call
+speed_old_new() {
+  (cd .old && python3 experiments/bench_vs_hf.py +model=e2b +experiment=speed_e2b workload.rounds=5 --no-hf \
+     --out "$WORK/e2b_old.json" > "$WORK/e2b_old.log" 2>&1)
+  python3 experiments/bench_vs_hf.py +model=e2b +experiment=speed_e2b workload.rounds=5 --no-hf \
+     --out "$WORK/e2b_new.json" > "$WORK/e2b_new.log" 2>&1
+  grep -hE "tok_s_median|tok/s" "$WORK/e2b_old.log" | tail -3; echo "-- new"; grep -hE "tok_s_median|tok/s" "$WORK/e2b_new.log" | tail -3
+}
+export -f speed_old_new
+run speed_old_new 330 bash -c speed_old_new
 
 # correctness, not timings: the GPU test files and the float32 26B-A4B parity job side by side
 gpu_tests() {
