@@ -330,7 +330,7 @@ def no_build(monkeypatch):
 
 def test_sampling_settings_that_make_every_request_an_error_are_invalid_before_the_build(tmp_path, no_build):
     summary = run_job(compose([*TINY_JOB, "workload.top_p=0"]), tmp_path / "job", raise_errors=False)
-    assert summary["status"] == "invalid" and "top_p=0.0 must be in (0, 1]" in summary["error"]
+    assert summary["status"] == "invalid" and "top_p=0.0 must be a number in (0, 1]" in summary["error"]
     with pytest.raises(WorkloadError, match="workload sampling settings cannot run"):
         run_job(compose([*TINY_JOB, "workload.top_p=0"]), tmp_path / "job2")
 
