@@ -172,8 +172,9 @@ def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
     quantised = cfg.quant is not None and cfg.quant.method != "none"
     linear4bit_kernel = _kernel_choice("linear4bit_kernel", str(cfg.engine.linear4bit_kernel), "bnb", device) \
         if quantised else "bnb"
-    ops = make_ops(counter if use_compile else None, moe_kernel, linear4bit_kernel)
-    forward = GemmaForward(model, spec, cache.pools, cfg.attn, max_len, kernels, ops, lora)
+    ops = make_ops(counter if use_compile else None, moe_kernel)
+    forward = GemmaForward(model, spec, cache.pools, cfg.attn, max_len, kernels, ops, lora,
+                           linear4bit=linear4bit_kernel == "triton")
     if quantised:
         groups = forward.linear4bit_groups()
         info.update({"linear4bit_kernel": linear4bit_kernel, "linear4bit_groups": len(groups),

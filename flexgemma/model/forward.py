@@ -24,15 +24,16 @@ from flexgemma.model.spec import ModelSpec
 
 class GemmaForward(torch.nn.Module):
     def __init__(self, hf_model, spec: ModelSpec, pools: KVPools, attn_cfg, max_len: int,
-                 kernels: AttentionKernels, ops, lora=None):
+                 kernels: AttentionKernels, ops, lora=None, linear4bit: bool = False):
         super().__init__()
         self.hf = [hf_model]  # a list: not a submodule, so its parameters are listed once, by transformers
         self.spec, self.pools, self.kernels, self.ops = spec, pools, kernels, ops
         self.layers = hf_model.model.layers
         self.eps = spec.rms_eps
         dtype = hf_model.model.embed_tokens.weight.dtype
-        # every projection of the model, as `projection` decides to run it (decided here, once)
-        project = functools.partial(projection, lora=lora, linear4bit=ops.linear4bit)
+        # every projection of the model, as `projection` decides to run it (decided here, once):
+        # `lora` the engine's adapters or None; `linear4bit` 4-bit bases may run as one group
+        project = functools.partial(projection, lora=lora, linear4bit=linear4bit)
         self.attn = [
             PagedAttention(
                 s, layer.self_attn, pools, kernels, ops, self.eps,

@@ -74,17 +74,15 @@ def final_logits(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-def make_ops(counter=None, moe_kernel: str = "grouped_mm", linear4bit_kernel: str = "bnb") -> SimpleNamespace:
+def make_ops(counter=None, moe_kernel: str = "grouped_mm") -> SimpleNamespace:
     """The glue functions: compiled with `counter` as backend (GPU), or plain (the CPU reference);
-    the routed experts' GEMMs (`experts_kernel`: None for torch's grouped GEMM); and whether 4-bit
-    projections run as `linear4bit.Linear4bitGroup`s (`linear4bit`, else bitsandbytes' modules)."""
+    and the routed experts' GEMMs (`experts_kernel`: None for torch's grouped GEMM)."""
     fns = dict(rms_norm=rms_norm, add_norm=add_norm, add_norm_norm=add_norm_norm, norm_rope=norm_rope,
                gelu_mul=gelu_mul, final_logits=final_logits, moe_inputs=moe_inputs, route=route,
                add_two_norms=add_two_norms)
     if counter is not None:
         fns = {k: compile_fn(f, counter) for k, f in fns.items()}
     fns["experts_kernel"] = None
-    fns["linear4bit"] = linear4bit_kernel == "triton"
     if moe_kernel == "triton":  # the routed experts and the router's top-k as Triton kernels
         from flexgemma.model import moe_kernel as mk
 
