@@ -11,6 +11,9 @@ run as one callable x -> [each projection's output], chosen once at build, in th
 2. an unmerged LoRA group (`lora.LowRankGroup`) over the base layers or over their 4-bit group.
 3. a 4-bit group (`linear4bit.Linear4bitGroup`, engine.linear4bit_kernel=triton).
 4. module by module, each looked up at its call (a peft wrapper injected after the build runs).
+
+The MoE router's projection is not one of these: `moe.moe_block` calls it as its module (as a
+4-bit group it would run another kernel than the one measured).
 """
 
 from __future__ import annotations
