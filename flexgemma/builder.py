@@ -9,22 +9,22 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 
+from flexgemma.compiled import CompileCounter, compile_fn
 from flexgemma.config import ConfigError, validate_kernels
 from flexgemma.engine.block_mask import MaskBuilder
 from flexgemma.engine.engine import Engine
 from flexgemma.engine.kv_cache import KVCache, PoolDemand
-from flexgemma.engine.compiled import CompileCounter, compile_fn
 from flexgemma.engine.cuda_graphs import DecodeGraphs
 from flexgemma.engine.runner import ModelRunner
 from flexgemma.engine.sampler import sample
 from flexgemma.engine.scheduler import Scheduler
 from flexgemma.model.attention import AttentionKernels
 from flexgemma.model.forward import GemmaForward
-from flexgemma.model.fused import make_ops
+from flexgemma.model.glue import make_ops
 from flexgemma.model.estimate import describe, estimate_build, refuse_if_too_large
 from flexgemma.model.load import build_model, free_memory
-from flexgemma.model.fuse import fuse_projections
 from flexgemma.model.lora import attach_lora
+from flexgemma.model.projections import fuse_projections
 from flexgemma.model.spec import ModelSpec
 
 log = logging.getLogger("flexgemma")
@@ -172,8 +172,9 @@ def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
     quantised = cfg.quant is not None and cfg.quant.method != "none"
     linear4bit_kernel = _kernel_choice("linear4bit_kernel", str(cfg.engine.linear4bit_kernel), "bnb", device) \
         if quantised else "bnb"
-    ops = make_ops(counter if use_compile else None, moe_kernel, linear4bit_kernel)
-    forward = GemmaForward(model, spec, cache, cfg.attn, max_len, kernels, ops, lora)
+    ops = make_ops(counter if use_compile else None, moe_kernel)
+    forward = GemmaForward(model, spec, cache.pools, cfg.attn, max_len, kernels, ops, lora,
+                           linear4bit=linear4bit_kernel == "triton")
     if quantised:
         groups = forward.linear4bit_groups()
         info.update({"linear4bit_kernel": linear4bit_kernel, "linear4bit_groups": len(groups),

@@ -4,7 +4,7 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from flexgemma import compose
-from flexgemma.engine.compiled import CompileCounter, compile_fn
+from flexgemma.compiled import CompileCounter, compile_fn
 from flexgemma.model.attention import kernel_options
 
 

@@ -122,12 +122,12 @@ def test_router_kernel_equals_torchs_route_interpreted():
     and other sizes, from float32 and half scores; a k that is not a power of two runs torch's."""
     out = run_interpreted("""
         import torch
-        from flexgemma.model import fused, moe_kernel
+        from flexgemma.model import moe, moe_kernel
         torch.manual_seed(0)
         for dt in (torch.float32, torch.float16):
             for t, e, k in ((6, 128, 8), (3, 8, 2), (1, 20, 4), (4, 10, 3)):
                 scores, scale = torch.randn(t, e).to(dt), torch.rand(e).to(dt)
-                w0, i0 = fused.route(scores, scale, k)
+                w0, i0 = moe.route(scores, scale, k)
                 w1, i1 = moe_kernel.route(scores, scale, k)
                 print("route", torch.equal(i0, i1), float((w0 - w1).abs().max()), w1.dtype == torch.float32)
     """)

@@ -22,6 +22,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexgemma.engine.kv_cache import KVCache, PageGroup
 from flexgemma.engine.sequence import Sequence
+from flexgemma.engine.staged import Staged
 from flexgemma.model.spec import ModelSpec
 
 DECODE_Q_BLOCK = 128
@@ -58,7 +59,7 @@ class MaskBuffers:
     CUDA-graph bucket reads the same tensors. All are views of one staged int32 buffer, filled on
     the host and uploaded in one copy."""
 
-    staged: "Staged"
+    staged: Staged
     q_seq: torch.Tensor  # [B, 1] int32 document id (sequence id) of each query
     q_pos: torch.Tensor  # [B, 1] int32 logical position of each query
     kv_num_blocks: dict[str, torch.Tensor]  # layer type -> [B, 1, 1] int32
@@ -80,8 +81,6 @@ class MaskBuilder:
 
     # -- decode: one query per sequence ----------------------------------------------------------
     def decode_buffers(self, batch: int) -> MaskBuffers:
-        from flexgemma.engine.runner import Staged
-
         w = self.max_pages_per_seq
         shapes = {"q_seq": (batch, 1), "q_pos": (batch, 1)}
         for t in self.windows:

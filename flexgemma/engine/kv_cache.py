@@ -1,4 +1,5 @@
-"""Paged KV cache: a free list of physical pages (CPU) and the physical pools (device).
+"""Paged KV cache: a free list of physical pages (CPU) and the physical pools (device, the
+model's `KVPools`, sized here by the page groups).
 
 A page group (ids from one allocator) indexes the pools of the layers it serves: page p of a
 sequence holds that sequence's tokens [p*P, (p+1)*P) in each of them. Pools are shaped by their
@@ -28,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from flexgemma.model.kv_pools import KVPools
 from flexgemma.model.spec import ModelSpec
 
 SINK_PAGE = 0
@@ -123,7 +125,7 @@ class PageGroup:
 
 
 class KVCache:
-    """K and V pools of every KV-writing layer, and the page groups that index them.
+    """The page groups, and the K and V pools of every KV-writing layer (`pools`) that they index.
 
     Without `window_pages` one page group serves every layer. With it, sliding layers get a group
     of their own with that many pages, and keep only the pages inside their window."""
@@ -140,20 +142,10 @@ class KVCache:
             window_group = PageGroup("window", window_pages, page_size, device, window=windows.pop())
             self.group_for.update({s.layer_type: window_group for s in spec.layers if s.window is not None})
         self.page_groups = list({id(g): g for g in self.group_for.values()}.values())
-        # Each writing layer owns separate K and V tensors [1, kv_heads, slots, head_dim] (the 1 is
-        # the batch dim flex_attention broadcasts). Separate allocations, not views of one group
-        # tensor: inductor turns a KV write into a view of a shared base into a copy of the base.
-        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer in spec.kv_layers:
-            slots = self.group_for[layer.layer_type].num_pages * page_size
-            shape = (1, layer.num_kv_heads, slots, layer.head_dim)
-            self._kv[layer.index] = (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-        for layer in spec.layers:
-            if not layer.writes_kv:
-                self._kv[layer.index] = self._kv[layer.kv_source]
+        # the K/V tensors the forward writes and reads: each layer type's pools have a slot per
+        # slot of its page group
+        slots = {t: g.num_pages * page_size for t, g in self.group_for.items()}
+        self.pools = KVPools(spec, slots, page_size, dtype, device)
 
     @property
     def num_pages(self) -> int:
@@ -171,22 +163,19 @@ class KVCache:
 
     def group_page_bytes(self, group: PageGroup) -> int:
         """Bytes one page of `group` holds over every KV-writing layer it serves."""
-        return sum(2 * s.num_kv_heads * s.head_dim * self.page_size * self._kv[s.index][0].element_size()
+        return sum(2 * s.num_kv_heads * s.head_dim * self.page_size * self.pools.layer_kv(s.index)[0].element_size()
                    for s in self.spec.kv_layers if self.group_for[s.layer_type] is group)
 
     @property
     def nbytes(self) -> int:
-        return sum(2 * k.numel() * k.element_size() for i, (k, _) in self._kv.items() if self.spec.layers[i].writes_kv)
+        return self.pools.nbytes
 
+    # the pools' own reads and writes, for callers that hold the cache (tests, profiling)
     def layer_kv(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) as [1, kv_heads, slots, head_dim] views, for the layer's own or its source's pool."""
-        return self._kv[layer_index]
+        return self.pools.layer_kv(layer_index)
 
     def write(self, layer_index: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """k, v: [T, kv_heads, head_dim] written at flat slot indices `slots` [T]."""
-        kc, vc = self._kv[layer_index]
-        kc.index_copy_(2, slots, k.transpose(0, 1)[None])
-        vc.index_copy_(2, slots, v.transpose(0, 1)[None])
+        self.pools.write(layer_index, k, v, slots)
 
     def slot(self, group: PageGroup, seq, pos: int) -> int:
         return group.pages_of(seq)[pos // self.page_size] * self.page_size + pos % self.page_size

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexgemma.engine.kv_cache import KVCache
-from flexgemma.model.fuse import fused_weight, projector
+from flexgemma.compiled import CompileCounter, compile_fn
+from flexgemma.model.kv_pools import KVPools
+from flexgemma.model.projections import Projection
 from flexgemma.model.spec import LayerSpec
 
 
@@ -61,43 +62,34 @@ def kernel_options(phase_cfg: Any, head_dim: int, page_size: int, dtype: torch.d
 
 
 class PagedAttention:
-    """One layer's attention: projections (the model's modules), fused norm + RoPE, the KV write
-    and the attention kernel of the phase."""
+    """One layer's attention: projections (as `projections.projection` runs them), fused norm +
+    RoPE, the KV write and the attention kernel of the phase."""
 
-    def __init__(self, spec: LayerSpec, hf_attn, cache: KVCache, kernels: "AttentionKernels", ops, eps: float,
-                 options: dict[str, Optional[dict]], lora=None):
-        self.spec, self.m, self.cache, self.k, self.ops, self.eps = spec, hf_attn, cache, kernels, ops, eps
+    def __init__(self, spec: LayerSpec, hf_attn, pools: KVPools, kernels: "AttentionKernels", ops, eps: float,
+                 options: dict[str, Optional[dict]], project: Callable[..., Projection]):
+        self.spec, self.m, self.pools, self.k, self.ops, self.eps = spec, hf_attn, pools, kernels, ops, eps
         self.options = options  # phase -> flex kernel options for this layer's head_dim
-        projections = [m for m in (hf_attn.q_proj, getattr(hf_attn, "k_proj", None), getattr(hf_attn, "v_proj", None))
-                       if m is not None]
-        self.qkv = fused_weight(hf_attn, "fused_qkv", projections)  # one GEMM for q, k and v when possible
-        self.split = [p.weight.shape[0] for p in projections]
-        # otherwise the projections the layer uses: q, and k / v where it writes its own KV
+        # the projections the layer uses: q, and k / v where it writes its own KV (one GEMM when fused)
         used = ["q_proj"] + (["k_proj"] if spec.writes_kv else []) + \
             (["v_proj"] if spec.writes_kv and not spec.k_eq_v else [])
-        self.project_qkv = projector(hf_attn, used, lora, ops.linear4bit)
-        self.project_o = projector(hf_attn, ["o_proj"], lora, ops.linear4bit)
+        self.project_qkv = project(hf_attn, used, fused="fused_qkv")
+        self.project_o = project(hf_attn, ["o_proj"])
 
     def __call__(self, x, cos, sin, slots, mask: BlockMask, decode: bool) -> torch.Tensor:
         s, m, ops = self.spec, self.m, self.ops
         t = x.shape[0]
-        if self.qkv is not None:
-            parts = F.linear(x, self.qkv).split(self.split, dim=-1)
-            q_lin, k_lin = parts[0], parts[1]
-            v_lin = parts[2] if len(parts) > 2 else k_lin
-        else:
-            parts = self.project_qkv(x)
-            q_lin = parts[0]
-            k_lin = parts[1] if s.writes_kv else None
-            v_lin = k_lin if s.k_eq_v or not s.writes_kv else parts[2]
+        parts = self.project_qkv(x)
+        q_lin = parts[0]
+        k_lin = parts[1] if s.writes_kv else None
+        v_lin = k_lin if s.k_eq_v or not s.writes_kv else parts[2]
         q = ops.norm_rope(q_lin.reshape(t, s.num_heads, s.head_dim), m.q_norm.weight, cos, sin, self.eps)
         if s.writes_kv:
             raw_k = k_lin.reshape(t, s.num_kv_heads, s.head_dim)
             raw_v = v_lin.reshape(t, s.num_kv_heads, s.head_dim)
             k = ops.norm_rope(raw_k, m.k_norm.weight, cos, sin, self.eps)
             v = ops.rms_norm(raw_v, None, self.eps)  # values: a scale-free norm, no RoPE
-            self.cache.write(s.index, k, v, slots[s.layer_type])  # each layer type's own page group
-        kc, vc = self.cache.layer_kv(s.kv_source)
+            self.pools.write(s.index, k, v, slots[s.layer_type])  # each layer type's own slots
+        kc, vc = self.pools.layer_kv(s.kv_source)
         if decode:
             out = self.k.decode(q, kc, vc, mask, self.options["decode"])
         else:
@@ -118,8 +110,6 @@ class AttentionKernels:
         self.backend = backend
         self.decode_rows = decode_rows if backend == "flex" else None
         if backend == "flex":
-            from flexgemma.engine.compiled import CompileCounter, compile_fn
-
             counter = counter or CompileCounter()
             self._decode = compile_fn(flex_attention, counter, dynamic=False)
             self._prefill = compile_fn(flex_attention, counter, dynamic=None)

@@ -2,51 +2,51 @@
 layer loop over the paged cache, final norm, lm_head and the logit soft-cap.
 
 Tokens of a step are packed into one flat sequence [T]; the layer loop reads only `LayerSpec`s.
-Matrix products go through the model's own modules (so peft and bitsandbytes wrappers apply);
-norms, RoPE and activations are the fused glue of fused.py over those modules' weights.
+Matrix products run as `projections.projection` decides (fused GEMMs, 4-bit or LoRA groups, or
+the model's own modules, so peft and bitsandbytes wrappers apply); norms, RoPE and activations are
+the compiled glue of glue.py over those modules' weights.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexgemma.engine.kv_cache import KVCache
 from flexgemma.model.attention import AttentionKernels, PagedAttention, kernel_options, rope_tables
-from flexgemma.model.fuse import fused_weight, projector
+from flexgemma.model.kv_pools import KVPools
 from flexgemma.model.moe import moe_block
+from flexgemma.model.projections import linear4bit_groups, projection
 from flexgemma.model.spec import ModelSpec
 
 
 class GemmaForward(torch.nn.Module):
-    def __init__(self, hf_model, spec: ModelSpec, cache: KVCache, attn_cfg, max_len: int,
-                 kernels: AttentionKernels, ops, lora=None):
+    def __init__(self, hf_model, spec: ModelSpec, pools: KVPools, attn_cfg, max_len: int,
+                 kernels: AttentionKernels, ops, lora=None, linear4bit: bool = False):
         super().__init__()
         self.hf = [hf_model]  # a list: not a submodule, so its parameters are listed once, by transformers
-        self.spec, self.cache, self.kernels, self.ops = spec, cache, kernels, ops
+        self.spec, self.pools, self.kernels, self.ops = spec, pools, kernels, ops
         self.layers = hf_model.model.layers
         self.eps = spec.rms_eps
+        dtype = hf_model.model.embed_tokens.weight.dtype
+        # every projection of the model, as `projection` decides to run it (decided here, once):
+        # `lora` the engine's adapters or None; `linear4bit` 4-bit bases may run as one group
+        project = functools.partial(projection, lora=lora, linear4bit=linear4bit)
         self.attn = [
             PagedAttention(
-                s, layer.self_attn, cache, kernels, ops, self.eps,
-                {ph: kernel_options(attn_cfg[ph], s.head_dim, cache.page_size, hf_model.model.embed_tokens.weight.dtype)
-                 for ph in ("prefill", "decode")},
-                lora,
+                s, layer.self_attn, pools, kernels, ops, self.eps,
+                {ph: kernel_options(attn_cfg[ph], s.head_dim, pools.block_size, dtype) for ph in ("prefill", "decode")},
+                project,
             )
             for s, layer in zip(spec.layers, self.layers)
         ]
-        self.gate_up = [fused_weight(layer.mlp, "fused_gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
-                        for layer in self.layers]
-        # the other projections, each group of one input as `fuse.projector` runs it (4-bit groups,
-        # unmerged LoRA groups, or module by module)
         self.project = [
-            {"gate_up": projector(layer.mlp, ["gate_proj", "up_proj"], lora, ops.linear4bit),
-             "down": projector(layer.mlp, ["down_proj"], lora, ops.linear4bit),
-             **({"ple_gate": projector(layer, ["per_layer_input_gate"], lora, ops.linear4bit),
-                 "ple_out": projector(layer, ["per_layer_projection"], lora, ops.linear4bit)}
+            {"gate_up": project(layer.mlp, ["gate_proj", "up_proj"], fused="fused_gate_up"),
+             "down": project(layer.mlp, ["down_proj"]),
+             **({"ple_gate": project(layer, ["per_layer_input_gate"]),
+                 "ple_out": project(layer, ["per_layer_projection"])}
                 if s.per_layer_input else {})}
             for s, layer in zip(spec.layers, self.layers)
         ]
@@ -59,11 +59,8 @@ class GemmaForward(torch.nn.Module):
 
     def linear4bit_groups(self) -> list:
         """The `linear4bit.Linear4bitGroup`s the projections run (alone or under a LoRA group)."""
-        calls = [f for a in self.attn for f in (a.project_qkv, a.project_o)] + \
-            [f for p in self.project for f in p.values()]
-        bases = [getattr(f, "base", f) for f in calls]
-        # by name: importing linear4bit imports Triton, which CPU-only installs may lack
-        return [b for b in bases if type(b).__name__ == "Linear4bitGroup"]
+        return linear4bit_groups([f for a in self.attn for f in (a.project_qkv, a.project_o)] +
+                                 [f for p in self.project for f in p.values()])
 
     def forward(
         self,
@@ -91,11 +88,8 @@ class GemmaForward(torch.nn.Module):
             a = attn(x, cos, sin, slots, masks[s.layer_type], decode)
             h, x = ops.add_norm_norm(h, a, layer.post_attention_layernorm.weight, eps,
                                      layer.pre_feedforward_layernorm.weight)
-            gate_up, project = self.gate_up[s.index], self.project[s.index]
-            if gate_up is not None:  # one GEMM for gate and up
-                g, u = F.linear(x, gate_up).chunk(2, dim=-1)
-            else:
-                g, u = project["gate_up"](x)
+            project = self.project[s.index]
+            g, u = project["gate_up"](x)
             m = project["down"](ops.gelu_mul(g, u))[0]
             if s.moe:
                 m = moe_block(layer, h, m, ops, eps)

@@ -105,6 +105,14 @@ def experts_grouped(
     return out
 
 
+def route(scores: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma-4's router after its projection: float32 softmax, top-k, renormalised, per-expert scale."""
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    weights, index = torch.topk(probs, k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * per_expert_scale[index], index
+
+
 def experts_loop(x, top_k_index, top_k_weights, gate_up, down, act) -> torch.Tensor:
     """Reference: each expert on the rows routed to it."""
     out = torch.zeros_like(x)

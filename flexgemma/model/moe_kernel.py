@@ -32,13 +32,14 @@ interpreter, TRITON_INTERPRET=1, which the tests use).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from flexgemma.model.moe import routed_experts
+from flexgemma.model.moe import route as torch_route, routed_experts
 from flexgemma.model.triton4bit import code4, nibble_dot, row_pairs, sum_rows
 
 BLOCK_M = 16  # entries of one expert per tile: tl.dot's smallest M
@@ -249,11 +250,9 @@ def _route_kernel(scores_ptr, scale_ptr, weights_ptr, index_ptr, stride_s, E: tl
 
 
 def route(scores: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fused.route` in one Triton kernel: scores [T, E] -> (float32 weights, int64 expert ids) [T, k].
-    k must be a power of two (Gemma-4: 8); otherwise `fused.route` (torch) runs."""
+    """`moe.route` in one Triton kernel: scores [T, E] -> (float32 weights, int64 expert ids) [T, k].
+    k must be a power of two (Gemma-4: 8); otherwise `moe.route` (torch) runs."""
     if k & (k - 1):
-        from flexgemma.model.fused import route as torch_route
-
         return torch_route(scores, per_expert_scale, k)
     scores, per_expert_scale = scores.contiguous(), per_expert_scale.contiguous()
     t, e = scores.shape
@@ -314,6 +313,48 @@ def fused_4bit_fits(gate_up, down) -> bool:
     return h % gate_up.block_size == 0 and i % down.block_size == 0 and gate_up.block_size == down.block_size
 
 
+def _check_step(x, top_k_index, gate_up, down, packed_mode: Optional[str], code_lookup: str) -> None:
+    """decode_experts' arguments, refused with what is wrong."""
+    if code_lookup not in ("table", "select"):
+        raise ValueError(f"code_lookup={code_lookup!r}: table or select")
+    if packed_mode not in (None, "fused", "slots"):
+        raise ValueError(f"packed_mode={packed_mode!r}: fused or slots")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"the Triton expert kernels take bf16/fp16 rows, got {x.dtype}")
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        if isinstance(w, torch.Tensor) and w.dtype != x.dtype:
+            raise TypeError(f"decode_experts: {name} is {w.dtype}; the rows are {x.dtype}")
+    if top_k_index.numel() > ROUTED_MAX_ENTRIES:
+        raise ValueError(f"decode_experts takes at most {ROUTED_MAX_ENTRIES} (token, choice) entries, "
+                         f"got {top_k_index.numel()}")
+
+
+def _packed_mode(gate_up, down, packed_mode: Optional[str]) -> str:
+    """How 4-bit experts run: the one asked for, else fused where the rows are whole blocks."""
+    if packed_mode is None:
+        packed_mode = "fused" if fused_4bit_fits(gate_up, down) else "slots"
+    if packed_mode == "fused" and not fused_4bit_fits(gate_up, down):
+        raise ValueError(f"packed_mode=fused needs rows of whole quantisation blocks: H={gate_up.shape[2]}, "
+                         f"I={gate_up.shape[1] // 2}, block {gate_up.block_size}")
+    return packed_mode
+
+
+def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_lookup: str) -> dict:
+    """A weight's kernel arguments: plain (or slotted) bf16, or the 4-bit buffers."""
+    if fused:
+        dq = bool(w.double_quant)
+        return dict(w_ptr=w.packed, absmax_ptr=w.absmax, code_ptr=code4(w.quant_type, x.device, x.dtype),
+                    ncode_ptr=w.nested_code if dq else w.absmax, nabsmax_ptr=w.nested_absmax if dq else w.absmax,
+                    noffset_ptr=w.nested_offset if dq else w.absmax, stride_we=w.packed.stride(0), stride_wn=0,
+                    stride_ae=w.absmax.stride(0), stride_ne=w.nested_absmax.stride(0) if dq else 0,
+                    QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, SELECT=code_lookup == "select")
+    w = dequantize_slots(w, ids, x.dtype) if slotted else w
+    w = w if w.stride(2) == 1 else w.contiguous()
+    return dict(w_ptr=w, absmax_ptr=w, code_ptr=w, ncode_ptr=w, nabsmax_ptr=w, noffset_ptr=w,
+                stride_we=w.stride(0), stride_wn=w.stride(1), stride_ae=0, stride_ne=0, QBLOCK=16, NESTED=1,
+                DOUBLE_QUANT=False, SELECT=False)
+
+
 def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up, down,
                    up_tiles: Optional[dict] = None, down_tiles: Optional[dict] = None,
                    packed_mode: Optional[str] = None, code_lookup: str = "table") -> torch.Tensor:
@@ -328,29 +369,15 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     steps are one quantisation block each, whatever BLOCK_K says). code_lookup: how the fused mode
     turns 4-bit values into weights, "table" (a load from the 16-entry table) or "select" (a tree of
     selects over it)."""
-    if code_lookup not in ("table", "select"):
-        raise ValueError(f"code_lookup={code_lookup!r}: table or select")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"the Triton expert kernels take bf16/fp16 rows, got {x.dtype}")
+    _check_step(x, top_k_index, gate_up, down, packed_mode, code_lookup)
     t, topk = top_k_index.shape
     e, two_i, h = gate_up.shape
     i = two_i // 2
     n_flat = t * topk
-    for name, w in (("gate_up", gate_up), ("down", down)):
-        if isinstance(w, torch.Tensor) and w.dtype != x.dtype:
-            raise TypeError(f"decode_experts: {name} is {w.dtype}; the rows are {x.dtype}")
-    if n_flat > ROUTED_MAX_ENTRIES:
-        raise ValueError(f"decode_experts takes at most {ROUTED_MAX_ENTRIES} (token, choice) entries, got {n_flat}")
     if n_flat == 0:
         return x.new_zeros(t, h)
     packed = not isinstance(gate_up, torch.Tensor)
-    if packed and packed_mode is None:
-        packed_mode = "fused" if fused_4bit_fits(gate_up, down) else "slots"
-    if packed_mode not in (None, "fused", "slots"):
-        raise ValueError(f"packed_mode={packed_mode!r}: fused or slots")
-    if packed_mode == "fused" and not fused_4bit_fits(gate_up, down):
-        raise ValueError(f"packed_mode=fused needs rows of whole quantisation blocks: H={h}, I={i}, "
-                         f"block {gate_up.block_size}")
+    packed_mode = _packed_mode(gate_up, down, packed_mode) if packed else packed_mode
     fused, slotted = packed and packed_mode == "fused", packed and packed_mode == "slots"
     up_tiles, down_tiles = {**UP_TILES, **(up_tiles or {})}, {**DOWN_TILES, **(down_tiles or {})}
     x = x.contiguous()
@@ -358,21 +385,8 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     weights = top_k_weights.reshape(-1).float()
     nflat = max(16, triton.next_power_of_2(n_flat))
     ids, slots = expert_slots(top_k_index, e) if slotted else (None, index)  # index: a placeholder, never read
-
-    def operands(w) -> dict:
-        """The weight's kernel arguments: plain (or slotted) bf16, or the 4-bit buffers."""
-        if fused:
-            dq = bool(w.double_quant)
-            return dict(w_ptr=w.packed, absmax_ptr=w.absmax, code_ptr=code4(w.quant_type, x.device, x.dtype),
-                        ncode_ptr=w.nested_code if dq else w.absmax, nabsmax_ptr=w.nested_absmax if dq else w.absmax,
-                        noffset_ptr=w.nested_offset if dq else w.absmax, stride_we=w.packed.stride(0), stride_wn=0,
-                        stride_ae=w.absmax.stride(0), stride_ne=w.nested_absmax.stride(0) if dq else 0,
-                        QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, SELECT=code_lookup == "select")
-        w = dequantize_slots(w, ids, x.dtype) if slotted else w
-        w = w if w.stride(2) == 1 else w.contiguous()
-        return dict(w_ptr=w, absmax_ptr=w, code_ptr=w, ncode_ptr=w, nabsmax_ptr=w, noffset_ptr=w,
-                    stride_we=w.stride(0), stride_wn=w.stride(1), stride_ae=0, stride_ne=0, QBLOCK=16, NESTED=1,
-                    DOUBLE_QUANT=False, SELECT=False)
+    operands = functools.partial(_weight_operands, x=x, fused=fused, slotted=slotted, ids=ids,
+                                 code_lookup=code_lookup)
 
     ops = operands(gate_up)
     inter = torch.empty(n_flat, i, dtype=x.dtype, device=x.device)

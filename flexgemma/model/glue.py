@@ -5,6 +5,7 @@ They take tensors only, never modules, and are compiled with dynamic shapes: one
 serves every layer, every batch bucket and prefill alike, so building the engine costs seconds
 of compilation instead of one whole-model compile per CUDA-graph bucket. The maths is
 transformers' Gemma-4 maths (float32 norms cast back to the input dtype, rotate-half RoPE).
+The router's top-k (`moe.route`) lives beside the experts and is compiled here with the rest.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from flexgemma.compiled import compile_fn
+from flexgemma.model.moe import route
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
@@ -58,14 +62,6 @@ def moe_inputs(residual: torch.Tensor, norm_weight: torch.Tensor, router_scale: 
     return rms_norm(residual, norm_weight, eps), rms_norm(residual, None, eps) * router_scale * root
 
 
-def route(scores: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gemma-4's router after its projection: float32 softmax, top-k, renormalised, per-expert scale."""
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    weights, index = torch.topk(probs, k, dim=-1)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights * per_expert_scale[index], index
-
-
 def add_two_norms(a: torch.Tensor, a_weight: torch.Tensor, b: torch.Tensor, b_weight: torch.Tensor,
                   eps: float) -> torch.Tensor:
     """norm(a) + norm(b): the dense MLP's and the experts' outputs, each with its own norm."""
@@ -78,19 +74,15 @@ def final_logits(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-def make_ops(counter=None, moe_kernel: str = "grouped_mm", linear4bit_kernel: str = "bnb") -> SimpleNamespace:
+def make_ops(counter=None, moe_kernel: str = "grouped_mm") -> SimpleNamespace:
     """The glue functions: compiled with `counter` as backend (GPU), or plain (the CPU reference);
-    the routed experts' GEMMs (`experts_kernel`: None for torch's grouped GEMM); and whether 4-bit
-    projections run as `linear4bit.Linear4bitGroup`s (`linear4bit`, else bitsandbytes' modules)."""
+    and the routed experts' GEMMs (`experts_kernel`: None for torch's grouped GEMM)."""
     fns = dict(rms_norm=rms_norm, add_norm=add_norm, add_norm_norm=add_norm_norm, norm_rope=norm_rope,
                gelu_mul=gelu_mul, final_logits=final_logits, moe_inputs=moe_inputs, route=route,
                add_two_norms=add_two_norms)
     if counter is not None:
-        from flexgemma.engine.compiled import compile_fn
-
         fns = {k: compile_fn(f, counter) for k, f in fns.items()}
     fns["experts_kernel"] = None
-    fns["linear4bit"] = linear4bit_kernel == "triton"
     if moe_kernel == "triton":  # the routed experts and the router's top-k as Triton kernels
         from flexgemma.model import moe_kernel as mk
 

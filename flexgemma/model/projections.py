@@ -1,0 +1,123 @@
+"""How the projections of a Gemma-4 layer run: the one place that decides it (`projection`).
+
+Projections that read the same input (q/k/v of the attention, gate/up of the MLP, or one alone)
+run as one callable x -> [each projection's output], chosen once at build, in this order:
+
+1. fused GEMM: the plain bf16/fp32 modules' weights concatenated into one matrix
+   (`fuse_projections`, before peft wraps them), one F.linear a group. At batch 64 these are
+   skinny GEMMs whose launches cost as much as their bytes; fused, a layer runs three fewer.
+   The fused weight is the storage: each module's weight is rebound to a view of its rows, so
+   checkpoints, adapters merged into the weights and CUDA graphs all see one set of numbers.
+2. an unmerged LoRA group (`lora.LowRankGroup`) over the base layers or over their 4-bit group.
+3. a 4-bit group (`linear4bit.Linear4bitGroup`, engine.linear4bit_kernel=triton).
+4. module by module, each looked up at its call (a peft wrapper injected after the build runs).
+
+The MoE router's projection is not one of these: `moe.moe_block` calls it as its module (as a
+4-bit group it would run another kernel than the one measured).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+Projection = Callable[[torch.Tensor], Sequence[torch.Tensor]]
+
+
+def _plain(mods) -> bool:
+    return all(type(m) is nn.Linear and m.bias is None for m in mods) and \
+        len({(m.weight.dtype, m.weight.device, m.weight.shape[1]) for m in mods}) == 1
+
+
+@torch.no_grad()
+def _fuse(mods) -> torch.Tensor:
+    fused = torch.cat([m.weight for m in mods], dim=0)
+    start = 0
+    for m in mods:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(fused[start: start + rows], requires_grad=m.weight.requires_grad)
+        start += rows
+    return fused
+
+
+def fuse_projections(model) -> int:
+    """Fuses q/k/v (where a layer has k and v or k alone) and gate/up; returns how many groups."""
+    n = 0
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        qkv = [m for m in (attn.q_proj, getattr(attn, "k_proj", None), getattr(attn, "v_proj", None)) if m is not None]
+        if len(qkv) > 1 and _plain(qkv):
+            attn.fused_qkv = _fuse(qkv)
+            n += 1
+        mlp = layer.mlp
+        if _plain([mlp.gate_proj, mlp.up_proj]):
+            mlp.fused_gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
+            n += 1
+    return n
+
+
+def runs_plain(module) -> bool:
+    """The module computes x @ weight.T and nothing else: a plain Linear, or a peft LoRA wrapper
+    whose adapter is merged into that weight and disabled."""
+    if type(module) is nn.Linear:
+        return True
+    base = getattr(module, "base_layer", None)
+    return base is not None and type(base) is nn.Linear and bool(getattr(module, "disable_adapters", False))
+
+
+def runs_base_only(module) -> bool:
+    """No adapter runs in `module`: not a peft wrapper, or one whose adapters are disabled."""
+    return not hasattr(module, "base_layer") or bool(getattr(module, "disable_adapters", False))
+
+
+class FusedLinear:
+    """Projections of one input as one GEMM over their fused weight [sum of outputs, in]."""
+
+    def __init__(self, weight: torch.Tensor, splits: list[int]):
+        self.weight, self.splits = weight, splits
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight).split(self.splits, dim=-1)
+
+
+def _fused(owner, fused: Optional[str], modules) -> Optional[FusedLinear]:
+    """`owner`'s fused weight `fused` as a FusedLinear, if it holds exactly `modules` (in order) and
+    every one still runs as a plain Linear."""
+    w = getattr(owner, fused, None) if fused else None
+    if w is None or not all(runs_plain(m) for m in modules):
+        return None
+    splits = [m.weight.shape[0] for m in modules]
+    return FusedLinear(w, splits) if sum(splits) == w.shape[0] else None
+
+
+def projection(owner, names: list[str], fused: Optional[str] = None, lora=None,
+               linear4bit: bool = False) -> Projection:
+    """x -> [owner.<name>(x) for each name], for projections that read the same input, run the
+    fastest way that computes the same thing (see the module's docstring). `fused`: the attribute
+    of `owner` that `fuse_projections` stored their fused weight under; `lora`: the engine's
+    `lora.LoraAdapters` (None without LoRA); `linear4bit`: 4-bit bases may run as one group."""
+    modules = [getattr(owner, n) for n in names]
+    fused_linear = _fused(owner, fused, modules)
+    if fused_linear is not None:
+        return fused_linear
+    packed = None
+    if linear4bit:
+        from flexgemma.model.linear4bit import group_or_none  # imports Triton, which CPU installs may lack
+
+        packed = group_or_none(modules)
+    group = lora.group(modules, packed) if lora is not None else None
+    if group is not None:
+        return group
+    if packed is not None and all(runs_base_only(m) for m in modules):
+        return packed
+    return lambda x: [getattr(owner, n)(x) for n in names]
+
+
+def linear4bit_groups(projections: list[Projection]) -> list:
+    """The `linear4bit.Linear4bitGroup`s among `projections` (alone or under a LoRA group)."""
+    bases = [getattr(f, "base", f) for f in projections]
+    # by name: importing linear4bit imports Triton, which CPU-only installs may lack
+    return [b for b in bases if type(b).__name__ == "Linear4bitGroup"]
