@@ -136,6 +136,14 @@ class Engine:
         self._inflight = InflightDecode(runner, scheduler)
         self._lock = threading.RLock()
 
+    @classmethod
+    def from_model(cls, hf_model, tokenizer=None, **overrides) -> "Engine":
+        """An engine over a transformers Gemma4ForCausalLM the caller already has (its weights, in
+        place, on its device); overrides as build_engine's (engine__max_batch_size=8, ...)."""
+        from flexgemma.api import engine_from_model
+
+        return engine_from_model(hf_model, tokenizer, **overrides)
+
     # -- LoRA --------------------------------------------------------------------------------------
     def update_lora(self, source, adapter_name: Optional[str] = None) -> dict:
         """Loads new adapter weights (a peft model, or a state dict with peft key names) and rebuilds
