@@ -190,7 +190,7 @@ def test_sleep_wake_round_trip(engine):
                  lambda: engine.score([PROMPT], [3]), engine.sleep):
         with pytest.raises(RuntimeError, match="asleep"):
             call()
-    engine.wake()
+    assert engine.wake()["recaptured"] is False  # no CUDA graphs on the CPU
     with pytest.raises(RuntimeError, match="not asleep"):
         engine.wake()
     after = engine.generate([PROMPT, PROMPT[:7]], params)
@@ -241,3 +241,25 @@ def test_outputs_to_dataset(engine, tmp_path, monkeypatch):
     assert rows == [dict(r) for r in ds]
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if the package were not installed
     assert outputs_to_dataset(outs) == rows
+
+
+@pytest.mark.gpu
+def test_sleep_frees_the_kv_pool_on_the_gpu():
+    """E2B on the GPU: sleep gives back at least the KV pool, wake restores it (re-capturing the
+    graphs only if the pool moved), and the same requests give the same tokens. Prints GiB freed,
+    wake seconds and whether the graphs were re-captured."""
+    eng = build_engine(model="e2b", device="cuda", **{"engine.max_model_len": 2048})
+    prompts = [[2, 818, 5279, 529, 7001] * 4, [2, 651, 1424]]
+    params = [greedy(64), SamplingParams(seed=4, max_new_tokens=64, ignore_eos=True)]
+    before = eng.generate(prompts, params)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    report = eng.sleep()
+    freed = reserved - torch.cuda.memory_reserved()
+    woke = eng.wake()
+    print(f"\nsleep: KV pool {report['kv_pool_bytes'] / 2**30:.2f} GiB, freed {freed / 2**30:.2f} GiB "
+          f"(memory_reserved); wake {woke['seconds']:.3f} s, graphs re-captured: {woke['recaptured']}")
+    assert freed >= report["kv_pool_bytes"]
+    after = eng.generate(prompts, params)
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]

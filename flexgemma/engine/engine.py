@@ -176,9 +176,9 @@ class Engine:
             return run_score(self, tokens, list(prompt_lens), top_k)
 
     def sleep(self) -> dict:
-        """Releases the KV pool's memory and the captured decode graphs (weights stay); until
-        wake(), generate/step/score raise. Needs an idle engine. Returns kv_pool_bytes and
-        freed_bytes (on a GPU: memory_reserved before minus after, cached blocks emptied)."""
+        """Releases the KV pool's memory (weights and the decode graphs stay); until wake(),
+        generate/step/score raise. Needs an idle engine. Returns kv_pool_bytes and freed_bytes
+        (on a GPU: memory_reserved before minus after, cached blocks emptied)."""
         from flexgemma.engine.sleep import release
 
         with self._lock:
@@ -186,27 +186,28 @@ class Engine:
             self._require_idle("sleep()")
             self._slept = release(self.runner)
             self.asleep = True
-            return dict(self._slept)
+            return {k: v for k, v in self._slept.items() if k != "addresses"}
 
-    def wake(self) -> float:
-        """Re-allocates the KV pool and re-captures the decode graphs (see engine/sleep.py);
-        returns the seconds it took. The same requests then give the same tokens as before sleep()."""
+    def wake(self) -> dict:
+        """Re-allocates the KV pool; the decode graphs are kept when the pool landed at its old
+        addresses, else captured again (engine/sleep.py). Returns {"seconds", "recaptured"}. The
+        same requests then give the same tokens as before sleep()."""
         from flexgemma.engine.sleep import restore
 
         with self._lock:
             if not self.asleep:
                 raise RuntimeError("wake(): the engine is not asleep (call sleep() first)")
-            seconds = restore(self.runner, self._slept)
+            report = restore(self.runner, self._slept)
             self.asleep = False
-            self.info["wake_seconds"] = seconds
-            return seconds
+            self.info["wake_seconds"], self.info["wake_recaptured"] = report["seconds"], report["recaptured"]
+            return report
 
     def _require_awake(self) -> None:
         if self.asleep:
             raise RuntimeError("the engine is asleep (sleep() released its KV pool): call engine.wake() first")
 
     def _require_idle(self, what: str) -> None:
-        if self._requests:
+        if self._requests or self.has_work:
             raise RuntimeError(f"{what} needs an idle engine, but {len(self._requests)} requests added with "
                                f"add_request() are pending: step() until has_work is False, or abort() them")
 

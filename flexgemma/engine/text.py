@@ -29,8 +29,10 @@ def is_text_prompt(prompt) -> bool:
 def encode_prompt(tokenizer, prompt) -> tuple[Optional[list[int]], Optional[str]]:
     """(token ids, None) for a text or chat prompt, or (None, why not)."""
     if tokenizer is None:
-        return None, ("this model has no tokenizer, so prompts must be token ids: give model.path a checkpoint "
-                      "directory with tokenizer.json, or pass tokenizer= to Engine.from_model")
+        got = "str" if isinstance(prompt, str) else "chat messages"
+        return None, (f"prompt must be a list of token ids (ints), got {got}: this model has no tokenizer (for text "
+                      "prompts give model.path a checkpoint directory with tokenizer.json, or pass tokenizer= to "
+                      "Engine.from_model)")
     if isinstance(prompt, str):
         return list(tokenizer(prompt)["input_ids"]), None
     if getattr(tokenizer, "chat_template", None) is None:
