@@ -178,6 +178,20 @@ def test_score_equals_generate_and_transformers(engine):
         engine.score([[2, 5]], [2])
 
 
+def test_score_batches_larger_than_the_pool(engine):
+    """Six 200-token sequences (1200 tokens) through an 80-page pool of 8 (640 tokens): they queue
+    for pages, and each scores as it does alone."""
+    g = torch.Generator().manual_seed(0)
+    seqs = [[2] + torch.randint(4, 512, (199,), generator=g).tolist() for _ in range(6)]
+    plens = [1, 50, 120, 198, 7, 100]
+    batched = engine.score(seqs, plens)
+    for s, p, b in zip(seqs, plens, batched):
+        alone = engine.score([s], [p])[0]
+        assert len(b.logprobs) == 200 - p
+        assert max(abs(x - y) for x, y in zip(b.logprobs, alone.logprobs)) <= 1e-5
+    assert all(g.in_use == 0 for g in engine.scheduler.cache.page_groups)
+
+
 # -- sleep / wake -------------------------------------------------------------------------------
 def test_sleep_wake_round_trip(engine):
     params = [greedy(20), SamplingParams(seed=9, max_new_tokens=20, ignore_eos=True)]

@@ -168,12 +168,13 @@ class Engine:
         with self._lock:
             self._require_awake()
             self._require_idle("score()")
+            prompt_lens = list(prompt_lens)
             tokens, errs = score_problems(self, sequences, prompt_lens)
-            if not (isinstance(top_k, int) and 0 <= top_k <= self.spec.vocab_size):
+            if not (is_int(top_k) and 0 <= top_k <= self.spec.vocab_size):
                 errs.append(f"top_k={top_k!r} must be an int in [0, {self.spec.vocab_size}]")
             if errs:
                 raise RequestError("invalid score() call (nothing was run): " + "; ".join(errs))
-            return run_score(self, tokens, list(prompt_lens), top_k)
+            return run_score(self, tokens, [int(p) for p in prompt_lens], int(top_k))
 
     def sleep(self) -> dict:
         """Releases the KV pool's memory (weights and the decode graphs stay); until wake(),

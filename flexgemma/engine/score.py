@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from flexgemma.engine.sampler import logsumexp_rows
-from flexgemma.engine.sequence import SamplingParams, Sequence, prompt_tokens
+from flexgemma.engine.sequence import SamplingParams, Sequence, is_int, prompt_tokens
 
 # seq ids of scoring sequences (they own KV pages like requests): far above any request id
 SCORE_ID_BASE = 1 << 30
@@ -35,6 +35,8 @@ class ScoreOutput:
 
 
 def score_problems(engine, sequences, prompt_lens) -> tuple[list[list[int]], list[str]]:
+    """(the sequences as lists of ints, everything wrong with the call)."""
+    sequences, prompt_lens = list(sequences), list(prompt_lens)
     if len(sequences) != len(prompt_lens):
         return [], [f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens"]
     seqs, errs = [], []
@@ -43,7 +45,7 @@ def score_problems(engine, sequences, prompt_lens) -> tuple[list[list[int]], lis
         if err:
             errs.append(f"sequence {i}: {err}")
             continue
-        if not isinstance(plen, int) or not 1 <= plen < len(tokens):
+        if not is_int(plen) or not 1 <= plen < len(tokens):
             errs.append(f"sequence {i}: prompt_len={plen!r} must be an int in [1, {len(tokens) - 1}] "
                         f"(at least one prompt token and one scored token)")
         if len(tokens) > engine.max_model_len:
