@@ -152,6 +152,27 @@ def test_stop_string_across_token_boundaries(engine):
     assert never.finish_reason == "length" and never.text == full
 
 
+class ByteTokenizer:
+    """Token i is byte i: a character of several UTF-8 bytes spans tokens (its first tokens alone
+    decode to U+FFFD, as with byte-level BPE)."""
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_stop_matcher_waits_for_split_characters():
+    from flexgemma.engine.text import StopMatcher
+
+    ids = list("ab".encode()) + list("é!".encode()) + list("cd".encode())  # é is 2 bytes: 2 tokens
+    m = StopMatcher(ByteTokenizer(), ("é!", "zz"))
+    hits = [m.matched(ids[:k]) for k in range(1, len(ids) + 1)]
+    assert hits == [False] * 4 + [True] * 3  # matched at the token of "!"
+    assert m.final_text(False) == "ab" and m.final_text(True) == "abé!"
+    m = StopMatcher(ByteTokenizer(), ("\ufffd",))
+    assert not m.matched(list("é".encode())[:1])  # a half character is not text yet
+
+
 # -- score --------------------------------------------------------------------------------------
 def test_score_equals_generate_and_transformers(engine):
     outs = engine.generate([PROMPT, PROMPT[:5]], SamplingParams(n=2, seed=3, max_new_tokens=20, ignore_eos=True))

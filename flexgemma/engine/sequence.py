@@ -153,6 +153,10 @@ class CompletionOutput:
     text: Optional[str] = None  # the decoded tokens, when the engine has a tokenizer
     stop_reason: Optional[str] = None  # the stop string that ended it, if one did
 
+    @property
+    def cumulative_logprob(self) -> float:
+        return float(sum(self.logprobs))
+
 
 @dataclass
 class RequestOutput:

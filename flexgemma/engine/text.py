@@ -81,8 +81,8 @@ class StopMatcher:
         start = max(0, self.read - _CONTEXT)
         before = decode(self.tokenizer, self.ids[start:self.read])
         after = decode(self.tokenizer, self.ids[start:])
-        if after.endswith(_INCOMPLETE):
-            return  # a character cut between tokens: wait for its next byte
+        if after.endswith(_INCOMPLETE) and len(self.ids) - self.read < _CONTEXT:
+            return  # a character cut between tokens: wait (a few tokens at most) for its next bytes
         new = after[len(before):]
         self.read = len(self.ids)
         tail_from = max(0, len(self.text) - self.longest + 1)  # a match ending in `new` starts here at the earliest
