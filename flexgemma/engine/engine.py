@@ -395,7 +395,8 @@ class Engine:
             raise RequestError(f"prompts must be a list of prompts (token-id lists, strings or chat message lists), "
                                f"got {type(prompts).__name__}: wrap one prompt in a list")
         if is_chat(prompts):
-            raise RequestError("prompts is one conversation (a list of messages): wrap it in a list, generate([messages])")
+            raise RequestError("prompts is one conversation (a list of messages): wrap it in a list, "
+                               "generate([messages])")
         prompts = list(prompts)
         if params is None:
             params = SamplingParams()
