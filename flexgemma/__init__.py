@@ -10,7 +10,10 @@ from flexgemma.builder import build_engine
 from flexgemma.compose import compose
 from flexgemma.config import ConfigError
 from flexgemma.engine.engine import Engine, RequestError
-from flexgemma.engine.sequence import RequestOutput, SamplingParams
+from flexgemma.engine.score import ScoreOutput
+from flexgemma.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
+from flexgemma.outputs import outputs_to_dataset
 
-__all__ = ["compose", "build_engine", "SamplingParams", "RequestOutput", "Engine", "ConfigError", "RequestError"]
+__all__ = ["compose", "build_engine", "SamplingParams", "RequestOutput", "CompletionOutput", "ScoreOutput", "Engine",
+           "ConfigError", "RequestError", "outputs_to_dataset"]
 __version__ = "0.1.0"

@@ -138,9 +138,28 @@ def _refuse_if_too_large(cfg: DictConfig, device: torch.device) -> None:
     refuse_if_too_large(est, est_kv, device, free_memory(device))
 
 
-def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
+def build_engine(cfg=None, demand: PoolDemand = PoolDemand(), *, model: Optional[str] = None,
+                 quant: Optional[str] = None, lora: Optional[str] = None, **overrides) -> Engine:
     """Builds the engine a composed config describes (see flexgemma.compose); `demand` sizes the KV
-    pool on a GPU (the run orchestrator passes its workload's)."""
+    pool on a GPU (the run orchestrator passes its workload's).
+
+    Or from Python arguments, composed like the CLI's overrides (the caller's Hydra state is left
+    alone): build_engine(model="e2b", quant="bnb4", lora="r16", device="cpu", **{"kv.page_size": 8});
+    a key may also spell dots as double underscores (engine__max_batch_size=16)."""
+    if not isinstance(cfg, DictConfig):
+        from flexgemma.api import engine_config
+
+        if isinstance(cfg, str):  # build_engine("tiny")
+            model, cfg = model or cfg, None
+        if cfg is not None:
+            raise TypeError(f"build_engine takes a composed config (DictConfig) or keyword arguments, got {cfg!r}")
+        cfg = engine_config(model=model, quant=quant, lora=lora, **overrides)
+    elif model or quant or lora or overrides:
+        raise TypeError("build_engine: give either a composed config or keyword arguments, not both")
+    return _build_from_config(cfg, demand)
+
+
+def _build_from_config(cfg: DictConfig, demand: PoolDemand) -> Engine:
     from flexgemma.compose import ensure_model
 
     cfg = ensure_model(cfg)
@@ -155,6 +174,13 @@ def build_engine(cfg: DictConfig, demand: PoolDemand = PoolDemand()) -> Engine:
         info["fused_projections"] = fuse_projections(model)
     # LoRA
     lora = attach_lora(model, cfg.lora, info)  # merged into the weights before the KV pool and graphs
+    return assemble_engine(cfg, model, tokenizer, info, lora, device, demand, t0)
+
+
+def assemble_engine(cfg: DictConfig, model, tokenizer, info: dict, lora, device: torch.device,
+                    demand: PoolDemand = PoolDemand(), t0: Optional[float] = None) -> Engine:
+    """The engine around a built model: KV pool, kernels, masks, runner, CUDA graphs, scheduler."""
+    t0 = time.perf_counter() if t0 is None else t0
     spec = ModelSpec.from_hf_config(model.config)
     dtype = model.model.embed_tokens.weight.dtype
     max_len = min(int(cfg.engine.max_model_len), spec.max_position)

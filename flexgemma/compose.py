@@ -49,10 +49,16 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
     register_configs()
     overrides = list(overrides or [])
     _check_model_override(overrides)
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = hydra_compose(config_name=config_name, overrides=overrides)
+    # a caller's own Hydra (an @hydra.main app, a notebook's initialize()) gets its state back
+    original = GlobalHydra.instance()
+    saved = original.hydra
+    original.clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = hydra_compose(config_name=config_name, overrides=overrides)
+    finally:
+        original.hydra = saved
+        GlobalHydra.set_instance(original)
     cfg = ensure_model(cfg)
     validate(cfg)
     return cfg

@@ -25,7 +25,9 @@ from tqdm.auto import tqdm
 
 from flexgemma.engine.runner import DecodeLaunch, ModelRunner
 from flexgemma.engine.scheduler import Scheduler, StepPlan
-from flexgemma.engine.sequence import RequestOutput, SamplingParams, Sequence, StopRule, is_int, prompt_tokens
+from flexgemma.engine.sequence import (RequestOutput, SamplingParams, Sequence, Status, StopRule, child_seed, is_int,
+                                       prompt_tokens)
+from flexgemma.engine.text import StopMatcher, completion_text, encode_prompt, is_chat, is_text_prompt, prompt_text
 from flexgemma.model.spec import ModelSpec
 
 log = logging.getLogger("flexgemma")
@@ -129,9 +131,18 @@ class Engine:
         self.info = info or {}
         self.stats = StepStats()
         self._next_id = 0
-        self._requests: dict[int, Sequence] = {}  # pending requests by id
+        self._requests: dict[int, list[Sequence]] = {}  # pending requests by id: their n completions
+        self.asleep = False  # sleep() released the KV pool; wake() restores it
         self._inflight = InflightDecode(runner, scheduler)
         self._lock = threading.RLock()
+
+    @classmethod
+    def from_model(cls, hf_model, tokenizer=None, **overrides) -> "Engine":
+        """An engine over a transformers Gemma4ForCausalLM the caller already has (its weights, in
+        place, on its device); overrides as build_engine's (engine__max_batch_size=8, ...)."""
+        from flexgemma.api import engine_from_model
+
+        return engine_from_model(hf_model, tokenizer, **overrides)
 
     # -- LoRA --------------------------------------------------------------------------------------
     def update_lora(self, source, adapter_name: Optional[str] = None) -> dict:
@@ -146,6 +157,61 @@ class Engine:
                   report["merge_ms"])
         return report
 
+    # -- scoring, sleep / wake ---------------------------------------------------------------------
+    def score(self, sequences, prompt_lens, top_k: int = 0) -> list:
+        """Teacher-forced log-probabilities: for each token sequence, the log-probability of each of
+        its tokens from prompt_lens[i] on given the tokens before it (and, with top_k > 0, the
+        top_k most likely tokens at each of those positions), through the engine's own batched,
+        paged prefill. Returns a score.ScoreOutput per sequence, in order. Needs an idle engine."""
+        from flexgemma.engine.score import run_score, score_problems
+
+        with self._lock:
+            self._require_awake()
+            self._require_idle("score()")
+            prompt_lens = list(prompt_lens)
+            tokens, errs = score_problems(self, sequences, prompt_lens)
+            if not (is_int(top_k) and 0 <= top_k <= self.spec.vocab_size):
+                errs.append(f"top_k={top_k!r} must be an int in [0, {self.spec.vocab_size}]")
+            if errs:
+                raise RequestError("invalid score() call (nothing was run): " + "; ".join(errs))
+            return run_score(self, tokens, [int(p) for p in prompt_lens], int(top_k))
+
+    def sleep(self) -> dict:
+        """Releases the KV pool's memory (weights and the decode graphs stay); until wake(),
+        generate/step/score raise. Needs an idle engine. Returns kv_pool_bytes and freed_bytes
+        (on a GPU: memory_reserved before minus after, cached blocks emptied)."""
+        from flexgemma.engine.sleep import release
+
+        with self._lock:
+            self._require_awake()
+            self._require_idle("sleep()")
+            self._slept = release(self.runner)
+            self.asleep = True
+            return {k: v for k, v in self._slept.items() if k != "addresses"}
+
+    def wake(self) -> dict:
+        """Re-allocates the KV pool; the decode graphs are kept when the pool landed at its old
+        addresses, else captured again (engine/sleep.py). Returns {"seconds", "recaptured"}. The
+        same requests then give the same tokens as before sleep()."""
+        from flexgemma.engine.sleep import restore
+
+        with self._lock:
+            if not self.asleep:
+                raise RuntimeError("wake(): the engine is not asleep (call sleep() first)")
+            report = restore(self.runner, self._slept)
+            self.asleep = False
+            self.info["wake_seconds"], self.info["wake_recaptured"] = report["seconds"], report["recaptured"]
+            return report
+
+    def _require_awake(self) -> None:
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (sleep() released its KV pool): call engine.wake() first")
+
+    def _require_idle(self, what: str) -> None:
+        if self._requests or self.has_work:
+            raise RuntimeError(f"{what} needs an idle engine, but {len(self._requests)} requests added with "
+                               f"add_request() are pending: step() until has_work is False, or abort() them")
+
     # -- validation --------------------------------------------------------------------------
     def request_problems(self, prompt, params: SamplingParams) -> list[str]:
         """Everything wrong with one request (empty when it is valid)."""
@@ -156,7 +222,9 @@ class Engine:
         if params is None:
             params = SamplingParams()
         errs = params.problems() if isinstance(params, SamplingParams) else [f"not a SamplingParams: {params!r}"]
-        tokens, err = prompt_tokens(prompt)
+        if isinstance(params, SamplingParams) and params.stop and self.tokenizer is None:
+            errs.append("stop strings need a tokenizer (model.path with tokenizer.json): use stop_token_ids")
+        tokens, err = encode_prompt(self.tokenizer, prompt) if is_text_prompt(prompt) else prompt_tokens(prompt)
         if err:
             return None, None, errs + [err]
         if len(tokens) == 0:
@@ -188,19 +256,53 @@ class Engine:
         """Queues one request; returns its id. An invalid request raises RequestError and queues
         nothing. Its output comes from the step() in which it finishes."""
         with self._lock:
+            self._require_awake()
             tokens, params, errs = self._check(prompt, params)
             if errs:
                 raise RequestError("invalid request (nothing was queued): " + "; ".join(errs))
-            return self._add(tokens, params)
+            return self._add(tokens, params, text=prompt_text(self.tokenizer, prompt))
 
-    def _add(self, tokens: list[int], params: SamplingParams, index: Optional[int] = None) -> int:
-        sid = self._next_id
-        seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + sid) & 0x7FFFFFFF
-        seq = Sequence(sid, sid if index is None else index, tokens, params, seed, arrival=time.perf_counter())
-        self._next_id += 1
-        self._requests[sid] = seq
-        self.scheduler.add(seq)
-        return sid
+    def _add(self, tokens: list[int], params: SamplingParams, index: Optional[int] = None,
+             text: Optional[str] = None) -> int:
+        """Queues the request's n completions as adjacent sequences (scheduled together); its id is
+        the first one's seq_id. Completion i draws with child_seed(request seed, i)."""
+        rid = self._next_id
+        seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + rid) & 0x7FFFFFFF
+        now = time.perf_counter()
+        group = []
+        for i in range(params.n):
+            seq = Sequence(rid + i, rid if index is None else index, tokens, params, child_seed(seed, i),
+                           arrival=now, request_id=rid, sample_index=i, prompt_text=text)
+            if params.stop:
+                seq.stop_matcher = StopMatcher(self.tokenizer, params.stop)
+            group.append(seq)
+        self._next_id += params.n
+        self._requests[rid] = group
+        for seq in group:
+            self.scheduler.add(seq)
+        return rid
+
+    def _finished_outputs(self, finished: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of the requests all of whose completions have finished."""
+        outs = []
+        for s in finished:
+            group = self._requests.get(s.request_id)
+            if group is not None and all(c.status is Status.FINISHED for c in group):
+                del self._requests[s.request_id]
+                outs.append(self._output(group))
+        return outs
+
+    def _output(self, group: list[Sequence]) -> RequestOutput:
+        out = group[0].to_output()
+        out.outputs = [s.to_completion() for s in group]
+        if self.tokenizer is not None:
+            out.outputs = [completion_text(self.tokenizer, s, c) for s, c in zip(group, out.outputs)]
+            out.text = out.outputs[0].text
+        out.prompt = group[0].prompt_text
+        out.num_preemptions = sum(s.num_preemptions for s in group)
+        times = [s.finish_time for s in group if s.finish_time is not None]
+        out.finish_time = max(times) if times else None
+        return out
 
     def step(self) -> list[RequestOutput]:
         """Runs one step (a prefill, a decode, or reading a queued decode); returns the outputs of
@@ -208,7 +310,8 @@ class Engine:
         is aborted and every page freed before the exception propagates: the engine stays usable."""
         with self._lock:
             try:
-                return [self._requests.pop(s.seq_id).to_output() for s in self._run_step()]
+                self._require_awake()
+                return self._finished_outputs(self._run_step())
             except BaseException:
                 self._abort_all()
                 raise
@@ -232,18 +335,20 @@ class Engine:
         """Stops a pending request and frees its pages. Returns its output (finish_reason "abort",
         with the tokens it had), or None when it already finished; an id never issued is a KeyError."""
         with self._lock:
-            seq = self._requests.pop(request_id, None)
-            if seq is None:
+            group = self._requests.pop(request_id, None)
+            if group is None:
                 if is_int(request_id) and 0 <= request_id < self._next_id:
                     return None
                 raise KeyError(f"no request with id {request_id!r}: ids are what add_request() returned")
-            self.scheduler.abort(seq)
-            return seq.to_output()
+            for seq in group:
+                if seq.status is not Status.FINISHED:
+                    self.scheduler.abort(seq)
+            return self._output(group)
 
     def _abort_all(self) -> None:
         """After a failure: drops the step in flight, aborts every pending request, frees every page."""
         self._inflight.drop()
-        self.scheduler.abort_all(list(self._requests.values()))
+        self.scheduler.abort_all([s for group in self._requests.values() for s in group])
         self._requests.clear()
 
     # -- generation ----------------------------------------------------------------------------
@@ -257,12 +362,13 @@ class Engine:
         that raises or is interrupted leaves no trace: its requests are aborted, their pages freed.
         """
         with self._lock:
+            self._require_awake()
             outputs, accepted = self._validate_call(prompts, params, strict)
             first_id = self._begin_call()
             bar = tqdm(total=len(accepted), desc="generate", unit="req", disable=not use_tqdm, leave=False)
             try:
-                for i, tokens, sp in accepted:
-                    self._add(tokens, sp, index=i)
+                for i, tokens, sp, text in accepted:
+                    self._add(tokens, sp, index=i, text=text)
                 while self.has_work:
                     for out in self.step():
                         outputs[out.index] = out
@@ -286,7 +392,11 @@ class Engine:
         """Checks every request of a generate() call before any is queued. Returns the outputs
         list (invalid requests' error outputs filled in) and the accepted (index, tokens, params)."""
         if not hasattr(prompts, "__iter__") or isinstance(prompts, (str, bytes)):
-            raise RequestError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
+            raise RequestError(f"prompts must be a list of prompts (token-id lists, strings or chat message lists), "
+                               f"got {type(prompts).__name__}: wrap one prompt in a list")
+        if is_chat(prompts):
+            raise RequestError("prompts is one conversation (a list of messages): wrap it in a list, "
+                               "generate([messages])")
         prompts = list(prompts)
         if params is None:
             params = SamplingParams()
@@ -298,11 +408,11 @@ class Engine:
         for i, (prompt, sp) in enumerate(zip(prompts, plist)):
             tokens, sp, errs = self._check(prompt, sp)
             if not errs:
-                accepted.append((i, tokens, sp))
+                accepted.append((i, tokens, sp, prompt_text(self.tokenizer, prompt)))
                 continue
             msg = f"request {i}: " + "; ".join(errs)
             problems.append(msg)
-            shown = list(prompt) if isinstance(prompt, (list, tuple)) else tokens or []
+            shown = list(prompt) if isinstance(prompt, (list, tuple)) and not is_chat(prompt) else tokens or []
             outputs[i] = RequestOutput(i, shown, [], [], "error", error=msg)
         if problems and strict:
             raise RequestError("invalid requests (nothing was generated):\n  " + "\n  ".join(problems))

@@ -105,7 +105,13 @@ class ModelRunner:
         tokens, logprobs = self.sample_fn(logits, batch)
         return tokens.tolist(), logprobs.tolist()
 
-    def _prefill(self, plan: StepPlan):
+    @torch.inference_mode()
+    def prefill_logits(self, plan: StepPlan, rows: list[int]) -> torch.Tensor:
+        """Runs a prefill step (KV written as usual) and returns the logits of the step's token rows
+        `rows` (indices into the packed chunks, in plan order): engine.score's teacher-forced forward."""
+        return self._prefill(plan, rows)[0]
+
+    def _prefill(self, plan: StepPlan, rows: Optional[list[int]] = None):
         total = plan.num_tokens
         padded = -(-total // self.q_block) * self.q_block
         ids = np.zeros(padded, dtype=np.int64)
@@ -132,7 +138,7 @@ class ModelRunner:
                 draw_pos.append(p0 + n)
             t += n
         masks = self.masks.prefill(plan.seqs, plan.chunk_lens, padded)
-        index = self._to_dev(np.asarray(last, dtype=np.int64))
+        index = self._to_dev(np.asarray(last if rows is None else rows, dtype=np.int64))
         slot_map = self._slots_by_type(self._to_dev(slots), self._to_dev(window_slots))
         logits = self.forward(self._to_dev(ids), self._to_dev(pos), slot_map, masks, index, decode=False)
         return logits, sampled, draw_pos

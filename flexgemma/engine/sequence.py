@@ -49,6 +49,9 @@ class SamplingParams:
     seed: Optional[int] = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    n: int = 1  # completions of this prompt, each its own sequence with seed child_seed(seed, i)
+    stop: tuple[str, ...] = ()  # strings that end a completion (needs a tokenizer); excluded from .text
+    include_stop_str_in_output: bool = False
 
     def problems(self) -> list[str]:
         """Everything wrong with these values (types, ranges, int64 bounds); empty when valid."""
@@ -65,6 +68,10 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             out.append(f"ignore_eos={self.ignore_eos!r} must be True or False")
         out.append(self._stop_problem())
+        out.append(_int_problem("n", self.n, 1, 4096))
+        out.append(_stop_strings_problem(self.stop))
+        if not isinstance(self.include_stop_str_in_output, (bool, np.bool_)):
+            out.append(f"include_stop_str_in_output={self.include_stop_str_in_output!r} must be True or False")
         return [p for p in out if p]
 
     def _stop_problem(self) -> Optional[str]:
@@ -84,8 +91,26 @@ class SamplingParams:
         return SamplingParams(
             max_new_tokens=int(self.max_new_tokens), temperature=float(self.temperature), top_k=int(self.top_k),
             top_p=float(self.top_p), seed=None if self.seed is None else int(self.seed),
-            ignore_eos=bool(self.ignore_eos), stop_token_ids=tuple(int(t) for t in ids),
+            ignore_eos=bool(self.ignore_eos), stop_token_ids=tuple(int(t) for t in ids), n=int(self.n),
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )
+
+
+def _stop_strings_problem(stop) -> Optional[str]:
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+        return f"stop={stop!r} must be a list of non-empty strings (() for none)"
+    return None
+
+
+def child_seed(seed: int, i: int) -> int:
+    """The seed of completion i of a request seeded `seed` (n > 1): completion 0 keeps the request's
+    seed (so n=1 is unchanged), the others add i times an odd 64-bit constant (distinct for every i)."""
+    if i == 0:
+        return seed
+    return (seed + i * 0x9E3779B97F4A7C15) % (1 << 63)
 
 
 def prompt_tokens(prompt) -> tuple[Optional[list[int]], Optional[str]]:
@@ -118,8 +143,27 @@ class Status(enum.Enum):
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's name): RequestOutput.outputs holds n of them."""
+
+    index: int  # which of the request's n completions (0..n-1)
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: Optional[str] = None  # the decoded tokens, when the engine has a tokenizer
+    stop_reason: Optional[str] = None  # the stop string that ended it, if one did
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return float(sum(self.logprobs))
+
+
+@dataclass
 class RequestOutput:
-    """What generate() returns for one prompt (in prompt order), and step() for a finished request."""
+    """What generate() returns for one prompt (in prompt order), and step() for a finished request.
+
+    `outputs` lists the request's n completions (SamplingParams.n); `token_ids`, `logprobs`,
+    `finish_reason` and `text` are the first completion's (what n=1 callers read)."""
 
     index: int  # generate(): the prompt's position in the call; the step API: the request id
     prompt_token_ids: list[int]
@@ -132,6 +176,9 @@ class RequestOutput:
     first_token_time: Optional[float] = None  # seconds after the request was added (generate(): started)
     finish_time: Optional[float] = None
     request_id: Optional[int] = None  # the id add_request() returned (None for an invalid request)
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    text: Optional[str] = None  # outputs[0].text
+    prompt: Optional[str] = None  # the prompt's text, when it was given as text or chat messages
 
 
 @dataclass(frozen=True)
@@ -144,6 +191,8 @@ class StopRule:
     def reason(self, s: "Sequence", tok: int, count: int) -> Optional[str]:
         """Why `s` stops after its `count`-th generated token `tok`, if it does."""
         if (not s.params.ignore_eos and tok in self.eos_token_ids) or tok in s.params.stop_token_ids:
+            return "stop"
+        if s.stop_matcher is not None and s.stop_matcher.matched(s.generated[:count]):
             return "stop"
         if count >= s.params.max_new_tokens:
             return "length"
@@ -170,6 +219,10 @@ class Sequence:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     arrival: float = 0.0  # time.perf_counter() when it was added; the times above count from it
+    request_id: Optional[int] = None  # the request it is a completion of (None: its own seq_id)
+    sample_index: int = 0  # which of the request's n completions
+    stop_matcher: object = None  # a text.StopMatcher when params.stop is set
+    prompt_text: Optional[str] = None  # the prompt as text, when it was given as text or chat messages
 
     @property
     def tokens(self) -> list[int]:
@@ -191,6 +244,10 @@ class Sequence:
         """
         return self.num_computed < self.num_tokens - 1
 
+    def to_completion(self) -> CompletionOutput:
+        return CompletionOutput(self.sample_index, list(self.generated), list(self.logprobs),
+                                self.finish_reason or "length")
+
     def to_output(self) -> RequestOutput:
         return RequestOutput(
             index=self.index,
@@ -201,5 +258,6 @@ class Sequence:
             num_preemptions=self.num_preemptions,
             first_token_time=self.first_token_time,
             finish_time=self.finish_time,
-            request_id=self.seq_id,
+            request_id=self.seq_id if self.request_id is None else self.request_id,
+            outputs=[self.to_completion()],
         )
