@@ -21,7 +21,7 @@ import torch
 def _pool_tensors(cache) -> list[torch.Tensor]:
     """Every KV tensor the pool owns (shared layers' entries point at their source's tensors)."""
     seen, out = set(), []
-    for k, v in cache._kv.values():
+    for k, v in cache.pools._kv.values():
         for t in (k, v):
             if id(t) not in seen:
                 seen.add(id(t))
