@@ -217,7 +217,7 @@ def test_score_batches_larger_than_the_pool(engine):
 def test_sleep_wake_round_trip(engine):
     params = [greedy(20), SamplingParams(seed=9, max_new_tokens=20, ignore_eos=True)]
     before = engine.generate([PROMPT, PROMPT[:7]], params)
-    pool = engine.runner.cache
+    pool = engine.runner.cache.pools
     report = engine.sleep()
     assert report["kv_pool_bytes"] == pool.nbytes > 0
     assert all(k.untyped_storage().nbytes() == 0 for k, _ in pool._kv.values())
