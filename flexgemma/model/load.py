@@ -114,19 +114,6 @@ def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], str]:
     return [], "none"
 
 
-def _iter_checkpoint_tensors(files: list[Path], kind: str):
-    if kind == "safetensors":
-        for f in files:
-            with open_safetensors(f, ModelLoadError) as h:
-                for key in h.keys():
-                    yield key, (lambda h=h, key=key, f=f: get_tensor(h, f, key, ModelLoadError))
-    else:
-        for f in files:
-            sd = torch.load(str(f), map_location="cpu", weights_only=False)
-            for key, t in sd.items():
-                yield key, (lambda t=t: t)
-
-
 def _text_key(key: str) -> Optional[str]:
     for src, dst in _TEXT_PREFIXES:
         if key.startswith(src):
@@ -135,33 +122,6 @@ def _text_key(key: str) -> Optional[str]:
                 return None
             return dst + rest
     return None
-
-
-@torch.no_grad()
-def _load_weights(model, files: list[Path], kind: str) -> dict[str, int]:
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
-    loaded, skipped = set(), 0
-    for key, get in _iter_checkpoint_tensors(files, kind):
-        name = _text_key(key)
-        if name is None or name not in params:
-            skipped += 1  # vision/audio towers, KV-shared layers' unused k/v projections
-            continue
-        target = params[name]
-        t = get()
-        if tuple(t.shape) != tuple(target.shape):
-            raise ModelLoadError(f"checkpoint tensor {key}: shape {tuple(t.shape)} != model {tuple(target.shape)}")
-        check_source_dtype(key, t, target)
-        target.copy_(t.to(dtype=target.dtype))
-        check_finite(key, target)
-        loaded.add(name)
-    expected = {n for n, _ in model.named_parameters()}
-    if model.config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    missing = sorted(expected - loaded)
-    if missing:
-        raise ModelLoadError(f"checkpoint is missing {len(missing)} text weights, e.g. {missing[:3]}")
-    return {"loaded": len(loaded), "skipped": skipped}
 
 
 def check_source_dtype(key: str, src: torch.Tensor, target: torch.Tensor) -> None:
@@ -267,7 +227,9 @@ def build_model(model_cfg, device: torch.device, quant_cfg=None):
         finally:
             torch.set_default_dtype(prev)
         if files:
-            info.update(_load_weights(model, files, kind))
+            reader = CheckpointReader(files, kind)
+            reader.copy_into(model, "", model)
+            info.update(loaded=reader.loaded, skipped=reader.skipped)
     model.eval().requires_grad_(False)
     if files:
         info["weights"] = str(path)
@@ -288,39 +250,35 @@ def build_model(model_cfg, device: torch.device, quant_cfg=None):
 
 # -- the quantised build: meta model, made real and quantised one module at a time -------------
 class CheckpointReader:
-    """A checkpoint's text-backbone tensors by Gemma4ForCausalLM name, read one at a time."""
+    """A checkpoint's text-backbone tensors by Gemma4ForCausalLM name, read one at a time, and the
+    one place they are checked (shape, dtype, finite) and copied into a model (plain or 4-bit build)."""
 
     _QUANT_STATE = ".weight.quant_state.bitsandbytes__"
 
     def __init__(self, files: list[Path], kind: str):
-        self.kind, self.skipped, self.loaded, self.prequantized = kind, 0, 0, 0
-        self._where: dict[str, tuple] = {}
-        self._handles: dict[Path, Any] = {}
-        for key, get in _iter_checkpoint_tensors(files, kind) if kind != "safetensors" else ():
-            name = _text_key(key)
-            if name is None:
-                self.skipped += 1
+        self.skipped, self.loaded, self.prequantized = 0, 0, 0
+        self._where: dict[str, tuple[str, Any]] = {}  # model name -> (checkpoint key, getter)
+        self._handles: list[Any] = []  # open safetensors files, read lazily
+        for f in files:
+            if kind == "safetensors":
+                h = open_safetensors(f, ModelLoadError)
+                self._handles.append(h)
+                tensors = {key: (lambda h=h, key=key, f=f: get_tensor(h, f, key, ModelLoadError)) for key in h.keys()}
             else:
-                self._where[name] = ("tensor", get())
-        if kind == "safetensors":
-            from safetensors import safe_open
-
-            for f in files:
-                h = self._handles[f] = open_safetensors(f, ModelLoadError)
-                for key in h.keys():
-                    name = _text_key(key)
-                    if name is None:
-                        self.skipped += 1
-                    else:
-                        self._where[name] = ("file", f, key)
+                sd = torch.load(str(f), map_location="cpu", weights_only=False)
+                tensors = {key: (lambda t=t: t) for key, t in sd.items()}
+            for key, get in tensors.items():
+                name = _text_key(key)
+                if name is None:
+                    self.skipped += 1  # vision/audio towers and their embedders
+                else:
+                    self._where[name] = (key, get)
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
     def get(self, name: str) -> torch.Tensor:
-        where = self._where[name]
-        return where[1] if where[0] == "tensor" else get_tensor(self._handles[where[1]], where[1], where[2],
-                                                                 ModelLoadError)
+        return self._where[name][1]()
 
     def prequantized_linears(self, module_name: str) -> list[str]:
         """`module_name` and modules under it stored as bitsandbytes 4-bit (packed weight + quant state)."""
@@ -333,6 +291,47 @@ class CheckpointReader:
     def quant_stats(self, module_name: str) -> dict[str, torch.Tensor]:
         pre = module_name + ".weight."
         return {n[len(pre):]: self.get(n) for n in self._where if n.startswith(pre)}
+
+    @torch.no_grad()
+    def copy_into(self, module: torch.nn.Module, prefix: str, model) -> None:
+        """Copies the checkpoint's tensors into `module` (named `prefix` in `model`, with a trailing
+        dot, or "" for the whole model). 4-bit parameters are skipped (placed pre-quantised); a
+        missing parameter is an error, a missing buffer keeps its computed value."""
+        tied = "lm_head.weight" if model.config.tie_word_embeddings else None
+        missing = []
+        for kind, named in (("param", module.named_parameters()), ("buffer", module.named_buffers())):
+            for rel, t in named:
+                name = prefix + rel
+                if _is_4bit(t):
+                    continue
+                if name not in self._where:
+                    if kind == "param" and name != tied:
+                        missing.append(name)
+                    continue  # non-persistent buffers keep their computed values
+                self._copy_one(name, t)
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} text weights, e.g. {missing[:3]}")
+
+    def _copy_one(self, name: str, t: torch.Tensor) -> None:
+        key, get = self._where[name]
+        src = get()
+        if src.dtype == torch.uint8 and t.dtype != torch.uint8:
+            raise ModelLoadError(
+                f"checkpoint tensor {key} is packed 4-bit data flexgemma cannot place (only nn.Linear weights "
+                "with a bitsandbytes quant_state are read pre-quantised; fused experts must be bf16)"
+            )
+        if tuple(src.shape) != tuple(t.shape):
+            raise ModelLoadError(f"checkpoint tensor {key}: shape {tuple(src.shape)} != model {tuple(t.shape)}")
+        check_source_dtype(key, src, t)
+        t.copy_(src.to(dtype=t.dtype))
+        check_finite(key, t)
+        self.loaded += 1
+
+
+def _is_4bit(t: torch.Tensor) -> bool:
+    """A bitsandbytes 4-bit parameter (only possible once bitsandbytes is imported)."""
+    bnb = sys.modules.get("bitsandbytes")
+    return bnb is not None and isinstance(t, bnb.nn.Params4bit)
 
 
 def _materialise(module: torch.nn.Module, device: torch.device) -> None:
@@ -372,7 +371,7 @@ def _fill_module(model, module, prefix: str, device, settings, reader: Optional[
                 _set_submodule(module, lin[len(prefix):], q)
             reader.loaded += 1
             reader.prequantized += 1
-        _copy_plain_tensors(module, prefix, reader, model)
+        reader.copy_into(module, prefix, model)
     if quantise:
         import bitsandbytes as bnb
 
@@ -380,33 +379,6 @@ def _fill_module(model, module, prefix: str, device, settings, reader: Optional[
             return linear4bit_from(module, settings, device)
         quantise_module(module, settings, device, prefix)
     return module
-
-
-def _copy_plain_tensors(module, prefix: str, reader: CheckpointReader, model) -> None:
-    from bitsandbytes.nn import Params4bit
-
-    tied = "lm_head.weight" if model.config.tie_word_embeddings else None
-    for kind, named in (("param", module.named_parameters()), ("buffer", module.named_buffers())):
-        for rel, t in named:
-            name = prefix + rel
-            if isinstance(t, Params4bit):
-                continue
-            if name not in reader:
-                if kind == "param" and name != tied:
-                    raise ModelLoadError(f"checkpoint is missing the text weight {name}")
-                continue  # non-persistent buffers keep their computed values
-            src = reader.get(name)
-            if src.dtype == torch.uint8 and t.dtype != torch.uint8:
-                raise ModelLoadError(
-                    f"checkpoint tensor {name} is packed 4-bit data flexgemma cannot place (only nn.Linear weights "
-                    "with a bitsandbytes quant_state are read pre-quantised; fused experts must be bf16)"
-                )
-            if tuple(src.shape) != tuple(t.shape):
-                raise ModelLoadError(f"checkpoint tensor {name}: shape {tuple(src.shape)} != model {tuple(t.shape)}")
-            check_source_dtype(name, src, t)
-            t.copy_(src.to(dtype=t.dtype))
-            check_finite(name, t)
-            reader.loaded += 1
 
 
 def _build_quantised(model_cls, config, dtype, device, settings, reader, seed: int):
