@@ -124,9 +124,12 @@ class RunRecorder:
 
 
 def write_summary(job_dir: str | Path, summary: dict[str, Any]) -> Path:
+    """Writes a job's summary.json whole (via a temporary file); RunDirError when it cannot be written.
+    The one writer of summary.json: the job itself, and the sweep launcher for jobs that died."""
     path = Path(job_dir) / "summary.json"
     tmp = path.with_suffix(".json.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # a job that died before creating its directory
         tmp.write_text(json.dumps(_jsonable(summary), indent=2, sort_keys=True))
         tmp.replace(path)  # a summary exists only once complete: sweeps resume on its presence
     except OSError as e:

@@ -20,7 +20,6 @@ imports nothing heavy at module level.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -42,20 +41,18 @@ _POLL_S = 0.2
 
 
 def read_summary(job_dir: Path) -> Optional[dict]:
-    try:
-        return json.loads((job_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
+    from flexgemma.tracking import read_summary  # imported here: the plugin scan must stay light
+
+    return read_summary(job_dir)
 
 
 def write_summary(job_dir: Path, summary: dict) -> None:
     """Records a job's summary; a directory that cannot be written is logged, never raised: one job's
     I/O failure must not stop the sweep (the end table still shows the job and its error)."""
+    from flexgemma.tracking import write_summary
+
     try:
-        job_dir.mkdir(parents=True, exist_ok=True)
-        tmp = job_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
-        tmp.replace(job_dir / "summary.json")
+        write_summary(job_dir, summary)
     except OSError as e:
         log.error("could not record job %s in %s (%s: %s); the sweep goes on", summary.get("status"), job_dir,
                   type(e).__name__, e)
