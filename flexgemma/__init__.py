@@ -6,6 +6,7 @@
     outs = engine.generate([[2, 818, 5279], [2, 651]], SamplingParams(max_new_tokens=32, temperature=0.0))
 """
 
+from flexgemma.api import engine_from_model
 from flexgemma.builder import build_engine
 from flexgemma.compose import compose
 from flexgemma.config import ConfigError
@@ -16,4 +17,8 @@ from flexgemma.outputs import outputs_to_dataset
 
 __all__ = ["compose", "build_engine", "SamplingParams", "RequestOutput", "CompletionOutput", "ScoreOutput", "Engine",
            "ConfigError", "RequestError", "outputs_to_dataset"]
+# Engine.from_model: an engine over a transformers model the caller has. Defined in api.py (it
+# builds, which engine.py must not import); set here, where every import of the engine passes first.
+Engine.from_model = staticmethod(engine_from_model)
+
 __version__ = "0.1.0"

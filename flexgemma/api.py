@@ -1,5 +1,5 @@
-"""Engines from Python arguments: build_engine(model=..., quant=..., lora=..., **overrides) and
-Engine.from_model(hf_model, tokenizer=None, **overrides) for a transformers model the caller has.
+"""Engine.from_model(hf_model, tokenizer=None, **overrides): an engine over a transformers model the
+caller has (build_engine(model=..., **overrides) is its sibling in builder.py).
 
 Both compose conf/ like the CLI (every override the CLI takes works here), and leave the caller's
 Hydra state as it was (flexgemma.compose restores an initialised GlobalHydra).
@@ -7,42 +7,11 @@ Hydra state as it was (flexgemma.compose restores an initialised GlobalHydra).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import open_dict
 
 from flexgemma.config import ConfigError
-
-
-def _value(v) -> str:
-    """A Python value as a Hydra override value."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (list, tuple)):
-        return "[" + ",".join(_value(x) for x in v) + "]"
-    return str(v)
-
-
-def override_list(model: Optional[str] = None, quant: Optional[str] = None, lora: Optional[str] = None,
-                  **overrides) -> list[str]:
-    """Keyword arguments as CLI overrides: model="e2b" -> +model=e2b, engine__max_batch_size=8 ->
-    engine.max_batch_size=8 (a key may also be given with dots through **{"kv.page_size": 8})."""
-    out = [f"+model={model}"] if model else []
-    out += [f"quant={quant}"] if quant else []
-    out += [f"lora={lora}"] if lora else []
-    for key, v in overrides.items():
-        out.append(f"{key.replace('__', '.')}={_value(v)}")
-    return out
-
-
-def engine_config(model: Optional[str] = None, quant: Optional[str] = None, lora: Optional[str] = None,
-                  **overrides) -> DictConfig:
-    from flexgemma.compose import compose
-
-    return compose(override_list(model, quant, lora, **overrides))
+from flexgemma.overrides import engine_config
 
 
 def _check_hf_model(hf_model) -> None:
@@ -79,7 +48,7 @@ def engine_from_model(hf_model, tokenizer=None, **overrides):
         cfg.model.name = getattr(hf_model.config, "name_or_path", "") or "from_model"
         cfg.model.hf_config = None
     if cfg.engine.fuse_projections:
-        from flexgemma.model.fuse import fuse_projections
+        from flexgemma.model.projections import fuse_projections
 
         fused = fuse_projections(hf_model)
     census = storage_census(hf_model)

@@ -147,7 +147,7 @@ def build_engine(cfg=None, demand: PoolDemand = PoolDemand(), *, model: Optional
     alone): build_engine(model="e2b", quant="bnb4", lora="r16", device="cpu", **{"kv.page_size": 8});
     a key may also spell dots as double underscores (engine__max_batch_size=16)."""
     if not isinstance(cfg, DictConfig):
-        from flexgemma.api import engine_config
+        from flexgemma.overrides import engine_config
 
         if isinstance(cfg, str):  # build_engine("tiny")
             model, cfg = model or cfg, None

@@ -136,13 +136,8 @@ class Engine:
         self._inflight = InflightDecode(runner, scheduler)
         self._lock = threading.RLock()
 
-    @classmethod
-    def from_model(cls, hf_model, tokenizer=None, **overrides) -> "Engine":
-        """An engine over a transformers Gemma4ForCausalLM the caller already has (its weights, in
-        place, on its device); overrides as build_engine's (engine__max_batch_size=8, ...)."""
-        from flexgemma.api import engine_from_model
-
-        return engine_from_model(hf_model, tokenizer, **overrides)
+    # Engine.from_model(hf_model, tokenizer=None, **overrides) is flexgemma.api.engine_from_model,
+    # attached in flexgemma/__init__.py: the engine imports nothing that builds engines (no cycle).
 
     # -- LoRA --------------------------------------------------------------------------------------
     def update_lora(self, source, adapter_name: Optional[str] = None) -> dict:

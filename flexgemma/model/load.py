@@ -7,7 +7,6 @@ this module only decides the config, the dtype, the device and where the weights
 
 from __future__ import annotations
 
-import logging
 import sys
 import warnings
 from pathlib import Path
@@ -18,8 +17,6 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from flexgemma.model.files import get_tensor, open_safetensors, read_json_object
-
-log = logging.getLogger("flexgemma")
 
 # Weight files of formats flexgemma does not read: a directory holding only these must not run on
 # random weights (a checkpoint saved with torch.save, a Lightning .ckpt, a GGUF export).

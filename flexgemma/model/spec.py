@@ -28,11 +28,6 @@ class LayerSpec:
     moe: bool  # routed experts beside the dense MLP
     per_layer_input: bool  # PLE residual after the MLP
 
-    @property
-    def cache_group(self) -> tuple[int, int]:
-        """Layers with the same KV shape share one physical pool tensor."""
-        return (self.num_kv_heads, self.head_dim)
-
 
 @dataclass(frozen=True)
 class ModelSpec:

@@ -61,9 +61,6 @@ class SharedModel:
         """(module, attribute name, the engine's merged Parameter) of a merge target."""
         return self._merged_params[id(target)]
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return list(self.lora.slots.values())
-
     def trainer_view(self) -> None:
         """Base modules read the pristine weights; every adapter runs in peft's forward."""
         for t in self.lora.targets:
