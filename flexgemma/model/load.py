@@ -185,64 +185,75 @@ def build_model(model_cfg, device: torch.device, quant_cfg=None):
     dtype = torch.bfloat16 if quantised and dtype_name == "auto" else resolve_dtype(dtype_name, device)
     path = Path(model_cfg.path).expanduser() if model_cfg.path else None
     info: dict[str, Any] = {"name": model_cfg.name, "dtype": str(dtype).removeprefix("torch.")}
-    ckpt_quant = None
-    if path is not None:
-        if not path.is_dir():
-            raise ModelLoadError(f"model.path={path} does not exist or is not a directory")
-        text, ckpt_quant = _read_checkpoint_config(path)
-        files, kind = _weight_files(path, bool(model_cfg.allow_pickle))
-        if ckpt_quant and files and not quantised:
-            raise ModelLoadError(
-                f"model.path={path} is a pre-quantised bitsandbytes 4-bit checkpoint: load it with quant=bnb4"
-            )
-    else:
-        if model_cfg.hf_config is None:
-            raise ModelLoadError(f"model {model_cfg.name!r} has no hf_config and no model.path")
-        text, files, kind = _plain(model_cfg.hf_config), [], "none"
+    text, files, kind = _model_source(model_cfg, path, quantised)
     config = text_config_from_dict(text)
     config._attn_implementation = "sdpa"
-
+    reader = CheckpointReader(files, kind) if files else None
     if quantised:
         require_bitsandbytes(device)
         settings = Bnb4Settings.from_config(quant_cfg, dtype)
-        reader = CheckpointReader(files, kind) if files else None
         model = _build_quantised(Gemma4ForCausalLM, config, dtype, device, settings, reader, int(model_cfg.seed))
         model.is_loaded_in_4bit = True  # what peft reads to wrap Linear4bit with its 4-bit LoRA layer
-        if reader is not None:
-            info.update(loaded=reader.loaded, skipped=reader.skipped, prequantized=reader.prequantized)
         info.update({"quant/method": "bnb4", "quant/quant_type": settings.quant_type,
                      "quant/double_quant": settings.double_quant, "quant/block_size": settings.block_size})
     else:
         check_fits(Gemma4ForCausalLM, config, dtype, device, model_cfg.name)
-        # Build straight in the target dtype and device: float32 first would need twice the memory.
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            torch.manual_seed(int(model_cfg.seed))
-            with torch.device(device):
-                model = Gemma4ForCausalLM(config)
-        finally:
-            torch.set_default_dtype(prev)
-        if files:
-            reader = CheckpointReader(files, kind)
-            reader.copy_into(model, "", model)
-            info.update(loaded=reader.loaded, skipped=reader.skipped)
+        model = _build_plain(Gemma4ForCausalLM, config, dtype, device, reader, int(model_cfg.seed))
     model.eval().requires_grad_(False)
-    if files:
-        info["weights"] = str(path)
-    else:
-        info["weights"] = "random"
+    info.update(_weights_info(model_cfg, path, reader, quantised))
+    census = storage_census(model)
+    info.update({k: census[k] for k in ("params", "quant/fraction_4bit", "quant/weight_bytes")})
+    tokenizer = load_tokenizer(path) if path is not None else None
+    return model, tokenizer, info
+
+
+def _model_source(model_cfg, path: Optional[Path], quantised: bool) -> tuple[dict, list[Path], str]:
+    """(the text config as a dict, weight files, their kind): a checkpoint directory's, or the
+    variant's hf_config with no files (random weights)."""
+    if path is None:
+        if model_cfg.hf_config is None:
+            raise ModelLoadError(f"model {model_cfg.name!r} has no hf_config and no model.path")
+        return _plain(model_cfg.hf_config), [], "none"
+    if not path.is_dir():
+        raise ModelLoadError(f"model.path={path} does not exist or is not a directory")
+    text, ckpt_quant = _read_checkpoint_config(path)
+    files, kind = _weight_files(path, bool(model_cfg.allow_pickle))
+    if ckpt_quant and files and not quantised:
+        raise ModelLoadError(
+            f"model.path={path} is a pre-quantised bitsandbytes 4-bit checkpoint: load it with quant=bnb4"
+        )
+    return text, files, kind
+
+
+def _build_plain(model_cls, config, dtype, device, reader: Optional["CheckpointReader"], seed: int):
+    """The model straight in the target dtype and on `device` (float32 first would need twice the
+    memory), then the checkpoint's tensors copied in."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(prev)
+    if reader is not None:
+        reader.copy_into(model, "", model)
+    return model
+
+
+def _weights_info(model_cfg, path: Optional[Path], reader: Optional["CheckpointReader"], quantised: bool) -> dict:
+    """Where the weights came from, for the info dict; a directory without weight files warns."""
+    if reader is None:
         if path is not None:
             warnings.warn(
                 f"model.path={path} has no weight files (*.safetensors): using RANDOM weights (seed {model_cfg.seed})",
-                stacklevel=2,
+                stacklevel=3,
             )
-    tokenizer = load_tokenizer(path) if path is not None else None
-    census = storage_census(model)
-    info["params"] = census["params"]
-    info["quant/fraction_4bit"] = census["quant/fraction_4bit"]
-    info["quant/weight_bytes"] = census["quant/weight_bytes"]
-    return model, tokenizer, info
+        return {"weights": "random"}
+    out = {"weights": str(path), "loaded": reader.loaded, "skipped": reader.skipped}
+    if quantised:
+        out["prequantized"] = reader.prequantized
+    return out
 
 
 # -- the quantised build: meta model, made real and quantised one module at a time -------------

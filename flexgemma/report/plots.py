@@ -94,45 +94,10 @@ def throughput_vs_key(coll: Collection, key: str, out_dir: Path) -> Plot:
     fig = Figure(figsize=(15, 4.6))
     axes = fig.subplots(1, 3)
     for ax, (median_key, round_key, name) in zip(axes, THROUGHPUTS):
-        top = 0.0
-        for label, member in series:
-            pts = []
-            for i, x in enumerate(xs):
-                cands = [j for j in coll.ok_jobs if member(j) and j.swept.get(key, MISSING) == x
-                         and isinstance(j.get(median_key), (int, float))]
-                if cands:
-                    j = max(cands, key=lambda j: j.get(median_key))
-                    pts.append((i, j))
-            if not pts:
-                continue
-            pos = [i for i, _ in pts]
-            med = [j.get(median_key) for _, j in pts]
-            spreads = [j.spread(round_key) for _, j in pts]
-            # clamped: a summary median outside its rounds' range (rounds from another attempt)
-            # must not break the plot
-            lo = [max(0.0, m - s[0]) if s else 0.0 for m, s in zip(med, spreads)]
-            hi = [max(0.0, s[2] - m) if s else 0.0 for m, s in zip(med, spreads)]
-            top = max(top, *(m + h for m, h in zip(med, hi)))
-            ax.errorbar(pos, med, yerr=[lo, hi], marker="o", capsize=4, label=label and _short(label))
-            for p, (_, j) in zip(pos, pts):
-                if j is best and name == "total":
-                    ax.plot([p], [j.get(median_key)], marker="*", markersize=18, color=BEST_COLOR,
-                            linestyle="none", zorder=5, label="best job")
-        if failed_x:  # where a job failed there is no point: say so instead of leaving a gap
-            ax.plot(failed_x, [0] * len(failed_x), marker="x", markersize=10, color=FAIL_COLOR,
-                    linestyle="none", clip_on=False, zorder=5, label="failed / invalid job")
-        ax.set_xticks(range(len(xs)), [_short(x) for x in xs])
-        ax.set_xlim(-0.5, len(xs) - 0.5)
-        ax.set_ylim(0, top * 1.15 if top > 0 else 1)
-        ax.set_xlabel(key)
-        ax.set_ylabel(f"{name} tokens/s")
-        ax.set_title(f"{name.capitalize()} throughput")
-        ax.grid(True, alpha=0.3)
-        handles, labels = ax.get_legend_handles_labels()
-        if any(labels):  # the lines first, the markers (best job, failed jobs) after them
-            order = sorted(range(len(labels)), key=lambda i: labels[i] in ("best job", "failed / invalid job"))
-            ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=8, title=legend_title,
-                      title_fontsize=8, loc="lower right")
+        top = max([0.0] + [_series_line(ax, coll, key, xs, label, member, median_key, round_key,
+                                        best if name == "total" else None)
+                           for label, member in series])
+        _finish_axis(ax, key, xs, name, top, failed_x, legend_title)
     fig.suptitle(f"Throughput vs {key} (median over rounds, bars: min–max)", fontsize=13)
     fig.tight_layout()
     path = _save(fig, out_dir / f"throughput_vs_{_file_name(key)}.png")
@@ -141,6 +106,52 @@ def throughput_vs_key(coll: Collection, key: str, out_dir: Path) -> Plot:
                 + (f", one line per {', '.join(others)}" if others and per_line else "")
                 + (f", best over {', '.join(others)}" if others and not per_line else "")
                 + "; error bars span the fastest and slowest timed round; the star marks the best job.")
+
+
+def _series_line(ax, coll: Collection, key: str, xs: list, label, member, median_key: str, round_key: str,
+                 best) -> float:
+    """One line: the best job of the series at each x (error bars: min-max over its rounds); a
+    star on `best` when it is on the line. Returns the line's top (0 when it has no point)."""
+    pts = []
+    for i, x in enumerate(xs):
+        cands = [j for j in coll.ok_jobs if member(j) and j.swept.get(key, MISSING) == x
+                 and isinstance(j.get(median_key), (int, float))]
+        if cands:
+            pts.append((i, max(cands, key=lambda j: j.get(median_key))))
+    if not pts:
+        return 0.0
+    pos = [i for i, _ in pts]
+    med = [j.get(median_key) for _, j in pts]
+    spreads = [j.spread(round_key) for _, j in pts]
+    # clamped: a summary median outside its rounds' range (rounds from another attempt)
+    # must not break the plot
+    lo = [max(0.0, m - s[0]) if s else 0.0 for m, s in zip(med, spreads)]
+    hi = [max(0.0, s[2] - m) if s else 0.0 for m, s in zip(med, spreads)]
+    ax.errorbar(pos, med, yerr=[lo, hi], marker="o", capsize=4, label=label and _short(label))
+    for p, (_, j) in zip(pos, pts):
+        if j is best:
+            ax.plot([p], [j.get(median_key)], marker="*", markersize=18, color=BEST_COLOR,
+                    linestyle="none", zorder=5, label="best job")
+    return max(m + h for m, h in zip(med, hi))
+
+
+def _finish_axis(ax, key: str, xs: list, name: str, top: float, failed_x: list[int], legend_title) -> None:
+    """Failed-job markers, ticks, limits, labels and the legend of one throughput panel."""
+    if failed_x:  # where a job failed there is no point: say so instead of leaving a gap
+        ax.plot(failed_x, [0] * len(failed_x), marker="x", markersize=10, color=FAIL_COLOR,
+                linestyle="none", clip_on=False, zorder=5, label="failed / invalid job")
+    ax.set_xticks(range(len(xs)), [_short(x) for x in xs])
+    ax.set_xlim(-0.5, len(xs) - 0.5)
+    ax.set_ylim(0, top * 1.15 if top > 0 else 1)
+    ax.set_xlabel(key)
+    ax.set_ylabel(f"{name} tokens/s")
+    ax.set_title(f"{name.capitalize()} throughput")
+    ax.grid(True, alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if any(labels):  # the lines first, the markers (best job, failed jobs) after them
+        order = sorted(range(len(labels)), key=lambda i: labels[i] in ("best job", "failed / invalid job"))
+        ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=8, title=legend_title,
+                  title_fontsize=8, loc="lower right")
 
 
 def _short(text: object, limit: int = 60) -> str:
