@@ -2,8 +2,10 @@
 
 Every key a user can set lives here once, with its type and default. Types and enum choices are
 checked by OmegaConf when Hydra composes; value rules that a type cannot express (powers of two, a
-KV block equal to the page size, a ladder without holes) are checked by `validate`, which raises a
-`ConfigError` naming the key and what it accepts.
+ladder without holes) are checked by each group's `__post_init__`, and rules that span groups (a KV
+block equal to the page size) by `Config.__post_init__`. `validate(cfg)` turns the composed config
+into these typed dataclasses once, which runs every check; a failed one raises a `ConfigError`
+naming the key and what it accepts.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 DEFAULT_MODEL = "tiny"
+
+QUANT_METHODS = ("none", "bnb4")
+QUANT_TYPES = ("nf4", "fp4")
+# Blocks bitsandbytes' CUDA 4-bit kernels accept (the CPU kernels accept the same).
+BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
 class ConfigError(ValueError):
@@ -73,6 +80,14 @@ class QuantConfig:
     double_quant: bool = False
     block_size: int = 64
 
+    def __post_init__(self):
+        if self.method not in QUANT_METHODS:
+            raise ConfigError(f"quant.method={self.method!r} is invalid: choose one of {QUANT_METHODS}")
+        if self.quant_type not in QUANT_TYPES:
+            raise ConfigError(f"quant.quant_type={self.quant_type!r} is invalid: choose one of {QUANT_TYPES}")
+        if int(self.block_size) not in BLOCK_SIZES:
+            raise ConfigError(f"quant.block_size={self.block_size} is invalid: choose one of {BLOCK_SIZES}")
+
 
 @dataclass
 class LoraConfig:
@@ -90,6 +105,31 @@ class LoraConfig:
     path: Optional[str] = None  # local peft adapter directory (adapter_config.json + safetensors)
     merge: Optional[bool] = None  # null: merged for bf16/fp32 weights, unmerged (peft modules) for 4-bit
     pristine_on_cpu: bool = False  # keep the pristine base weights in pinned CPU memory, not on the GPU
+
+    def __post_init__(self):
+        if self.name != "none" and self.rank < 1 and not self.path:
+            raise ConfigError(f"lora.rank={self.rank} is invalid: a LoRA rank is at least 1 (or use lora=none)")
+        if self.rank < 0:
+            raise ConfigError(f"lora.rank={self.rank} is invalid: at least 0 (0 = no adapter)")
+        if self.rank > 0 or self.path:
+            self._check_adapter()
+
+    def _check_adapter(self) -> None:
+        if not self.alpha > 0:
+            raise ConfigError(f"lora.alpha={self.alpha} is invalid: it must be > 0 (the scale is alpha / rank)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout={self.dropout} is invalid: allowed [0, 1)")
+        names = list(self.adapter_names)
+        # peft finds adapters by name inside parameter keys: no dots, and no part of its "lora_" prefix
+        if not names or len(set(names)) != len(names) or any(not n or "." in n or n in "lora_" for n in names):
+            raise ConfigError(
+                f"lora.adapter_names={names} is invalid: a non-empty list of distinct names without dots "
+                "(and not a part of 'lora_', such as 'a')"
+            )
+        if self.path and len(names) > 1:
+            raise ConfigError(f"lora.path loads one adapter but lora.adapter_names={names} names {len(names)}")
+        if not list(self.target_modules) and not self.experts:
+            raise ConfigError("lora.target_modules is empty and lora.experts=false: the adapter would target nothing")
 
 
 @dataclass
@@ -118,6 +158,26 @@ class AttnConfig:
     prefill: PhaseKernels = field(default_factory=PhaseKernels)
     decode: PhaseKernels = field(default_factory=PhaseKernels)
 
+    def __post_init__(self):
+        _check_pow2("attn.q_block_size", self.q_block_size, 16, 1024)
+        _check_pow2("attn.kv_block_size", self.kv_block_size, 8, 1024)
+        for prefix, k in self.kernels():
+            _check_kernel(prefix, k)
+
+    def kernels(self) -> list[tuple[str, "FlexKernel"]]:
+        """(key prefix, kernel options) of every phase and its full-attention override."""
+        return [(f"attn.{phase}{sub}", k) for phase, p in (("prefill", self.prefill), ("decode", self.decode))
+                for sub, k in (("", p), (".full_attention", p.full_attention))]
+
+    def check_tiles(self, page_size: int) -> None:
+        """Tile rules of the compiled flex kernels (the eager CPU path has no tiles): a kernel walks a
+        page in BLOCK_N tiles and a prefill query block in BLOCK_M tiles."""
+        for prefix, k in self.kernels():
+            if k.block_n is not None and page_size % k.block_n != 0:
+                raise ConfigError(f"{prefix}.block_n={k.block_n} must divide kv.page_size={page_size}")
+            if prefix.startswith("attn.prefill") and k.block_m is not None and self.q_block_size % k.block_m != 0:
+                raise ConfigError(f"{prefix}.block_m={k.block_m} must divide attn.q_block_size={self.q_block_size}")
+
 
 @dataclass
 class KVConfig:
@@ -131,12 +191,24 @@ class KVConfig:
     # engine.max_model_len tokens, or fewer when the job's workload is known to need less
     fit_demand: bool = True
 
+    def __post_init__(self):
+        _check_pow2("kv.page_size", self.page_size, 8, 1024)
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ConfigError(f"kv.memory_fraction={self.memory_fraction} is invalid: allowed (0, 1]")
+        if self.max_pages is not None and self.max_pages < 2:
+            raise ConfigError(f"kv.max_pages={self.max_pages} is invalid: at least 2 (page 0 is the padding sink)")
+
 
 @dataclass
 class CudaGraphConfig:
     name: str = "ladder8"
     enabled: bool = True
     buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64])
+
+    def __post_init__(self):
+        b = list(self.buckets)
+        if self.enabled and (not b or any(x < 1 for x in b) or b != sorted(set(b))):
+            raise ConfigError(f"cudagraph.buckets={b} is invalid: a strictly increasing list of positive batch sizes")
 
 
 @dataclass
@@ -157,6 +229,18 @@ class EngineConfig:
     # bnb (bitsandbytes' Linear4bit: dequantise + GEMM per module), or auto (triton on a GPU)
     linear4bit_kernel: str = "auto"
 
+    def __post_init__(self):
+        if self.max_batch_size < 1:
+            raise ConfigError(f"engine.max_batch_size={self.max_batch_size} is invalid: at least 1")
+        if self.max_model_len < 2:
+            raise ConfigError(f"engine.max_model_len={self.max_model_len} is invalid: at least 2")
+        if self.max_prefill_tokens < 16:
+            raise ConfigError(f"engine.max_prefill_tokens={self.max_prefill_tokens} is invalid: at least 16")
+        if self.moe_kernel not in ("auto", "grouped_mm", "triton"):
+            raise ConfigError(f"engine.moe_kernel={self.moe_kernel!r} is invalid: auto, grouped_mm or triton")
+        if self.linear4bit_kernel not in ("auto", "bnb", "triton"):
+            raise ConfigError(f"engine.linear4bit_kernel={self.linear4bit_kernel!r} is invalid: auto, bnb or triton")
+
 
 @dataclass
 class WorkloadConfig:
@@ -174,6 +258,20 @@ class WorkloadConfig:
     warmup_rounds: int = 1
     path: Optional[str] = None  # prompts file for workload=jsonl
     n: int = 1  # completions per prompt (a GRPO group), each with its own seed
+
+    def __post_init__(self):
+        if (self.num_prompts is not None and self.num_prompts < 1) or self.max_new_tokens < 1 or self.n < 1:
+            raise ConfigError("workload.num_prompts, workload.max_new_tokens and workload.n must be at least 1")
+        if self.name == "jsonl" and not self.path:
+            raise ConfigError("workload=jsonl needs the prompts file: workload.path=FILE.jsonl")
+        if self.rounds < 1 or self.warmup_rounds < 0:
+            raise ConfigError(f"workload.rounds={self.rounds} / warmup_rounds={self.warmup_rounds}: need rounds >= 1, "
+                              "warmup_rounds >= 0")
+        if not 1 <= self.min_prompt_len <= self.max_prompt_len:
+            raise ConfigError(f"workload.min_prompt_len={self.min_prompt_len} / max_prompt_len={self.max_prompt_len}: "
+                              "need 1 <= min <= max")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"workload.temperature={self.temperature} is invalid: allowed >= 0")
 
 
 class TaskName(str, Enum):
@@ -233,6 +331,21 @@ class Config:
     device: Device = Device.auto
     seed: int = 0  # engine seed for requests that bring none
 
+    def __post_init__(self):
+        """The rules that span groups (each group has checked itself already)."""
+        a, kv, eng, cg = self.attn, self.kv, self.engine, self.cudagraph
+        if a.kv_block_size != kv.page_size:
+            raise ConfigError(
+                f"attn.kv_block_size={a.kv_block_size} must equal kv.page_size={kv.page_size}: a KV block of the "
+                f"BlockMask is one page of the cache (set both, e.g. kv.page_size={a.kv_block_size})"
+            )
+        if cg.enabled and cg.buckets[-1] < eng.max_batch_size:
+            raise ConfigError(
+                f"cudagraph.buckets={list(cg.buckets)} has a hole: batches of {cg.buckets[-1] + 1}.."
+                f"{eng.max_batch_size} (engine.max_batch_size) find no bucket; add {eng.max_batch_size} or lower "
+                "engine.max_batch_size"
+            )
+
 
 GROUP_SCHEMAS = {
     "model": ModelConfig,
@@ -285,86 +398,13 @@ def _check_kernel(prefix: str, k: Any) -> None:
         raise ConfigError(f"{prefix}.num_stages={k.num_stages} is invalid: allowed 1..6")
 
 
-def validate(cfg: DictConfig) -> None:
-    """Value rules that a type cannot express. Raises ConfigError naming the key."""
-    a, kv, eng, cg, lora = cfg.attn, cfg.kv, cfg.engine, cfg.cudagraph, cfg.lora
-    _check_pow2("kv.page_size", kv.page_size, 8, 1024)
-    _check_pow2("attn.q_block_size", a.q_block_size, 16, 1024)
-    _check_pow2("attn.kv_block_size", a.kv_block_size, 8, 1024)
-    if a.kv_block_size != kv.page_size:
-        raise ConfigError(
-            f"attn.kv_block_size={a.kv_block_size} must equal kv.page_size={kv.page_size}: a KV block of the "
-            f"BlockMask is one page of the cache (set both, e.g. kv.page_size={a.kv_block_size})"
-        )
-    for phase in ("prefill", "decode"):
-        _check_kernel(f"attn.{phase}", a[phase])
-        _check_kernel(f"attn.{phase}.full_attention", a[phase].full_attention)
-    if not 0.0 < kv.memory_fraction <= 1.0:
-        raise ConfigError(f"kv.memory_fraction={kv.memory_fraction} is invalid: allowed (0, 1]")
-    if kv.max_pages is not None and kv.max_pages < 2:
-        raise ConfigError(f"kv.max_pages={kv.max_pages} is invalid: at least 2 (page 0 is the padding sink)")
-    if eng.max_batch_size < 1:
-        raise ConfigError(f"engine.max_batch_size={eng.max_batch_size} is invalid: at least 1")
-    if eng.max_model_len < 2:
-        raise ConfigError(f"engine.max_model_len={eng.max_model_len} is invalid: at least 2")
-    if eng.max_prefill_tokens < 16:
-        raise ConfigError(f"engine.max_prefill_tokens={eng.max_prefill_tokens} is invalid: at least 16")
-    if eng.moe_kernel not in ("auto", "grouped_mm", "triton"):
-        raise ConfigError(f"engine.moe_kernel={eng.moe_kernel!r} is invalid: auto, grouped_mm or triton")
-    if eng.linear4bit_kernel not in ("auto", "bnb", "triton"):
-        raise ConfigError(f"engine.linear4bit_kernel={eng.linear4bit_kernel!r} is invalid: auto, bnb or triton")
-    if cg.enabled:
-        b = list(cg.buckets)
-        if not b or any(x < 1 for x in b) or b != sorted(set(b)):
-            raise ConfigError(f"cudagraph.buckets={b} is invalid: a strictly increasing list of positive batch sizes")
-        if b[-1] < eng.max_batch_size:
-            raise ConfigError(
-                f"cudagraph.buckets={b} has a hole: batches of {b[-1] + 1}..{eng.max_batch_size} "
-                f"(engine.max_batch_size) find no bucket; add {eng.max_batch_size} or lower engine.max_batch_size"
-            )
-    if lora.name != "none" and lora.rank < 1 and not lora.path:
-        raise ConfigError(f"lora.rank={lora.rank} is invalid: a LoRA rank is at least 1 (or use lora=none)")
-    if lora.rank < 0:
-        raise ConfigError(f"lora.rank={lora.rank} is invalid: at least 0 (0 = no adapter)")
-    if lora.rank > 0 or lora.path:
-        if not lora.alpha > 0:
-            raise ConfigError(f"lora.alpha={lora.alpha} is invalid: it must be > 0 (the scale is alpha / rank)")
-        if not 0.0 <= lora.dropout < 1.0:
-            raise ConfigError(f"lora.dropout={lora.dropout} is invalid: allowed [0, 1)")
-        names = list(lora.adapter_names)
-        # peft finds adapters by name inside parameter keys: no dots, and no part of its "lora_" prefix
-        if not names or len(set(names)) != len(names) or any(not n or "." in n or n in "lora_" for n in names):
-            raise ConfigError(
-                f"lora.adapter_names={names} is invalid: a non-empty list of distinct names without dots "
-                "(and not a part of 'lora_', such as 'a')"
-            )
-        if lora.path and len(names) > 1:
-            raise ConfigError(f"lora.path loads one adapter but lora.adapter_names={names} names {len(names)}")
-        if not list(lora.target_modules) and not lora.experts:
-            raise ConfigError("lora.target_modules is empty and lora.experts=false: the adapter would target nothing")
-    w = cfg.workload
-    if (w.num_prompts is not None and w.num_prompts < 1) or w.max_new_tokens < 1 or w.n < 1:
-        raise ConfigError("workload.num_prompts, workload.max_new_tokens and workload.n must be at least 1")
-    if w.name == "jsonl" and not w.path:
-        raise ConfigError("workload=jsonl needs the prompts file: workload.path=FILE.jsonl")
-    if w.rounds < 1 or w.warmup_rounds < 0:
-        raise ConfigError(f"workload.rounds={w.rounds} / warmup_rounds={w.warmup_rounds}: need rounds >= 1, "
-                          "warmup_rounds >= 0")
-    if not 1 <= w.min_prompt_len <= w.max_prompt_len:
-        raise ConfigError(
-            f"workload.min_prompt_len={w.min_prompt_len} / max_prompt_len={w.max_prompt_len}: need 1 <= min <= max"
-        )
-    if not math.isfinite(w.temperature) or w.temperature < 0:
-        raise ConfigError(f"workload.temperature={w.temperature} is invalid: allowed >= 0")
+def validate(cfg: DictConfig) -> Config:
+    """The composed config as typed dataclasses, made once: every group checks itself
+    (`__post_init__`), then `Config` checks the rules across groups. Raises ConfigError naming the key."""
+    return OmegaConf.to_object(cfg)
 
 
-def validate_kernels(cfg: DictConfig) -> None:
-    """Tile rules of the compiled flex kernels (the eager CPU path has no tiles): a kernel walks a
-    page in BLOCK_N tiles and a prefill query block in BLOCK_M tiles."""
-    a, page = cfg.attn, cfg.kv.page_size
-    for phase in ("prefill", "decode"):
-        for prefix, k in ((f"attn.{phase}", a[phase]), (f"attn.{phase}.full_attention", a[phase].full_attention)):
-            if k.block_n is not None and page % k.block_n != 0:
-                raise ConfigError(f"{prefix}.block_n={k.block_n} must divide kv.page_size={page}")
-            if phase == "prefill" and k.block_m is not None and a.q_block_size % k.block_m != 0:
-                raise ConfigError(f"{prefix}.block_m={k.block_m} must divide attn.q_block_size={a.q_block_size}")
+def validate_kernels(cfg) -> None:
+    """Tile rules of the compiled flex kernels (see AttnConfig.check_tiles)."""
+    attn = cfg.attn if isinstance(cfg.attn, AttnConfig) else OmegaConf.to_object(cfg.attn)
+    attn.check_tiles(cfg.kv.page_size)

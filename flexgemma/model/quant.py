@@ -24,14 +24,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from flexgemma.config import ConfigError
+from flexgemma.config import BLOCK_SIZES, QUANT_METHODS, QUANT_TYPES, ConfigError
 
 log = logging.getLogger("flexgemma")
 
-QUANT_METHODS = ("none", "bnb4")
-QUANT_TYPES = ("nf4", "fp4")
-# Blocks bitsandbytes' CUDA 4-bit kernels accept (the CPU kernels accept the same).
-BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 # Modules that stay in the model dtype: lm_head is tied to the embedding table (a gather, not a matmul).
 SKIP_MODULES = ("lm_head",)
 
