@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from flexgemma.compiled import CompileCounter, compile_fn
-from flexgemma.config import ConfigError, validate_kernels
+from flexgemma.config import ConfigError, validate
 from flexgemma.engine.block_mask import MaskBuilder
 from flexgemma.engine.engine import Engine
 from flexgemma.engine.kv_cache import KVCache, PoolDemand
@@ -26,20 +26,12 @@ from flexgemma.model.load import build_model, free_memory
 from flexgemma.model.lora import attach_lora
 from flexgemma.model.projections import fuse_projections
 from flexgemma.model.spec import ModelSpec
+from flexgemma.resolve import Resolved, resolve, resolve_device
 
 log = logging.getLogger("flexgemma")
 
 # Room left beside the KV pool for activations of the largest prefill step and the sampler.
 _ACTIVATION_RESERVE = 2 << 30
-
-
-def resolve_device(name) -> torch.device:
-    name = str(getattr(name, "value", name))
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but torch sees no GPU: use device=cpu (or device=auto)")
-    return torch.device(name)
 
 
 def _reclaim_window(cfg: DictConfig, spec: ModelSpec, max_len: int) -> Optional[int]:
@@ -99,31 +91,6 @@ def _pool_sizes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: to
     return n, window_pages
 
 
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _kernel_choice(option: str, value: str, torch_name: str, device: torch.device) -> str:
-    """engine.<option> resolved: auto is the Triton kernels on a GPU (measured faster on the H200,
-    experiments/RESULTS.md), `torch_name` elsewhere; triton where Triton cannot run is an error."""
-    if value == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else torch_name
-    if value == "triton":
-        import os
-
-        if not _triton_available():
-            raise ConfigError(f"engine.{option}=triton needs the triton package (it comes with CUDA builds of "
-                              f"torch): use engine.{option}={torch_name}")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError(f"engine.{option}=triton runs on a GPU, not on {device.type} (the tests run it "
-                              f"there through TRITON_INTERPRET=1): use engine.{option}={torch_name}")
-    return value
-
-
 def _refuse_if_too_large(cfg: DictConfig, device: torch.device) -> None:
     """Before building: a model too large for this device is refused with an estimate (ConfigError)."""
     est = estimate_build(cfg.model, cfg.quant, device)
@@ -162,7 +129,7 @@ def build_engine(cfg=None, demand: PoolDemand = PoolDemand(), *, model: Optional
 def _build_from_config(cfg: DictConfig, demand: PoolDemand) -> Engine:
     from flexgemma.compose import ensure_model
 
-    cfg = ensure_model(cfg)
+    cfg = validate(ensure_model(cfg))  # typed once: every group has checked itself
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     if not cfg.model.allow_large_cpu:
@@ -177,6 +144,20 @@ def _build_from_config(cfg: DictConfig, demand: PoolDemand) -> Engine:
     return assemble_engine(cfg, model, tokenizer, info, lora, device, demand, t0)
 
 
+def _forward(cfg, r: Resolved, model, spec: ModelSpec, cache: KVCache, max_len: int, counter: CompileCounter,
+             lora, info: dict) -> GemmaForward:
+    """The model's forward with the resolved kernels (attention, MoE, 4-bit projections)."""
+    kernels = AttentionKernels(r.attention_backend, decode_rows=cfg.engine.max_batch_size, counter=counter)
+    ops = make_ops(counter if r.compile else None, r.moe_kernel)
+    forward = GemmaForward(model, spec, cache.pools, cfg.attn, max_len, kernels, ops, lora,
+                           linear4bit=r.linear4bit_kernel == "triton")
+    if r.quantised:
+        groups = forward.linear4bit_groups()
+        info.update({"linear4bit_kernel": r.linear4bit_kernel, "linear4bit_groups": len(groups),
+                     "quant/linear4bit_extra_bytes": sum(g.extra_bytes for g in groups)})
+    return forward
+
+
 def assemble_engine(cfg: DictConfig, model, tokenizer, info: dict, lora, device: torch.device,
                     demand: PoolDemand = PoolDemand(), t0: Optional[float] = None) -> Engine:
     """The engine around a built model: KV pool, kernels, masks, runner, CUDA graphs, scheduler."""
@@ -186,25 +167,10 @@ def assemble_engine(cfg: DictConfig, model, tokenizer, info: dict, lora, device:
     max_len = min(int(cfg.engine.max_model_len), spec.max_position)
     num_pages, window_pages = _pool_sizes(cfg, spec, dtype, device, max_len, demand)
     cache = KVCache(spec, num_pages, cfg.kv.page_size, dtype, device, window_pages)
-    backend = str(getattr(cfg.attn.backend, "value", cfg.attn.backend))
-    if backend == "auto":
-        backend = "flex" if device.type == "cuda" else "dense"
-    if backend == "flex":
-        validate_kernels(cfg)
-    use_compile = cfg.engine.compile if cfg.engine.compile is not None else device.type == "cuda"
+    r = resolve(cfg, device)
+    backend, use_compile = r.attention_backend, r.compile
     counter = CompileCounter()
-    kernels = AttentionKernels(backend, decode_rows=cfg.engine.max_batch_size, counter=counter)
-    moe_kernel = _kernel_choice("moe_kernel", str(cfg.engine.moe_kernel), "grouped_mm", device)
-    quantised = cfg.quant is not None and cfg.quant.method != "none"
-    linear4bit_kernel = _kernel_choice("linear4bit_kernel", str(cfg.engine.linear4bit_kernel), "bnb", device) \
-        if quantised else "bnb"
-    ops = make_ops(counter if use_compile else None, moe_kernel)
-    forward = GemmaForward(model, spec, cache.pools, cfg.attn, max_len, kernels, ops, lora,
-                           linear4bit=linear4bit_kernel == "triton")
-    if quantised:
-        groups = forward.linear4bit_groups()
-        info.update({"linear4bit_kernel": linear4bit_kernel, "linear4bit_groups": len(groups),
-                     "quant/linear4bit_extra_bytes": sum(g.extra_bytes for g in groups)})
+    forward = _forward(cfg, r, model, spec, cache, max_len, counter, lora, info)
     masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len)
     sample_fn = compile_fn(sample, counter) if use_compile else sample
     runner = ModelRunner(forward, cache, masks, cfg.engine.max_batch_size, cfg.attn.q_block_size, sample_fn)
@@ -226,7 +192,7 @@ def assemble_engine(cfg: DictConfig, model, tokenizer, info: dict, lora, device:
         max_model_len=max_len, attention_backend=backend, async_decode=bool(cfg.engine.async_decode),
     )
     if any(s.moe for s in spec.layers):
-        info["moe_kernel"] = moe_kernel
+        info["moe_kernel"] = r.moe_kernel
     engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info)
     engine.compile_counter = counter
     engine.async_decode = bool(cfg.engine.async_decode)

@@ -55,13 +55,12 @@ def estimate_build(model_cfg, quant_cfg, device: torch.device) -> Optional[Build
     that is not a directory (the build says what is wrong with it)."""
     from transformers import Gemma4ForCausalLM
 
-    from flexgemma.model.load import resolve_dtype
+    from flexgemma.model.load import model_dtype
 
     if model_cfg.path and not Path(model_cfg.path).expanduser().is_dir():
         return None
     quantised = quant_cfg is not None and quant_cfg.method != "none"
-    dtype_name = str(getattr(model_cfg.dtype, "value", model_cfg.dtype))
-    dtype = torch.bfloat16 if quantised and dtype_name == "auto" else resolve_dtype(dtype_name, device)
+    dtype = model_dtype(model_cfg, quant_cfg, device)
     config = _text_config(model_cfg)
     with torch.device("meta"):
         model = Gemma4ForCausalLM(config)

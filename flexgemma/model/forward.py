@@ -37,7 +37,7 @@ class GemmaForward(torch.nn.Module):
         self.attn = [
             PagedAttention(
                 s, layer.self_attn, pools, kernels, ops, self.eps,
-                {ph: kernel_options(attn_cfg[ph], s.head_dim, pools.block_size, dtype) for ph in ("prefill", "decode")},
+                {ph: kernel_options(getattr(attn_cfg, ph), s.head_dim, pools.block_size, dtype) for ph in ("prefill", "decode")},
                 project,
             )
             for s, layer in zip(spec.layers, self.layers)

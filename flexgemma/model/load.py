@@ -37,6 +37,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def model_dtype(model_cfg, quant_cfg, device: torch.device) -> torch.dtype:
+    """model.dtype resolved: auto is bfloat16 on a GPU and float32 on the CPU, except that bnb4
+    computes in bf16 on every device unless model.dtype says otherwise."""
+    name = str(getattr(model_cfg.dtype, "value", model_cfg.dtype))
+    if name == "auto" and quant_cfg is not None and quant_cfg.method != "none":
+        return torch.bfloat16
+    return resolve_dtype(name, device)
+
+
 def _plain(obj: Any) -> Any:
     return OmegaConf.to_container(obj, resolve=True) if OmegaConf.is_config(obj) else obj
 
@@ -180,9 +189,7 @@ def build_model(model_cfg, device: torch.device, quant_cfg=None):
     from flexgemma.model.quant import Bnb4Settings, require_bitsandbytes, storage_census
 
     quantised = quant_cfg is not None and quant_cfg.method != "none"
-    dtype_name = str(getattr(model_cfg.dtype, "value", model_cfg.dtype))
-    # bnb4 computes in bf16 on every device unless model.dtype says otherwise
-    dtype = torch.bfloat16 if quantised and dtype_name == "auto" else resolve_dtype(dtype_name, device)
+    dtype = model_dtype(model_cfg, quant_cfg, device)
     path = Path(model_cfg.path).expanduser() if model_cfg.path else None
     info: dict[str, Any] = {"name": model_cfg.name, "dtype": str(dtype).removeprefix("torch.")}
     text, files, kind = _model_source(model_cfg, path, quantised)
