@@ -33,6 +33,7 @@ def engine_from_model(hf_model, tokenizer=None, **overrides):
     unless overridden) and no LoRA is attached unless lora= is given (that wraps the model with peft).
     Quantised (bitsandbytes) models are not supported here: build those with quant=bnb4."""
     from flexgemma.builder import assemble_engine
+    from flexgemma.resolve import resolve
     from flexgemma.model.quant import storage_census
 
     _check_hf_model(hf_model)
@@ -59,5 +60,6 @@ def engine_from_model(hf_model, tokenizer=None, **overrides):
         info["fused_projections"] = fused
     from flexgemma.model.lora import attach_lora
 
-    lora = attach_lora(hf_model, cfg.lora, info)
-    return assemble_engine(cfg, hf_model, tokenizer, info, lora, param.device)
+    r = resolve(cfg, param.device)
+    lora = attach_lora(hf_model, cfg.lora, r.lora_merge, info)
+    return assemble_engine(cfg, hf_model, tokenizer, info, lora, r)

@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from flexgemma.compiled import CompileCounter, compile_fn
-from flexgemma.config import ConfigError, validate
+from flexgemma.config import Config, ConfigError, validate
 from flexgemma.engine.block_mask import MaskBuilder
 from flexgemma.engine.engine import Engine
 from flexgemma.engine.kv_cache import KVCache, PoolDemand
@@ -34,7 +34,7 @@ log = logging.getLogger("flexgemma")
 _ACTIVATION_RESERVE = 2 << 30
 
 
-def _reclaim_window(cfg: DictConfig, spec: ModelSpec, max_len: int) -> Optional[int]:
+def _reclaim_window(cfg: Config, spec: ModelSpec, max_len: int) -> Optional[int]:
     """The sliding window whose layers get a page group of their own, or None (one group)."""
     windows = {s.window for s in spec.layers if s.window is not None}
     if not cfg.kv.reclaim_sliding or len(windows) != 1 or len(spec.layer_types) < 2:
@@ -43,7 +43,7 @@ def _reclaim_window(cfg: DictConfig, spec: ModelSpec, max_len: int) -> Optional[
     return window if window < max_len else None
 
 
-def _pool_sizes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+def _pool_sizes(cfg: Config, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                 max_len: int, demand: PoolDemand = PoolDemand()) -> tuple[int, Optional[int]]:
     """(pages of the group that holds every position, pages of the sliding layers' own group or None).
 
@@ -91,7 +91,7 @@ def _pool_sizes(cfg: DictConfig, spec: ModelSpec, dtype: torch.dtype, device: to
     return n, window_pages
 
 
-def _refuse_if_too_large(cfg: DictConfig, device: torch.device) -> None:
+def _refuse_if_too_large(cfg: Config, device: torch.device) -> None:
     """Before building: a model too large for this device is refused with an estimate (ConfigError)."""
     est = estimate_build(cfg.model, cfg.quant, device)
     if est is None:
@@ -132,6 +132,7 @@ def _build_from_config(cfg: DictConfig, demand: PoolDemand) -> Engine:
     cfg = validate(ensure_model(cfg))  # typed once: every group has checked itself
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
+    r = resolve(cfg, device)  # every auto decided here, before anything is built
     if not cfg.model.allow_large_cpu:
         _refuse_if_too_large(cfg, device)
     # quantisation: quant=bnb4 quantises inside build_model, module by module as weights are made or
@@ -140,8 +141,8 @@ def _build_from_config(cfg: DictConfig, demand: PoolDemand) -> Engine:
     if cfg.engine.fuse_projections:  # before peft wraps the modules: adapters then merge into the fused rows
         info["fused_projections"] = fuse_projections(model)
     # LoRA
-    lora = attach_lora(model, cfg.lora, info)  # merged into the weights before the KV pool and graphs
-    return assemble_engine(cfg, model, tokenizer, info, lora, device, demand, t0)
+    lora = attach_lora(model, cfg.lora, r.lora_merge, info)  # merged into the weights before the KV pool and graphs
+    return assemble_engine(cfg, model, tokenizer, info, lora, r, demand, t0)
 
 
 def _forward(cfg, r: Resolved, model, spec: ModelSpec, cache: KVCache, max_len: int, counter: CompileCounter,
@@ -158,17 +159,16 @@ def _forward(cfg, r: Resolved, model, spec: ModelSpec, cache: KVCache, max_len: 
     return forward
 
 
-def assemble_engine(cfg: DictConfig, model, tokenizer, info: dict, lora, device: torch.device,
+def assemble_engine(cfg, model, tokenizer, info: dict, lora, r: Resolved,
                     demand: PoolDemand = PoolDemand(), t0: Optional[float] = None) -> Engine:
     """The engine around a built model: KV pool, kernels, masks, runner, CUDA graphs, scheduler."""
     t0 = time.perf_counter() if t0 is None else t0
+    device, backend, use_compile = r.device, r.attention_backend, r.compile
     spec = ModelSpec.from_hf_config(model.config)
     dtype = model.model.embed_tokens.weight.dtype
     max_len = min(int(cfg.engine.max_model_len), spec.max_position)
     num_pages, window_pages = _pool_sizes(cfg, spec, dtype, device, max_len, demand)
     cache = KVCache(spec, num_pages, cfg.kv.page_size, dtype, device, window_pages)
-    r = resolve(cfg, device)
-    backend, use_compile = r.attention_backend, r.compile
     counter = CompileCounter()
     forward = _forward(cfg, r, model, spec, cache, max_len, counter, lora, info)
     masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len)

@@ -339,6 +339,9 @@ class Config:
                 f"attn.kv_block_size={a.kv_block_size} must equal kv.page_size={kv.page_size}: a KV block of the "
                 f"BlockMask is one page of the cache (set both, e.g. kv.page_size={a.kv_block_size})"
             )
+        if self.lora.merge and self.quant.method != "none":
+            raise ConfigError(f"lora.merge=true needs bf16/fp32 base weights; with quant={self.quant.name} use "
+                              "lora.merge=null/false")
         if cg.enabled and cg.buckets[-1] < eng.max_batch_size:
             raise ConfigError(
                 f"cudagraph.buckets={list(cg.buckets)} has a hole: batches of {cg.buckets[-1] + 1}.."

@@ -24,6 +24,7 @@ class Resolved:
     moe_kernel: str  # triton | grouped_mm (engine.moe_kernel)
     linear4bit_kernel: str  # triton | bnb (engine.linear4bit_kernel; bnb without quant=bnb4)
     quantised: bool  # quant.method is not none
+    lora_merge: bool  # merge LoRA into the weights (lora.merge; null: merged unless 4-bit)
 
 
 def resolve_device(name) -> torch.device:
@@ -52,6 +53,7 @@ def resolve(cfg, device: torch.device) -> Resolved:
         linear4bit_kernel=kernel_choice("linear4bit_kernel", str(cfg.engine.linear4bit_kernel), "bnb", device)
         if quantised else "bnb",
         quantised=quantised,
+        lora_merge=(not quantised) if cfg.lora.merge is None else bool(cfg.lora.merge),
     )
 
 

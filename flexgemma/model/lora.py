@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexgemma.config import ConfigError
 from flexgemma.model.files import get_tensor, open_safetensors, read_json_object
 
 log = logging.getLogger("flexgemma")
@@ -525,8 +524,9 @@ def randomise(adapters: LoraAdapters, seed: int, std_b: float) -> None:
             wb.copy_(torch.randn(wb.shape, generator=g) * std_b)
 
 
-def attach_lora(model, lora_cfg, info: Optional[dict] = None) -> Optional[LoraAdapters]:
-    """Wraps `model` (in place) with the configured peft adapters and merges them; None for lora=none.
+def attach_lora(model, lora_cfg, merge: bool, info: Optional[dict] = None) -> Optional[LoraAdapters]:
+    """Wraps `model` (in place) with the configured peft adapters and merges them when `merge` (lora.merge
+    resolved: flexgemma.resolve); None for lora=none.
 
     Called once by build_engine, right after the model is built (and quantised), before the KV
     pool is sized and the decode graphs are captured.
@@ -538,10 +538,6 @@ def attach_lora(model, lora_cfg, info: Optional[dict] = None) -> Optional[LoraAd
     names = list(lora_cfg.adapter_names)
     directory = Path(lora_cfg.path).expanduser() if lora_cfg.path else None
     pc = _load_peft_config(directory, lora_cfg, model) if directory else _peft_config(lora_cfg, model)
-    quantised = any(not p.dtype.is_floating_point for p in model.parameters())
-    merge = (not quantised) if lora_cfg.merge is None else bool(lora_cfg.merge)
-    if merge and quantised:
-        raise ConfigError("lora.merge=true needs bf16/fp32 base weights; with a 4-bit model use lora.merge=null/false")
     # adapters in the model's dtype (peft would upcast bf16 ones to fp32): the merge runs in it
     peft_model = get_peft_model(model, copy.deepcopy(pc), adapter_name=names[0], autocast_adapter_dtype=False)
     for n in names[1:]:

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from flexgemma.config import BLOCK_SIZES, QUANT_METHODS, QUANT_TYPES, ConfigError
+from flexgemma.config import ConfigError
 
 log = logging.getLogger("flexgemma")
 
@@ -41,15 +41,9 @@ class Bnb4Settings:
 
     @classmethod
     def from_config(cls, quant_cfg, compute_dtype: torch.dtype) -> Optional["Bnb4Settings"]:
-        """None for quant=bf16 (method none); validated settings for bnb4."""
+        """None for quant=bf16 (method none); the settings for bnb4 (config.QuantConfig checked them)."""
         if quant_cfg is None or quant_cfg.method == "none":
             return None
-        if quant_cfg.method != "bnb4":
-            raise ConfigError(f"quant.method={quant_cfg.method!r} is invalid: choose one of {QUANT_METHODS}")
-        if quant_cfg.quant_type not in QUANT_TYPES:
-            raise ConfigError(f"quant.quant_type={quant_cfg.quant_type!r} is invalid: choose one of {QUANT_TYPES}")
-        if int(quant_cfg.block_size) not in BLOCK_SIZES:
-            raise ConfigError(f"quant.block_size={quant_cfg.block_size} is invalid: choose one of {BLOCK_SIZES}")
         return cls(str(quant_cfg.quant_type), bool(quant_cfg.double_quant), int(quant_cfg.block_size), compute_dtype)
 
 
