@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from omegaconf import open_dict
 
-from flexgemma.config import ConfigError
+from flexgemma.config import ConfigError, validate
 from flexgemma.overrides import engine_config
 
 
@@ -48,6 +48,7 @@ def engine_from_model(hf_model, tokenizer=None, **overrides):
     with open_dict(cfg):
         cfg.model.name = getattr(hf_model.config, "name_or_path", "") or "from_model"
         cfg.model.hf_config = None
+    cfg = validate(cfg)  # typed once, as build_engine does
     if cfg.engine.fuse_projections:
         from flexgemma.model.projections import fuse_projections
 
