@@ -62,5 +62,5 @@ def engine_from_model(hf_model, tokenizer=None, **overrides):
     from flexgemma.model.lora import attach_lora
 
     r = resolve(cfg, param.device)
-    lora = attach_lora(hf_model, cfg.lora, r.lora_merge, info)
+    lora = attach_lora(hf_model, cfg.lora, r.lora_merge)
     return assemble_engine(cfg, hf_model, tokenizer, info, lora, r)

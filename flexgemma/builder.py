@@ -141,7 +141,7 @@ def _build_from_config(cfg: DictConfig, demand: PoolDemand) -> Engine:
     if cfg.engine.fuse_projections:  # before peft wraps the modules: adapters then merge into the fused rows
         info["fused_projections"] = fuse_projections(model)
     # LoRA
-    lora = attach_lora(model, cfg.lora, r.lora_merge, info)  # merged into the weights before the KV pool and graphs
+    lora = attach_lora(model, cfg.lora, r.lora_merge)  # merged into the weights before the KV pool and graphs
     return assemble_engine(cfg, model, tokenizer, info, lora, r, demand, t0)
 
 
@@ -171,6 +171,8 @@ def assemble_engine(cfg, model, tokenizer, info: dict, lora, r: Resolved,
     cache = KVCache(spec, num_pages, cfg.kv.page_size, dtype, device, window_pages)
     counter = CompileCounter()
     forward = _forward(cfg, r, model, spec, cache, max_len, counter, lora, info)
+    if lora is not None:
+        info.update(lora.build_info())
     masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len)
     sample_fn = compile_fn(sample, counter) if use_compile else sample
     runner = ModelRunner(forward, cache, masks, cfg.engine.max_batch_size, cfg.attn.q_block_size, sample_fn)

@@ -229,6 +229,7 @@ class LoraAdapters:
         self.merged = merge
         self.pristine_on_cpu = pristine_on_cpu
         self.device = next(model.parameters()).device
+        self.attached: dict[str, Any] = {}  # how attach_lora attached them (source, rank, first refresh)
         self.layers = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
         # slot key "<path>.lora_A.<adapter>" -> the adapter tensor an update copies into
         self.slots: dict[str, torch.Tensor] = {}
@@ -416,6 +417,10 @@ class LoraAdapters:
         """Saves the adapters as a peft adapter directory (loadable with lora.path)."""
         self.peft_model.save_pretrained(str(directory), selected_adapters=self.adapter_names)
 
+    def build_info(self) -> dict[str, Any]:
+        """info() and how the adapters were attached (source, rank, first refresh): the build's facts."""
+        return {**self.info(), **self.attached}
+
     def info(self) -> dict[str, Any]:
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         return {
@@ -524,9 +529,9 @@ def randomise(adapters: LoraAdapters, seed: int, std_b: float) -> None:
             wb.copy_(torch.randn(wb.shape, generator=g) * std_b)
 
 
-def attach_lora(model, lora_cfg, merge: bool, info: Optional[dict] = None) -> Optional[LoraAdapters]:
+def attach_lora(model, lora_cfg, merge: bool) -> Optional[LoraAdapters]:
     """Wraps `model` (in place) with the configured peft adapters and merges them when `merge` (lora.merge
-    resolved: flexgemma.resolve); None for lora=none.
+    resolved: flexgemma.resolve); None for lora=none. What was attached: the adapters' build_info().
 
     Called once by build_engine, right after the model is built (and quantised), before the KV
     pool is sized and the decode graphs are captured.
@@ -551,11 +556,7 @@ def attach_lora(model, lora_cfg, merge: bool, info: Optional[dict] = None) -> Op
         randomise(adapters, int(lora_cfg.seed), float(lora_cfg.init_std_b))
         report = {"refresh_ms": adapters.refresh()}
         source = f"random(seed={lora_cfg.seed})"
-    if info is not None:
-        info.update(adapters.info())
-        info["lora_source"] = source
-        info["lora_rank"] = pc.r
-        info["lora_refresh_ms"] = report["refresh_ms"]
+    adapters.attached = {"lora_source": source, "lora_rank": pc.r, "lora_refresh_ms": report["refresh_ms"]}
     log.info("LoRA: %s r=%d on %d layers (%s), %s; refresh %.2f ms", ",".join(names), pc.r, len(adapters.layers),
              adapters.info()["lora_mode"], source, report["refresh_ms"])
     return adapters
