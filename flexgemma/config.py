@@ -160,7 +160,6 @@ class AttnConfig:
 
     def __post_init__(self):
         _check_pow2("attn.q_block_size", self.q_block_size, 16, 1024)
-        _check_pow2("attn.kv_block_size", self.kv_block_size, 8, 1024)
         for prefix, k in self.kernels():
             _check_kernel(prefix, k)
 
@@ -332,7 +331,8 @@ class Config:
     seed: int = 0  # engine seed for requests that bring none
 
     def __post_init__(self):
-        """The rules that span groups (each group has checked itself already)."""
+        """The rules that span groups (each group has checked itself already). attn.kv_block_size
+        (by default ${kv.page_size}) is checked here, after kv.page_size named any error of its own."""
         a, kv, eng, cg = self.attn, self.kv, self.engine, self.cudagraph
         if a.kv_block_size != kv.page_size:
             raise ConfigError(
