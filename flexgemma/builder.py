@@ -168,7 +168,8 @@ def assemble_engine(cfg, model, tokenizer, info: dict, lora, r: Resolved,
     dtype = model.model.embed_tokens.weight.dtype
     max_len = min(int(cfg.engine.max_model_len), spec.max_position)
     num_pages, window_pages = _pool_sizes(cfg, spec, dtype, device, max_len, demand)
-    cache = KVCache(spec, num_pages, cfg.kv.page_size, dtype, device, window_pages)
+    cache = KVCache(spec, num_pages, cfg.kv.page_size, dtype, device, window_pages,
+                    sleep_mode=bool(cfg.engine.sleep_mode))
     counter = CompileCounter()
     forward = _forward(cfg, r, model, spec, cache, max_len, counter, lora, info)
     if lora is not None:
