@@ -144,6 +144,11 @@ METRICS: dict[str, str] = {
     "env/driver": "NVIDIA driver (GPU)",
     "env/gpu": "GPU name (none on the CPU)",
     "env/git_sha": "flexgemma's git commit",
+    "env/threads": "torch's intra-op threads (torch.get_num_threads())",
+    "env/cpu": "CPU model (/proc/cpuinfo)",
+    "env/omp_wait_policy": "OMP_WAIT_POLICY of the job (python -m flexgemma and the sweep launcher set PASSIVE unless set)",
+    "env/peft": "peft version (none without it)",
+    "env/bitsandbytes": "bitsandbytes version, from the package metadata (none without it; never imported for it)",
 }
 
 FAMILIES: dict[str, str] = {

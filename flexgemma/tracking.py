@@ -5,8 +5,10 @@ Metric names are flat "group/name" keys, the same in summary.json, metrics.jsonl
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -26,6 +28,11 @@ def environment() -> dict[str, Any]:
         "env/cuda": torch.version.cuda or "none",
         "env/gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "env/git_sha": _git_sha(),
+        "env/threads": torch.get_num_threads(),
+        "env/cpu": _cpu_model(),
+        "env/omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+        "env/peft": _version("peft"),
+        "env/bitsandbytes": _version("bitsandbytes"),  # read from the metadata: importing it starts its OpenMP pool
     }
     try:
         import triton
@@ -41,6 +48,24 @@ def environment() -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError, IndexError):
             env["env/driver"] = "unknown"
     return env
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def _git_sha() -> str:

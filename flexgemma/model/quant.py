@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -312,10 +313,10 @@ def _linear4bit_bytes(m) -> int:
 def storage_census(model: nn.Module) -> dict:
     """Logical parameter counts (a 4-bit weight counts its unpacked elements) and bytes held by
     weights, quant states included. A tied parameter counts once."""
-    try:
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:  # bf16 builds on machines without bitsandbytes
-        Linear4bit = ()
+    # a Linear4bit exists only once bitsandbytes is imported: a bf16 build never imports it (its
+    # OpenMP pool busy-waits against torch's on the CPU)
+    bnb_nn = sys.modules.get("bitsandbytes.nn")
+    Linear4bit = getattr(bnb_nn, "Linear4bit", ())
     params_4bit = params_other = nbytes = 0
     seen: set[int] = set()
     for m in model.modules():

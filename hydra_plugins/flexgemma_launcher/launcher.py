@@ -90,6 +90,9 @@ class _ResumableSubmititLauncher(BaseSubmititLauncher):
 
         assert self.config is not None and self.hydra_context is not None
         check_options(self.parallel_jobs, self.params)
+        # every job's process inherits it: OpenMP threads that spin while waiting fight torch's (and
+        # bitsandbytes') pools on a CPU; a user's own setting is kept
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         state = Singleton.get_state()  # before job_dir() touches HydraConfig
