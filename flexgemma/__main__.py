@@ -18,7 +18,7 @@ import sys  # noqa: E402
 
 import hydra  # noqa: E402
 
-from flexgemma.compose import _check_model_override, conf_dir  # noqa: E402
+from flexgemma.compose import _check_model_override, check_extras, conf_dir  # noqa: E402
 from flexgemma.config import ConfigError, register_configs  # noqa: E402
 from flexgemma.run import hydra_task  # noqa: E402
 
@@ -30,6 +30,7 @@ def main() -> None:
     register_configs()
     try:
         _check_model_override(sys.argv[1:])
+        check_extras(sys.argv[1:])
     except ConfigError as e:
         print(f"flexgemma: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -49,6 +49,7 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
     register_configs()
     overrides = list(overrides or [])
     _check_model_override(overrides)
+    check_extras(overrides)
     # a caller's own Hydra (an @hydra.main app, a notebook's initialize()) gets its state back
     original = GlobalHydra.instance()
     saved = original.hydra
@@ -70,3 +71,30 @@ def _check_model_override(overrides: list[str]) -> None:
         if key.lstrip("+~") == "model" and value and value not in model_names():
             raise ConfigError(f"unknown model {value!r}: choose one of {', '.join(model_names())} "
                               "(or give a checkpoint directory with +model=... model.path=DIR)")
+
+
+# Hydra sweepers that come with an extra: the override or preset that picks one says which to install
+_SWEEPER_EXTRAS = {"optuna": ("hydra_plugins.hydra_optuna_sweeper", "optuna")}
+
+
+def check_extras(overrides: list[str]) -> None:
+    """Raises MissingExtra when the overrides pick a sweeper whose extra is not installed (Hydra's own
+    error would only say that the config group option is missing)."""
+    from flexgemma.extras import installed, missing_extra
+
+    for o in overrides:
+        key, _, value = o.partition("=")
+        key = key.lstrip("+~")
+        sweepers = []
+        if key == "hydra/sweeper":
+            sweepers.append(value)
+        elif key == "experiment":
+            for name in value.split(","):
+                path = conf_dir() / "experiment" / f"{name.strip()}.yaml"
+                text = path.read_text() if path.is_file() else ""
+                sweepers += [s for s in _SWEEPER_EXTRAS if f"/hydra/sweeper: {s}" in text]
+        for sweeper in sweepers:
+            module, extra = _SWEEPER_EXTRAS.get(sweeper, (None, None))
+            if module and not installed(module):
+                raise missing_extra(module.split(".")[-1].replace("_", "-"), extra, f"{o} (the {sweeper} sweeper)")
+

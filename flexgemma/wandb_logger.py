@@ -47,8 +47,8 @@ class WandbRun:
         try:
             import wandb
         except ImportError:
-            log.error("logger=%s but wandb is not installed (pip install wandb): the job goes on without W&B and "
-                      "is recorded in %s; logger=none silences this.", kind, out_dir)
+            log.warning('logger=%s but wandb is not installed (pip install "flexgemma[wandb]"): the job goes on '
+                        "without W&B and is recorded in %s; logger=none silences this.", kind, out_dir)
             return None
 
         if _MODES[kind] == "offline":

@@ -68,10 +68,10 @@ def require_bitsandbytes(device: torch.device):
             warnings.simplefilter("ignore")
             import bitsandbytes as bnb
     except ImportError as e:
-        raise ConfigError(
-            f"quant=bnb4 needs bitsandbytes ({e}): pip install 'bitsandbytes>=0.45' (Linux/Windows, CUDA or CPU), "
-            "or run with quant=bf16"
-        ) from e
+        from flexgemma.extras import MissingExtra
+
+        raise MissingExtra(f'quant=bnb4 needs bitsandbytes ({e}): pip install "flexgemma[bnb]" '
+                           "(Linux/Windows, CUDA or CPU), or run with quant=bf16") from e
     if device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
         log.warning("quant=bnb4 on the CPU: bitsandbytes' and torch's OpenMP pools busy-wait against each other "
                     "(4-bit matmuls up to ~300x slower on few cores); export OMP_WAIT_POLICY=PASSIVE before starting")

@@ -11,10 +11,15 @@ from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
-from matplotlib import rc_context
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.patches import Rectangle
+try:
+    from matplotlib import rc_context
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+except ImportError as e:  # the [report] extra
+    from flexgemma.extras import missing_extra
+
+    raise missing_extra("matplotlib", "report", "python -m flexgemma.report (its plots)", str(e)) from None
 
 from flexgemma.report.collect import MISSING, Collection, Job
 from flexgemma.report.tables import TOTAL, determinism_keys, job_label, ranked_jobs, short_keys
