@@ -18,7 +18,7 @@ import sys  # noqa: E402
 
 import hydra  # noqa: E402
 
-from flexgemma.compose import _check_model_override, check_extras, conf_dir  # noqa: E402
+from flexgemma.compose import _check_model_override, check_extras, conf_dir, normalise_overrides  # noqa: E402
 from flexgemma.config import ConfigError, register_configs  # noqa: E402
 from flexgemma.run import hydra_task  # noqa: E402
 
@@ -29,6 +29,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     register_configs()
     try:
+        # rewritten before Hydra parses them: model=NAME as +model=NAME, the model that will run named
+        sys.argv[1:] = normalise_overrides(sys.argv[1:])
         _check_model_override(sys.argv[1:])
         check_extras(sys.argv[1:])
     except ConfigError as e:

@@ -132,6 +132,8 @@ class RunRecorder:
         with open(self.completions_path, "w") as f:
             for row in rows:
                 f.write(json.dumps(_jsonable(row), ensure_ascii=False) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log_completions(rows)
         return self.completions_path
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
@@ -174,11 +176,14 @@ def format_table(summary: dict[str, Any]) -> str:
         ("model", summary.get("model")),
         ("device", summary.get("env/gpu") if summary.get("env/gpu") not in (None, "none") else "cpu"),
         ("status", summary.get("status")),
-        ("total tok/s (median)", summary.get("throughput/total_tok_s_median")),
+        ("output tok/s (median)", summary.get("throughput/output_tok_s_median")),
+        ("total tok/s, prompt + output", summary.get("throughput/total_tok_s_median")),
+        ("requests/s", summary.get("throughput/requests_s_median")),
         ("decode tok/s (median)", summary.get("throughput/decode_tok_s_median")),
         ("prefill tok/s (median)", summary.get("throughput/prefill_tok_s_median")),
         ("TTFT p50 / p99 ms", _pair(summary, "latency/ttft_p50_ms", "latency/ttft_p99_ms")),
         ("TPOT p50 / p99 ms", _pair(summary, "latency/tpot_p50_ms", "latency/tpot_p99_ms")),
+        ("ITL mean ms", summary.get("latency/itl_mean_ms")),
         ("peak memory GiB", summary.get("memory/peak_allocated_gib")),
         ("KV pool GiB", summary.get("memory/kv_pool_gib")),
         ("decode bandwidth GB/s", summary.get("bandwidth/decode_gb_s_median")),

@@ -22,10 +22,10 @@ except ImportError as e:  # the [report] extra
     raise missing_extra("matplotlib", "report", "python -m flexgemma.report (its plots)", str(e)) from None
 
 from flexgemma.report.collect import MISSING, Collection, Job
-from flexgemma.report.tables import TOTAL, determinism_keys, job_label, ranked_jobs, short_keys
+from flexgemma.report.tables import OUTPUT, determinism_keys, job_label, ranked_jobs, short_keys
 
 THROUGHPUTS = [  # (summary median key, per-round key, panel title)
-    (TOTAL, "throughput/total_tok_s", "total"),
+    (OUTPUT, "throughput/output_tok_s", "output"),
     ("throughput/decode_tok_s_median", "throughput/decode_tok_s", "decode"),
     ("throughput/prefill_tok_s_median", "throughput/prefill_tok_s", "prefill"),
 ]
@@ -120,7 +120,7 @@ def throughput_vs_key(coll: Collection, key: str, out_dir: Path) -> Plot:
             top = max(top, *(m + h for m, h in zip(med, hi)))
             ax.errorbar(pos, med, yerr=[lo, hi], marker="o", capsize=4, label=label and _short(label))
             for p, (_, j) in zip(pos, pts):
-                if j is best and name == "total":
+                if j is best and name == "output":
                     ax.plot([p], [j.get(median_key)], marker="*", markersize=18, color=BEST_COLOR,
                             linestyle="none", zorder=5, label="best job")
         if failed_x:  # where a job failed there is no point: say so instead of leaving a gap
@@ -163,23 +163,23 @@ def _height(n_rows: int) -> float:
 
 
 def throughput_rounds(coll: Collection, out_dir: Path) -> Plot:
-    """Every timed round's total tokens/s per ok job (the spread behind each median)."""
+    """Every timed round's output tokens/s per ok job (the spread behind each median)."""
     jobs = [j for j in ranked_jobs(coll) if j.ok][::-1]  # fastest on top
     best = coll.best()
     fig = Figure(figsize=(10, _height(len(jobs))))
     ax = fig.subplots()
     for y, job in enumerate(jobs):
         color = BEST_COLOR if job is best else "#1f77b4"
-        vals = job.round_values("throughput/total_tok_s")
+        vals = job.round_values("throughput/output_tok_s")
         if vals:
             ax.plot([min(vals), max(vals)], [y, y], color=color, alpha=0.4, linewidth=2)
             ax.scatter(vals, [y] * len(vals), color=color, alpha=0.6, s=22,
                        label="one timed round" if y == 0 else None)
-        if isinstance(job.get(TOTAL), (int, float)):
-            ax.scatter([job.get(TOTAL)], [y], marker="|", s=400, color="black", linewidths=2,
+        if isinstance(job.get(OUTPUT), (int, float)):
+            ax.scatter([job.get(OUTPUT)], [y], marker="|", s=400, color="black", linewidths=2,
                        label="median" if y == 0 else None)
     ax.set_yticks(range(len(jobs)), [_short(f"{job_label(j, coll)}  (job {j.name})") for j in jobs])
-    ax.set_xlabel("total tokens/s (generated tokens over round wall time, prefill included)")
+    ax.set_xlabel("output tokens/s (generated tokens over round wall time, prefill included)")
     ax.set_title("Total throughput per timed round (best job in red)")
     ax.set_xlim(left=0)
     ax.set_ylim(-0.6, len(jobs) - 0.4)

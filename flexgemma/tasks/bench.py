@@ -44,15 +44,19 @@ def run(engine, workload, cfg, recorder) -> dict:
         elif tokens != first:
             deterministic = False
     summary = {}
-    for key in ("throughput/total_tok_s", "throughput/decode_tok_s", "throughput/prefill_tok_s"):
+    for key in ("throughput/output_tok_s", "throughput/total_tok_s", "throughput/requests_s",
+                "throughput/decode_tok_s", "throughput/prefill_tok_s"):
         vals = [m[key] for m in rounds]
         summary[key + "_median"] = statistics.median(vals)
         summary[key + "_best"] = max(vals)
     for key in ("latency/ttft_ms", "latency/tpot_ms"):
         vals = np.concatenate([lat[key] for lat in latencies])
         name = key.removesuffix("_ms")
-        summary[name + "_p50_ms"] = float(np.percentile(vals, 50)) if vals.size else None
-        summary[name + "_p99_ms"] = float(np.percentile(vals, 99)) if vals.size else None
+        summary[name + "_mean_ms"] = float(vals.mean()) if vals.size else None
+        for q in (50, 90, 99):
+            summary[f"{name}_p{q}_ms"] = float(np.percentile(vals, q)) if vals.size else None
+    itl = [m["latency/itl_mean_ms"] for m in rounds if m["latency/itl_mean_ms"] is not None]
+    summary["latency/itl_mean_ms"] = statistics.median(itl) if itl else None
     for key in ("bandwidth/decode_gb_s", "bandwidth/decode_pct_of_peak"):
         if key in rounds[0]:
             summary[key + "_median"] = statistics.median(m[key] for m in rounds)

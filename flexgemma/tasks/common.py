@@ -102,17 +102,26 @@ def timed_rounds(engine, prompts, params, warmup: int, rounds: int) -> list[Time
 
 def round_metrics(outputs, stats, wall: float) -> tuple[dict, dict]:
     """(scalar metrics of one round, per-request latency arrays in ms)."""
-    gen = sum(len(o.token_ids) for o in outputs if o.finish_reason != "error")
+    ok = [o for o in outputs if o.finish_reason != "error"]
+    gen = sum(len(o.token_ids) for o in ok)
+    prompt = sum(len(o.prompt_token_ids) for o in ok)
     ttft = np.array([o.first_token_time * 1e3 for o in outputs if o.first_token_time is not None])
-    tpot = np.array([
-        (o.finish_time - o.first_token_time) * 1e3 / (len(o.token_ids) - 1)
-        for o in outputs if o.finish_time is not None and len(o.token_ids) > 1
-    ])
+    decoding = [o for o in outputs if o.finish_time is not None and o.first_token_time is not None
+                and len(o.token_ids) > 1]
+    tpot = np.array([(o.finish_time - o.first_token_time) * 1e3 / (len(o.token_ids) - 1) for o in decoding])
+    # inter-token latency, vLLM's meaning: the gaps between consecutive tokens of a request, over all
+    # requests (a token-weighted mean; the engine keeps no per-token times, so no percentiles)
+    gaps = sum(len(o.token_ids) - 1 for o in decoding)
+    itl_mean = sum((o.finish_time - o.first_token_time) * 1e3 for o in decoding) / gaps if gaps else None
     bs = stats.decode_batch_sizes
     return {
         "bench/round_seconds": wall,
         "bench/generated_tokens": gen,
-        "throughput/total_tok_s": gen / wall,
+        "bench/prompt_tokens": prompt,
+        "throughput/output_tok_s": gen / wall,
+        "throughput/total_tok_s": (prompt + gen) / wall,
+        "throughput/requests_s": len(ok) / wall,
+        "latency/itl_mean_ms": itl_mean,
         "throughput/decode_tok_s": stats.decode_tokens / stats.decode_time if stats.decode_time else 0.0,
         "throughput/prefill_tok_s": stats.prefill_tokens / stats.prefill_time if stats.prefill_time else 0.0,
         "scheduler/prefill_steps": stats.prefill_steps,
