@@ -13,7 +13,6 @@ import os
 # random. A user's own setting is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import logging  # noqa: E402
 import sys  # noqa: E402
 
 import hydra  # noqa: E402
@@ -26,7 +25,7 @@ _main = hydra.main(config_path=str(conf_dir()), config_name="config", version_ba
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    # no logging.basicConfig: Hydra configures the job's logging (a second handler printed every line twice)
     register_configs()
     try:
         # rewritten before Hydra parses them: model=NAME as +model=NAME, the model that will run named

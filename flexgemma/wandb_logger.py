@@ -51,6 +51,9 @@ class WandbRun:
                         "without W&B and is recorded in %s; logger=none silences this.", kind, out_dir)
             return None
 
+        # the job prints its own table and where the run is; W&B's banner, hints, warnings and run
+        # summary would bury it (WANDB_SILENT=false brings them back)
+        os.environ.setdefault("WANDB_SILENT", "true")
         if _MODES[kind] == "offline":
             keep_offline()
         config = {"config": _resolved(cfg), "env": environment, "choices": identity.get("choices", {}),
@@ -63,14 +66,17 @@ class WandbRun:
                 job_type=identity.get("job_type"), name=identity.get("name"), tags=tags, config=config,
                 mode=_MODES[kind], dir=str(out_dir),
                 reinit="finish_previous",  # a job that runs in the sweep's process closes the previous job's run
-                # the job prints its own table; W&B's banner, hints and run summary would bury it
-                settings=wandb.Settings(quiet=True, show_info=False),
             )
         except Exception as e:  # noqa: BLE001 - the job's own files still record it; say how to get W&B back
             log.error("W&B (logger=%s) could not start a run: %s. The job goes on and is recorded in %s; "
                       "use logger=wandb_offline and `wandb sync` later, or logger=none.", kind, e, out_dir)
             return None
         return cls(run)
+
+    @property
+    def where(self) -> str:
+        """The run's directory (offline: upload it with `wandb sync DIR`) or its URL."""
+        return str(Path(self.run.dir).parent) if self.run.offline else str(self.run.url)
 
     def log_round(self, row: dict[str, Any]) -> None:
         self.run.log(row)

@@ -53,3 +53,23 @@ def test_cli_sets_omp_wait_policy_unless_set():
     assert "POLICY PASSIVE" in r.stdout
     r = _python(code, {"OMP_WAIT_POLICY": "ACTIVE"})
     assert "POLICY ACTIVE" in r.stdout
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("async_decode", [True, False])
+def test_tokens_generated_counts_every_generated_token(async_decode):
+    from conftest import make_engine
+
+    from flexgemma import SamplingParams
+    from flexgemma.tasks.common import token_progress
+
+    engine = make_engine(f"engine.async_decode={str(async_decode).lower()}")
+    before = engine.tokens_generated
+    params = SamplingParams(max_new_tokens=7, temperature=1.0, seed=3, ignore_eos=True)
+    with token_progress(engine, "test", total=3 * 7, interval=0.01, disable=False) as bar:
+        outs = engine.generate([[2, 18, 279], [2, 51], [2, 17, 99, 301]], params)
+    generated = sum(len(o.token_ids) for o in outs)
+    assert generated == 21 and engine.tokens_generated - before == generated
+    assert bar.n == generated

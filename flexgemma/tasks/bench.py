@@ -13,13 +13,16 @@ import time
 import numpy as np
 import torch
 
-from flexgemma.tasks.common import bandwidth_metrics, bounded, memory_metrics, request_error_metrics, round_metrics
+from flexgemma.tasks.common import (bandwidth_metrics, bounded, expected_tokens, memory_metrics, request_error_metrics,
+                                    round_metrics, token_progress)
 
 
 def run(engine, workload, cfg, recorder) -> dict:
     w = cfg.workload
-    for _ in range(int(w.warmup_rounds)):
-        engine.generate(workload.prompts, workload.params)
+    total = expected_tokens(workload.prompts, workload.params)
+    for i in range(int(w.warmup_rounds)):
+        with token_progress(engine, f"warm-up {i + 1}/{w.warmup_rounds}", total):
+            engine.generate(workload.prompts, workload.params)
     rounds, latencies, first, first_outputs = [], [], None, []
     deterministic = True
     if torch.cuda.is_available():
@@ -29,9 +32,10 @@ def run(engine, workload, cfg, recorder) -> dict:
         graphs.hits.clear()
         graphs.padded_rows = graphs.real_rows = 0
     for r in range(int(w.rounds)):
-        t0 = time.perf_counter()
-        outs = engine.generate(workload.prompts, workload.params, use_tqdm=True)
-        wall = time.perf_counter() - t0
+        with token_progress(engine, f"round {r + 1}/{w.rounds}", total):
+            t0 = time.perf_counter()
+            outs = engine.generate(workload.prompts, workload.params)
+            wall = time.perf_counter() - t0
         m, lat = round_metrics(outs, engine.stats, wall)
         m.update(bandwidth_metrics(engine, outs, engine.stats))
         m["round"] = r

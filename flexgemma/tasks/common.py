@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import resource
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -80,6 +83,45 @@ def cuda_time_ms(fn, iters: int = 50, warmup: int = 5) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return float(np.median(times))
+
+
+def expected_tokens(prompts, params) -> Optional[int]:
+    """Most tokens a generate() of these prompts can produce (exact when EOS is ignored)."""
+    if isinstance(params, (list, tuple)):
+        return sum(int(p.max_new_tokens) for p in params)
+    return len(prompts) * int(params.max_new_tokens) if params is not None else None
+
+
+@contextmanager
+def token_progress(engine, desc: str, total: Optional[int] = None, interval: float = 0.25,
+                   disable: Optional[bool] = None):
+    """A tqdm bar of generated tokens (and tokens/s) while the body runs: a daemon thread polls
+    engine.tokens_generated, so generate() itself is untouched. Shown on a terminal only (a sweep
+    job's log gets no carriage-return lines)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="tok", disable=disable, leave=True)
+    if bar.disable:
+        yield bar
+        return
+    start, stop = engine.tokens_generated, threading.Event()
+
+    def poll():
+        while not stop.wait(interval):
+            bar.update(engine.tokens_generated - start - bar.n)
+
+    thread = threading.Thread(target=poll, name="token-progress", daemon=True)
+    thread.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        thread.join()
+        bar.update(engine.tokens_generated - start - bar.n)
+        if bar.total is not None and bar.n < bar.total:
+            bar.total = bar.n  # requests that stopped at EOS: the bar ends full
+            bar.refresh()
+        bar.close()
 
 
 def timed_rounds(engine, prompts, params, warmup: int, rounds: int) -> list[TimedRound]:
