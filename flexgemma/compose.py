@@ -78,8 +78,9 @@ def normalise_overrides(overrides: Sequence[str]) -> list[str]:
         if not models:
             log.warning("no model given: using the embedded default '%s' (pick one with model=NAME: %s)",
                         name, ", ".join(model_names()))
-        # beside the other overrides: Hydra's argument parser takes them as one run of positionals
-        first = next((i for i, o in enumerate(out) if "=" in o and not o.startswith("-")), len(out))
+        # beside the other overrides (Hydra's argument parser takes them as one run of positionals),
+        # else first: after the flags, `--info` would take it as its value
+        first = next((i for i, o in enumerate(out) if "=" in o and not o.startswith("-")), 0)
         out.insert(first, f"+model={name}")
     return out
 

@@ -21,6 +21,7 @@ def test_main_job_on_default_model(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "embedded default 'tiny'" in r.stderr + r.stdout
     assert "output tok/s" in r.stdout
+    assert (r.stdout + r.stderr).count("engine: tiny (random") == 1  # one handler: each log record once
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["model"] == "tiny"
     assert summary["bench/generated_tokens_per_round"] == 4 * 8

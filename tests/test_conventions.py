@@ -35,7 +35,8 @@ def test_preset_refuses_a_model_it_is_not_for():
 
 def test_overrides_are_rewritten_beside_the_others():
     assert normalise_overrides(["-m", "seed=1,2"]) == ["-m", "+model=tiny", "seed=1,2"]
-    assert normalise_overrides(["--cfg", "job"]) == ["--cfg", "job", "+model=tiny"]
+    assert normalise_overrides(["--cfg", "job"]) == ["+model=tiny", "--cfg", "job"]
+    assert normalise_overrides(["--info"]) == ["+model=tiny", "--info"]  # not taken as --info's value
     assert normalise_overrides(["model=e2b,e4b", "experiment=block_sweep"]) == ["+model=e2b,e4b",
                                                                                 "+experiment=block_sweep"]
     assert normalise_overrides(["experiment=speed_26b_a4b"]) == ["+model=26b_a4b", "+experiment=speed_26b_a4b"]
