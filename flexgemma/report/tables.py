@@ -287,7 +287,7 @@ def _no_live_key(coll: Collection, gs: list[Group], measured: tuple[float, int] 
     (only,) = gs  # every ok job is the same configuration
     spread = f", {100 * measured[0]:.1f}% apart" if measured else ""
     head = (f"No best configuration: the jobs differ only in inert or repeat keys "
-            f"({', '.join(coll.swept_keys)}), so they ran one configuration: {fmt_rate(only.total)} total "
+            f"({', '.join(coll.swept_keys)}), so they ran one configuration: {fmt_rate(only.total)} output "
             f"tok/s, the median of {len(only.jobs)} job(s){spread}; {counts}.")
     notes.append("Their differences in speed are noise, not an effect of the swept values.")
     return Verdict(head, notes, None)
