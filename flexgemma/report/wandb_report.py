@@ -15,7 +15,7 @@ from flexgemma.report.collect import Collection
 from flexgemma.report.tables import OUTPUT
 
 SUMMARY_PANELS = [  # (summary key, bar chart title)
-    (OUTPUT, "Total tokens/s (median over rounds)"),
+    (OUTPUT, "Output tokens/s (median over rounds)"),
     ("throughput/decode_tok_s_median", "Decode tokens/s (median over rounds)"),
     ("latency/tpot_p50_ms", "Time per output token p50 (ms)"),
     ("memory/peak_allocated_gib", "Peak allocated memory (GiB)"),
