@@ -4,21 +4,48 @@
     cfg = compose(["+model=tiny", "quant=bf16"])
     engine = build_engine(cfg)
     outs = engine.generate([[2, 818, 5279], [2, 651]], SamplingParams(max_new_tokens=32, temperature=0.0))
+
+The names below are imported on first use (module __getattr__), so that `python -m flexgemma` can
+set the OpenMP wait policy before torch is imported.
 """
 
-from flexgemma.api import engine_from_model
-from flexgemma.builder import build_engine
+import importlib
+
+# compose and config import no torch; compose is imported here because the submodule of the same
+# name would otherwise shadow the function once anything imports flexgemma.compose
 from flexgemma.compose import compose
 from flexgemma.config import ConfigError
-from flexgemma.engine.engine import Engine, RequestError
-from flexgemma.engine.score import ScoreOutput
-from flexgemma.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
-from flexgemma.outputs import outputs_to_dataset
+
+_EXPORTS = {
+    "build_engine": "flexgemma.builder",
+    "Engine": "flexgemma.engine.engine",
+    "RequestError": "flexgemma.engine.engine",
+    "ScoreOutput": "flexgemma.engine.score",
+    "CompletionOutput": "flexgemma.engine.sequence",
+    "RequestOutput": "flexgemma.engine.sequence",
+    "SamplingParams": "flexgemma.engine.sequence",
+    "outputs_to_dataset": "flexgemma.outputs",
+}
 
 __all__ = ["compose", "build_engine", "SamplingParams", "RequestOutput", "CompletionOutput", "ScoreOutput", "Engine",
            "ConfigError", "RequestError", "outputs_to_dataset"]
-# Engine.from_model: an engine over a transformers model the caller has. Defined in api.py (it
-# builds, which engine.py must not import); set here, where every import of the engine passes first.
-Engine.from_model = staticmethod(engine_from_model)
-
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flexgemma' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    if name == "Engine" and not hasattr(value, "from_model"):
+        # Engine.from_model: an engine over a transformers model the caller has; defined in api.py
+        # (it builds, which engine.py must not import), attached when Engine is taken from here
+        from flexgemma.api import engine_from_model
+
+        value.from_model = staticmethod(engine_from_model)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

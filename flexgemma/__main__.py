@@ -1,4 +1,4 @@
-"""`python -m flexgemma [+model=NAME] [overrides...]`: the Hydra entry point; nothing else.
+"""`python -m flexgemma [model=NAME] [overrides...]`: the Hydra entry point; nothing else.
 
 The task function is flexgemma.run.hydra_task (a module function, not one of `__main__`, so that a
 launcher can pickle it by reference into each job's own process).
@@ -6,23 +6,32 @@ launcher can pickle it by reference into each job's own process).
 
 from __future__ import annotations
 
-import logging
-import sys
+import os
 
-import hydra
+# Before torch is imported: OpenMP threads that spin while waiting (the default policy) fight
+# torch's own pool and any other library's (bitsandbytes) on a CPU, making runs 3-30x slower at
+# random. A user's own setting is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from flexgemma.compose import _check_model_override, conf_dir
-from flexgemma.config import ConfigError, register_configs
-from flexgemma.run import hydra_task
+import sys  # noqa: E402
+
+import hydra  # noqa: E402
+
+from flexgemma.compose import _check_model_override, check_extras, conf_dir, normalise_overrides  # noqa: E402
+from flexgemma.config import ConfigError, register_configs  # noqa: E402
+from flexgemma.run import hydra_task  # noqa: E402
 
 _main = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(hydra_task)
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    # no logging.basicConfig: Hydra configures the job's logging (a second handler printed every line twice)
     register_configs()
     try:
+        # rewritten before Hydra parses them: model=NAME as +model=NAME, the model that will run named
+        sys.argv[1:] = normalise_overrides(sys.argv[1:])
         _check_model_override(sys.argv[1:])
+        check_extras(sys.argv[1:])
     except ConfigError as e:
         print(f"flexgemma: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -32,7 +32,7 @@ def ensure_model(cfg: DictConfig) -> DictConfig:
     """Fills in the embedded default model when no +model=... was given (and says so)."""
     if not OmegaConf.is_missing(cfg.model, "name"):
         return cfg
-    log.warning("no model given: using the embedded default '%s' (pick one with +model=NAME: %s)",
+    log.warning("no model given: using the embedded default '%s' (pick one with model=NAME: %s)",
                 DEFAULT_MODEL, ", ".join(model_names()))
     default = OmegaConf.load(conf_dir() / "model" / f"{DEFAULT_MODEL}.yaml")
     with open_dict(cfg):
@@ -41,14 +41,59 @@ def ensure_model(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+# config groups that are not in the defaults list (a model has no default variant, an experiment is
+# optional): Hydra wants `+model=NAME`; `model=NAME` is taken as the same
+_APPENDED_GROUPS = ("model", "experiment")
+
+
+def preset_models(experiment: str) -> list[str]:
+    """The models an experiment preset is written for (its `preset.models`), [] when it names none."""
+    import yaml
+
+    path = conf_dir() / "experiment" / f"{experiment}.yaml"
+    if not path.is_file():
+        return []  # Hydra's own error names the missing preset
+    data = yaml.safe_load(path.read_text()) or {}
+    return list((data.get("preset") or {}).get("models") or [])
+
+
+def normalise_overrides(overrides: Sequence[str]) -> list[str]:
+    """The overrides as Hydra needs them: `model=NAME` and `experiment=NAME` become `+model=NAME` and
+    `+experiment=NAME`, and without a model the one that will run is added (a preset's own model, else
+    the embedded default), so that `--cfg job`, the job's overrides and its directory name it."""
+    out, model_given, experiment = [], False, None
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        bare = key.lstrip("+~")
+        if eq and bare in _APPENDED_GROUPS:
+            if key == bare:
+                o = f"+{o}"
+            model_given |= bare == "model"
+            if bare == "experiment" and not key.startswith("~"):
+                experiment = value.split(",")[0].strip()
+        out.append(o)
+    if not model_given:
+        models = preset_models(experiment) if experiment else []
+        name = models[0] if models else DEFAULT_MODEL
+        if not models:
+            log.warning("no model given: using the embedded default '%s' (pick one with model=NAME: %s)",
+                        name, ", ".join(model_names()))
+        # beside the other overrides (Hydra's argument parser takes them as one run of positionals),
+        # else first: after the flags, `--info` would take it as its value
+        first = next((i for i, o in enumerate(out) if "=" in o and not o.startswith("-")), 0)
+        out.insert(first, f"+model={name}")
+    return out
+
+
 def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "config") -> DictConfig:
     """Composes conf/ with Hydra's compose API, e.g. compose(["+model=tiny", "quant=bf16"])."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     register_configs()
-    overrides = list(overrides or [])
+    overrides = normalise_overrides(overrides or [])
     _check_model_override(overrides)
+    check_extras(overrides)
     # a caller's own Hydra (an @hydra.main app, a notebook's initialize()) gets its state back
     original = GlobalHydra.instance()
     saved = original.hydra
@@ -70,3 +115,30 @@ def _check_model_override(overrides: list[str]) -> None:
         if key.lstrip("+~") == "model" and value and value not in model_names():
             raise ConfigError(f"unknown model {value!r}: choose one of {', '.join(model_names())} "
                               "(or give a checkpoint directory with +model=... model.path=DIR)")
+
+
+# Hydra sweepers that come with an extra: the override or preset that picks one says which to install
+_SWEEPER_EXTRAS = {"optuna": ("hydra_plugins.hydra_optuna_sweeper", "optuna")}
+
+
+def check_extras(overrides: list[str]) -> None:
+    """Raises MissingExtra when the overrides pick a sweeper whose extra is not installed (Hydra's own
+    error would only say that the config group option is missing)."""
+    from flexgemma.extras import installed, missing_extra
+
+    for o in overrides:
+        key, _, value = o.partition("=")
+        key = key.lstrip("+~")
+        sweepers = []
+        if key == "hydra/sweeper":
+            sweepers.append(value)
+        elif key == "experiment":
+            for name in value.split(","):
+                path = conf_dir() / "experiment" / f"{name.strip()}.yaml"
+                text = path.read_text() if path.is_file() else ""
+                sweepers += [s for s in _SWEEPER_EXTRAS if f"/hydra/sweeper: {s}" in text]
+        for sweeper in sweepers:
+            module, extra = _SWEEPER_EXTRAS.get(sweeper, (None, None))
+            if module and not installed(module):
+                raise missing_extra(module.split(".")[-1].replace("_", "-"), extra, f"{o} (the {sweeper} sweeper)")
+

@@ -291,7 +291,7 @@ class TaskConfig:
     name: TaskName = TaskName.bench
     max_prompts: int = 8  # parity: prompts compared against transformers generate (one at a time)
     # the summary metric the Hydra task function returns: what an Optuna sweep optimises
-    objective: str = "throughput/total_tok_s_median"
+    objective: str = "throughput/output_tok_s_median"
     cycles: int = 10  # drift: perturb-and-refresh cycles before the original adapter is restored
     noise: float = 0.1  # drift: perturbation std, relative to each adapter tensor's RMS
     # grpo (flexgemma/tasks/grpo.py, docs/grpo.md): TRL's GRPOTrainer on the engine's LoRA adapter
@@ -315,8 +315,18 @@ class TaskConfig:
 class LoggerConfig:
     kind: LoggerKind = LoggerKind.none
     project: str = "flexgemma"
+    entity: Optional[str] = None  # the W&B team or user (null: wandb's default for this login)
     group: Optional[str] = None
     tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PresetConfig:
+    """Set by an experiment preset (conf/experiment/*.yaml): its name and the models it is written for
+    (its KV pool, batch and workload are sized for them). Without model=..., a preset runs its first."""
+
+    name: Optional[str] = None
+    models: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -331,6 +341,7 @@ class Config:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    preset: PresetConfig = field(default_factory=PresetConfig)
     device: Device = Device.auto
     seed: int = 0  # engine seed for requests that bring none
 
@@ -377,8 +388,14 @@ def short_dirname(name: str, limit: int = 120) -> str:
     return f"{name[:limit - 9]}~{hashlib.sha1(name.encode()).hexdigest()[:8]}"
 
 
-# at import, not in register_configs: a launcher's job process resolves hydra.sweep.subdir too
+def name_suffix(name: Any) -> str:
+    """`_NAME` for a sweep directory named after its experiment preset; "" without one."""
+    return f"_{name}" if name not in (None, "", "None") else ""
+
+
+# at import, not in register_configs: a launcher's job process resolves hydra.sweep.dir/subdir too
 OmegaConf.register_new_resolver("fg_short", short_dirname, replace=True)
+OmegaConf.register_new_resolver("fg_suffix", name_suffix, replace=True)
 
 
 def register_configs() -> None:
@@ -405,9 +422,21 @@ def _check_kernel(prefix: str, k: Any) -> None:
         raise ConfigError(f"{prefix}.num_stages={k.num_stages} is invalid: allowed 1..6")
 
 
+def _check_preset_model(cfg: DictConfig) -> None:
+    preset = OmegaConf.select(cfg, "preset")
+    if preset is None or not preset.models or OmegaConf.is_missing(cfg.model, "name"):
+        return
+    if cfg.model.name not in preset.models:
+        models = ", ".join(preset.models)
+        raise ConfigError(f"experiment={preset.name} is written for model={models.replace(', ', ' or model=')} "
+                          f"(its KV pool, batch and workload are sized for it), not model={cfg.model.name}: "
+                          f"give model={preset.models[0]}, or leave model= out and the preset picks it")
+
+
 def validate(cfg: DictConfig) -> Config:
     """The composed config as typed dataclasses, made once: every group checks itself
     (`__post_init__`), then `Config` checks the rules across groups. Raises ConfigError naming the key."""
+    _check_preset_model(cfg)
     return OmegaConf.to_object(cfg)
 
 

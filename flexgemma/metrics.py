@@ -11,8 +11,13 @@ from __future__ import annotations
 ROUND_METRICS: dict[str, str] = {
     "round": "index of the timed round",
     "bench/round_seconds": "wall time of the round (s)",
-    "bench/generated_tokens": "tokens generated in the round",
-    "throughput/total_tok_s": "generated tokens / round wall time",
+    "bench/generated_tokens": "tokens generated in the round (output tokens)",
+    "bench/prompt_tokens": "prompt tokens of the round's requests",
+    "throughput/output_tok_s": "output (generated) tokens / round wall time (vLLM's output token throughput)",
+    "throughput/total_tok_s": "(prompt + output) tokens / round wall time (vLLM's total token throughput)",
+    "throughput/requests_s": "requests finished / round wall time",
+    "latency/itl_mean_ms": "inter-token latency: mean gap between consecutive tokens of a request, over all the "
+                           "round's gaps (ms; the engine keeps no per-token times, hence no percentiles)",
     "throughput/decode_tok_s": "decode tokens / time in decode steps",
     "throughput/prefill_tok_s": "prompt tokens / time in prefill steps",
     "bandwidth/decode_gb_s": "achieved memory bandwidth of decode (GB/s; estimate: weights + the KV each step reads)",
@@ -58,17 +63,27 @@ METRICS: dict[str, str] = {
     "choices": "the Hydra group choices (model, attn, cudagraph, quant, workload, experiment, ...); also the W&B tags",
     "overrides": "the job's command-line overrides; also the W&B run name",
     # throughput, over the timed rounds (build, compile, capture and warm-up are outside every window)
-    "throughput/total_tok_s_median": "generated tokens per second of wall time, median over rounds (what sweeps optimise)",
+    "throughput/output_tok_s_median": "output tokens per second of wall time, median over rounds (what sweeps optimise)",
+    "throughput/output_tok_s_best": "... best round",
+    "throughput/total_tok_s_median": "(prompt + output) tokens per second of wall time, median over rounds",
     "throughput/total_tok_s_best": "... best round",
+    "throughput/requests_s_median": "requests per second of wall time, median over rounds",
+    "throughput/requests_s_best": "... best round",
     "throughput/decode_tok_s_median": "decode tokens per second of decode-step time, median",
     "throughput/decode_tok_s_best": "... best round",
     "throughput/prefill_tok_s_median": "prompt tokens per second of prefill-step time, median",
     "throughput/prefill_tok_s_best": "... best round",
     # latency, over every request of every timed round
-    "latency/ttft_p50_ms": "time to first token, median (ms, from the start of generate())",
+    "latency/ttft_mean_ms": "time to first token, mean over requests (ms, from the start of generate())",
+    "latency/ttft_p50_ms": "time to first token, median (ms)",
+    "latency/ttft_p90_ms": "time to first token, 90th percentile (ms)",
     "latency/ttft_p99_ms": "time to first token, 99th percentile (ms)",
-    "latency/tpot_p50_ms": "time per output token after the first, median (ms)",
+    "latency/tpot_mean_ms": "time per output token after the first, a request's mean; mean over requests (ms)",
+    "latency/tpot_p50_ms": "time per output token, median over requests (ms)",
+    "latency/tpot_p90_ms": "time per output token, 90th percentile (ms)",
     "latency/tpot_p99_ms": "time per output token, 99th percentile (ms)",
+    "latency/itl_mean_ms": "inter-token latency: mean gap between consecutive tokens, over every gap of a round; "
+                           "median over rounds (ms)",
     # memory
     "memory/weights_gib": "weight memory, 4-bit packing and quant states included (GiB)",
     "quant/fraction_4bit": "share of the parameters stored in 4 bits (quant=bnb4; 0 for bf16)",
@@ -144,6 +159,11 @@ METRICS: dict[str, str] = {
     "env/driver": "NVIDIA driver (GPU)",
     "env/gpu": "GPU name (none on the CPU)",
     "env/git_sha": "flexgemma's git commit",
+    "env/threads": "torch's intra-op threads (torch.get_num_threads())",
+    "env/cpu": "CPU model (/proc/cpuinfo)",
+    "env/omp_wait_policy": "OMP_WAIT_POLICY of the job (python -m flexgemma and the sweep launcher set PASSIVE unless set)",
+    "env/peft": "peft version (none without it)",
+    "env/bitsandbytes": "bitsandbytes version, from the package metadata (none without it; never imported for it)",
 }
 
 FAMILIES: dict[str, str] = {

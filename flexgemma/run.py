@@ -102,8 +102,11 @@ def _run_locked(cfg: DictConfig, out_dir: Path, identity: Optional[dict], raise_
         if torch.cuda.is_available():
             summary.setdefault("memory/peak_allocated_gib", torch.cuda.max_memory_allocated() / 2**30)
         path = recorder.write_summary(summary)
+        # the table before W&B finishes the run: its closing lines come after, not in front
+        wandb_line = f"\n  W&B run: {recorder.wandb_run.where}" if recorder.wandb_run is not None else ""
+        print(f"\nflexgemma {task} on {cfg.model.name}:\n{format_table(summary)}\n  summary: {path}{wandb_line}",
+              flush=True)
         recorder.close(summary["status"])
-        print(f"\nflexgemma {task} on {cfg.model.name}:\n{format_table(summary)}\n  summary: {path}", flush=True)
     if error is not None and raise_errors:
         raise error
     return summary

@@ -5,8 +5,10 @@ Metric names are flat "group/name" keys, the same in summary.json, metrics.jsonl
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -26,6 +28,11 @@ def environment() -> dict[str, Any]:
         "env/cuda": torch.version.cuda or "none",
         "env/gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "env/git_sha": _git_sha(),
+        "env/threads": torch.get_num_threads(),
+        "env/cpu": _cpu_model(),
+        "env/omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+        "env/peft": _version("peft"),
+        "env/bitsandbytes": _version("bitsandbytes"),  # read from the metadata: importing it starts its OpenMP pool
     }
     try:
         import triton
@@ -41,6 +48,24 @@ def environment() -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError, IndexError):
             env["env/driver"] = "unknown"
     return env
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def _git_sha() -> str:
@@ -107,6 +132,8 @@ class RunRecorder:
         with open(self.completions_path, "w") as f:
             for row in rows:
                 f.write(json.dumps(_jsonable(row), ensure_ascii=False) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log_completions(rows)
         return self.completions_path
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
@@ -152,11 +179,14 @@ def format_table(summary: dict[str, Any]) -> str:
         ("model", summary.get("model")),
         ("device", summary.get("env/gpu") if summary.get("env/gpu") not in (None, "none") else "cpu"),
         ("status", summary.get("status")),
-        ("total tok/s (median)", summary.get("throughput/total_tok_s_median")),
+        ("output tok/s (median)", summary.get("throughput/output_tok_s_median")),
+        ("total tok/s, prompt + output", summary.get("throughput/total_tok_s_median")),
+        ("requests/s", summary.get("throughput/requests_s_median")),
         ("decode tok/s (median)", summary.get("throughput/decode_tok_s_median")),
         ("prefill tok/s (median)", summary.get("throughput/prefill_tok_s_median")),
         ("TTFT p50 / p99 ms", _pair(summary, "latency/ttft_p50_ms", "latency/ttft_p99_ms")),
         ("TPOT p50 / p99 ms", _pair(summary, "latency/tpot_p50_ms", "latency/tpot_p99_ms")),
+        ("ITL mean ms", summary.get("latency/itl_mean_ms")),
         ("peak memory GiB", summary.get("memory/peak_allocated_gib")),
         ("KV pool GiB", summary.get("memory/kv_pool_gib")),
         ("decode bandwidth GB/s", summary.get("bandwidth/decode_gb_s_median")),

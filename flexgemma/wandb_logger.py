@@ -47,19 +47,24 @@ class WandbRun:
         try:
             import wandb
         except ImportError:
-            log.error("logger=%s but wandb is not installed (pip install wandb): the job goes on without W&B and "
-                      "is recorded in %s; logger=none silences this.", kind, out_dir)
+            log.warning('logger=%s but wandb is not installed (pip install "flexgemma[wandb]"): the job goes on '
+                        "without W&B and is recorded in %s; logger=none silences this.", kind, out_dir)
             return None
 
+        # the job prints its own table and where the run is; W&B's banner, hints, warnings and run
+        # summary would bury it (WANDB_SILENT=false brings them back)
+        os.environ.setdefault("WANDB_SILENT", "true")
         if _MODES[kind] == "offline":
             keep_offline()
         config = {"config": _resolved(cfg), "env": environment, "choices": identity.get("choices", {}),
                   "overrides": identity.get("overrides", [])}
         tags = [t[:_MAX_TAG_LEN] for t in identity.get("tags", [])] + [str(t) for t in cfg.logger.get("tags", [])]
         try:
+            entity = cfg.logger.get("entity")
             run = wandb.init(
-                project=str(cfg.logger.project), group=identity.get("group"), job_type=identity.get("job_type"),
-                name=identity.get("name"), tags=tags, config=config, mode=_MODES[kind], dir=str(out_dir),
+                project=str(cfg.logger.project), entity=str(entity) if entity else None, group=identity.get("group"),
+                job_type=identity.get("job_type"), name=identity.get("name"), tags=tags, config=config,
+                mode=_MODES[kind], dir=str(out_dir),
                 reinit="finish_previous",  # a job that runs in the sweep's process closes the previous job's run
             )
         except Exception as e:  # noqa: BLE001 - the job's own files still record it; say how to get W&B back
@@ -68,8 +73,25 @@ class WandbRun:
             return None
         return cls(run)
 
+    @property
+    def where(self) -> str:
+        """The run's directory (offline: upload it with `wandb sync DIR`) or its URL."""
+        return str(Path(self.run.dir).parent) if self.run.offline else str(self.run.url)
+
     def log_round(self, row: dict[str, Any]) -> None:
         self.run.log(row)
+
+    def log_completions(self, rows: list[dict[str, Any]]) -> None:
+        """The completions as a wandb.Table (one row a completion), browsable in the W&B UI."""
+        import wandb
+
+        columns = ["prompt_index", "sample", "prompt", "completion", "finish_reason", "prompt_tokens", "tokens"]
+        data = [[r.get("prompt_index"), r.get("sample", 0), str(r.get("prompt", "")), str(r.get("completion", r.get("token_ids"))),
+                 r.get("finish_reason"), r.get("prompt_tokens"), len(r.get("token_ids") or [])] for r in rows]
+        try:
+            self.run.log({"completions": wandb.Table(columns=columns, data=data)})
+        except Exception as e:  # noqa: BLE001 - completions.jsonl holds them anyway
+            log.warning("W&B could not take the completions table: %s", e)
 
     def set_summary(self, summary: dict[str, Any]) -> None:
         self.run.summary.update(summary)

@@ -20,11 +20,12 @@ def test_main_job_on_default_model(tmp_path):
                 "workload.max_new_tokens=8", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "embedded default 'tiny'" in r.stderr + r.stdout
-    assert "total tok/s" in r.stdout
+    assert "output tok/s" in r.stdout
+    assert (r.stdout + r.stderr).count("engine: tiny (random") == 1  # one handler: each log record once
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["model"] == "tiny"
     assert summary["bench/generated_tokens_per_round"] == 4 * 8
-    assert summary["throughput/total_tok_s_median"] > 0
+    assert summary["throughput/output_tok_s_median"] > 0
     assert summary["determinism/run_to_run"] is True
     assert (tmp_path / "run" / "config_resolved.yaml").exists()
     rounds = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

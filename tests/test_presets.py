@@ -41,7 +41,7 @@ def test_optuna_and_slurm_compose():
                               "hydra.launcher.partition=gpu"])
     assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper") and str(cfg.hydra.sweeper.direction) == "maximize"
     assert str(cfg.hydra.sweeper.params["attn.decode.block_n"]) == "choice(16, 32, 64)"
-    assert cfg.task.objective == "throughput/total_tok_s_median"
+    assert cfg.task.objective == "throughput/output_tok_s_median"
     assert cfg.hydra.launcher._target_.endswith("FlexgemmaSlurmLauncher") and cfg.hydra.launcher.gpus_per_node == 1
 
 
@@ -49,7 +49,7 @@ def test_optuna_and_slurm_compose():
 def test_optuna_preset_returns_throughput_and_reports_the_best(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     # the basic launcher runs the two trials in this one process: the quickest way to check the objective
-    r = subprocess.run([sys.executable, "-m", "flexgemma", "-m", "+experiment=optuna_kernels", "hydra/launcher=basic",
+    r = subprocess.run([sys.executable, "-m", "flexgemma", "-m", "+experiment=optuna_kernels", "model=tiny", "hydra/launcher=basic",
                         "hydra.sweeper.n_trials=2", f"hydra.sweep.dir={tmp_path}/opt", "logger=none",
                         "workload.num_prompts=2", "workload.max_new_tokens=4", "workload.rounds=1",
                         "workload.warmup_rounds=0"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)

@@ -36,8 +36,8 @@ def cpu_summary(total: float, **extra) -> dict:
         "memory/weights_gib": 0.0023, "model": "tiny",
         "samples": [{"prompt_tokens": 12, "completion_ids": [5, 6, 7]}], "status": "ok", "task": "bench",
         "throughput/decode_tok_s_median": total * 1.1, "throughput/decode_tok_s_best": total * 1.122,
-        "throughput/prefill_tok_s_median": 10001.0, "throughput/total_tok_s_median": total,
-        "throughput/total_tok_s_best": total * 1.02, "workload/prompts": 16,
+        "throughput/prefill_tok_s_median": 10001.0, "throughput/output_tok_s_median": total,
+        "throughput/output_tok_s_best": total * 1.02, "workload/prompts": 16,
     }
     s.update(extra)
     return s
@@ -50,7 +50,7 @@ def write_job(job_dir: Path, overrides: list[str], summary: dict | None, rounds:
     (job_dir / "config_resolved.yaml").write_text(yaml.safe_dump(config or {"seed": 0, "device": "auto"}))
     with open(job_dir / "metrics.jsonl", "w") as f:
         for r, total in enumerate(rounds):
-            f.write(json.dumps({"round": r, "throughput/total_tok_s": total, "throughput/decode_tok_s": total * 1.1,
+            f.write(json.dumps({"round": r, "throughput/output_tok_s": total, "throughput/decode_tok_s": total * 1.1,
                                 "throughput/prefill_tok_s": 10000.0 + r, "bench/round_seconds": 512 / total}) + "\n")
     if summary is not None:
         (job_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -186,10 +186,10 @@ def test_rerun_job_uses_its_last_attempt_of_rounds(tmp_path):
     job = write_job(tmp_path / "run", [], cpu_summary(500.0), rounds=[100.0, 110.0])
     with open(job / "metrics.jsonl", "a") as f:  # a second attempt appends to metrics.jsonl
         for r, v in enumerate([490.0, 500.0, 510.0]):
-            f.write(json.dumps({"round": r, "throughput/total_tok_s": v}) + "\n")
+            f.write(json.dumps({"round": r, "throughput/output_tok_s": v}) + "\n")
         f.write('{"round": 3, "throughput/tot')  # cut short by a kill
     (j,) = collect([job]).jobs
-    assert j.round_values("throughput/total_tok_s") == [490.0, 500.0, 510.0]
+    assert j.round_values("throughput/output_tok_s") == [490.0, 500.0, 510.0]
 
 
 def test_override_parsing_and_short_keys():

@@ -19,7 +19,7 @@ CPU_FACTS = {"engine/attention_backend": "dense", "engine/cudagraphs": False, "e
 
 
 def sweep(root, points: list[tuple[list[str], float, dict]]):
-    """A sweep dir: each point is (swept overrides, total tok/s median, recorded build facts)."""
+    """A sweep dir: each point is (swept overrides, output tok/s median, recorded build facts)."""
     for n, (overrides, total, facts) in enumerate(points):
         ov = [*BASE, *overrides]
         write_job(root / f"{n}_{','.join(overrides)}", ov, cpu_summary(total, **facts),
@@ -39,7 +39,7 @@ def test_cpu_sweep_over_block_n_is_inert_and_crowns_nothing(tmp_path):
     v = report.verdict
     assert v.command is None and v.best is None
     assert v.headline.startswith("No best configuration: the jobs differ only in inert or repeat keys "
-                                 "(attn.decode.block_n), so they ran one configuration: 900 total tok/s, "
+                                 "(attn.decode.block_n), so they ran one configuration: 900 output tok/s, "
                                  "the median of 3 job(s)")
     md = report.markdown.read_text()
     assert "`attn.decode.block_n` is inert: it has no effect in these runs (the attention backend was dense" in md
@@ -53,7 +53,7 @@ def test_inert_key_beside_a_live_one_names_only_the_live_one(tmp_path):
                                        (16, "r16"): 700.0, (32, "r16"): 705.0}.items()]
     report = build_report([sweep(tmp_path / "s", points)])
     v = report.verdict
-    assert v.headline == ("Best: lora=none (jobs 1, 0) at 1,005 total tok/s (median of 2 repeated jobs' "
+    assert v.headline == ("Best: lora=none (jobs 1, 0) at 1,005 output tok/s (median of 2 repeated jobs' "
                           "medians), 1.43× the slowest (702); 4 ok.")
     assert v.best.name == "1"
     assert any(n.startswith("Runner-up: lora=r16 (jobs 3, 2), 30.1% slower. That is more than the 1.0% "
@@ -71,7 +71,7 @@ def test_difference_within_the_spread_of_repeats_is_within_noise(tmp_path):
     v = report.verdict
     assert report.collection.swept_keys == ["attn.backend", "repeat"]
     assert v.command is None and v.best is None
-    assert v.headline == ("Within noise: the fastest configuration, backend=flex (1,050 total tok/s), is 2.9% "
+    assert v.headline == ("Within noise: the fastest configuration, backend=flex (1,050 output tok/s), is 2.9% "
                           "ahead of backend=dense (1,020), no more than the 9.5% spread between repeated jobs "
                           "(6 jobs); 6 ok.")
     assert "**bold**" not in report.markdown.read_text()
@@ -83,7 +83,7 @@ def test_difference_beyond_the_spread_of_repeats_is_a_verdict(tmp_path):
               for (b, r), t in totals.items()]
     report = build_report([sweep(tmp_path / "s", points)])
     v = report.verdict
-    assert v.headline.startswith("Best: backend=flex (jobs 1, 0) at 1,505 total tok/s")
+    assert v.headline.startswith("Best: backend=flex (jobs 1, 0) at 1,505 output tok/s")
     assert "Runner-up: backend=dense (jobs 3, 2), 32.2% slower. That is more than the 3.9% spread between " \
            "repeated jobs (4 jobs)." in v.notes
     assert v.command == "python -m flexgemma +model=tiny workload.num_prompts=16 attn.backend=flex seed=1"
@@ -112,7 +112,7 @@ def test_csv_and_parquet_beside_the_report(tmp_path):
     report = build_report([root])
     with open(root / "report.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["job"], r["status"], r["attn.decode.block_n"], r["throughput/total_tok_s_median"]) for r in rows] == [
+    assert [(r["job"], r["status"], r["attn.decode.block_n"], r["throughput/output_tok_s_median"]) for r in rows] == [
         ("0", "ok", "16", "1100.0"), ("1", "ok", "32", "1500.0"), ("2", "failed", "64", "")]
     assert rows[2]["error"] == "OutOfMemoryError: CUDA out of memory"
     assert "traceback" not in rows[0] and "samples" not in rows[0] and "choices" not in rows[0]
@@ -120,7 +120,7 @@ def test_csv_and_parquet_beside_the_report(tmp_path):
     pytest.importorskip("pyarrow")
     assert report.exports == [root / "report.csv", root / "report.parquet"]
     df = pd.read_parquet(root / "report.parquet")
-    assert df["throughput/total_tok_s_median"].tolist()[:2] == [1100.0, 1500.0]
+    assert df["throughput/output_tok_s_median"].tolist()[:2] == [1100.0, 1500.0]
     assert df["job"].tolist() == ["0", "1", "2"]
 
 

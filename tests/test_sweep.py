@@ -52,10 +52,12 @@ def test_sweep_of_two_block_sizes_and_two_ladders_records_fails_and_resumes(tmp_
     assert r.returncode == 0, r.stderr[-4000:]
     jobs = job_dirs(sweep)
     assert sorted(jobs) == ["16,ladder16", "16,ladder8", "32,ladder16", "32,ladder8"]
+    assert sorted(d.name for d in jobs.values()) == ["0", "1", "2", "3"]  # short names, overrides inside
+    assert not (sweep / ".submitit" / "%j").exists()
     summaries = {k: json.loads((d / "summary.json").read_text()) for k, d in jobs.items()}
     failed = summaries.pop("32,ladder16")
     assert failed["status"] == "failed" and "FileNotFoundError" in failed["error"]
-    assert all(s["status"] == "ok" and s["throughput/total_tok_s_median"] > 0 for s in summaries.values())
+    assert all(s["status"] == "ok" and s["throughput/output_tok_s_median"] > 0 for s in summaries.values())
     assert "sweep results:" in r.stdout and "failed" in r.stdout  # the end-of-sweep table
 
     # every key of summary.json and metrics.jsonl is in the metrics catalogue
@@ -72,16 +74,19 @@ def test_sweep_of_two_block_sizes_and_two_ladders_records_fails_and_resumes(tmp_
     ok = summaries["16,ladder8"]
     assert wb["state"] == "finished" and wb["exit_code"] == 0 and wb["job_type"] == "bench"
     assert wb["group"] == f"{tmp_path.name}_sweep"  # the sweep directory
-    assert wb["name"] == "attn.decode.block_n=16,cudagraph=ladder8,workload.max_new_tokens=4,workload.num_prompts=2," \
+    assert wb["name"] == "+model=tiny,attn.decode.block_n=16,cudagraph=ladder8,workload.max_new_tokens=4,workload.num_prompts=2," \
                          "workload.rounds=1,workload.temperature=0,workload.warmup_rounds=0,workload=jsonl"
     assert {"attn=default", "cudagraph=ladder8", "model=tiny", "workload=jsonl"} <= set(wb["tags"])
-    for key in ("throughput/total_tok_s_median", "throughput/decode_tok_s_best", "latency/ttft_p99_ms",
+    for key in ("throughput/output_tok_s_median", "throughput/decode_tok_s_best", "latency/ttft_p99_ms",
                 "memory/kv_pool_gib", "build/seconds", "bench/generated_tokens_per_round"):
         assert wb["summary"][key] == pytest.approx(ok[key]), key
     assert wb["summary"]["status"] == "ok" and wb["summary"]["env/torch"] == ok["env/torch"]
     assert wb["config"]["config"]["attn"]["decode"]["block_n"] == 16 and wb["config"]["env"]["env/torch"]
-    assert [{k: v for k, v in h.items()} for h in wb["history"]] == [
+    tables = [h for h in wb["history"] if any(k.startswith("completions") for k in h)]  # a wandb.Table
+    assert [h for h in wb["history"] if h not in tables] == [
         {k: pytest.approx(v) for k, v in row.items()} for row in rows]
+    assert len(tables) == 1 and tables[0]["completions._type"] == "table-file", tables
+    assert tables[0]["completions.nrows"] == 2
     failed_run = read_offline_run(offline_runs(jobs["32,ladder16"])[0])
     assert failed_run["exit_code"] == 1 and "FileNotFoundError" in failed_run["summary"]["error"]
 

@@ -243,6 +243,11 @@ class Engine:
 
     # -- the step API ----------------------------------------------------------------------------
     @property
+    def tokens_generated(self) -> int:
+        """Tokens generated since the engine was built (read-only; a progress bar polls it)."""
+        return self.scheduler.tokens_generated
+
+    @property
     def has_work(self) -> bool:
         """Some request is still pending (waiting, running, or in a queued decode step)."""
         return self.scheduler.has_work or self._inflight.step is not None

@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stop_rule: Optional[StopRule] = None  # set by the Engine (EOS ids, max_model_len)
+        self.tokens_generated = 0  # tokens postprocess has applied, ever (progress bars read it)
 
     def reset_peaks(self) -> None:
         """Starts counting the most pages in use at once anew (and, on an idle pool, hands pages out
@@ -182,6 +183,7 @@ class Scheduler:
             k += 1
             if self._finish_if_done(s, len(s.generated) - 1, now):
                 finished.append(s)
+        self.tokens_generated += k
         return finished
 
     def launched(self, seqs: list[Sequence]) -> list[int]:
@@ -203,6 +205,7 @@ class Scheduler:
             if s.status is Status.FINISHED:
                 continue  # finished (or aborted) before: this row was computed in vain
             s.generated[i], s.logprobs[i] = tok, lp
+            self.tokens_generated += 1
             if self._finish_if_done(s, i, now):
                 finished.append(s)
             else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -57,10 +58,10 @@ def require_bitsandbytes(device: torch.device):
             warnings.simplefilter("ignore")
             import bitsandbytes as bnb
     except ImportError as e:
-        raise ConfigError(
-            f"quant=bnb4 needs bitsandbytes ({e}): pip install 'bitsandbytes>=0.45' (Linux/Windows, CUDA or CPU), "
-            "or run with quant=bf16"
-        ) from e
+        from flexgemma.extras import MissingExtra
+
+        raise MissingExtra(f'quant=bnb4 needs bitsandbytes ({e}): pip install "flexgemma[bnb]" '
+                           "(Linux/Windows, CUDA or CPU), or run with quant=bf16") from e
     if device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
         log.warning("quant=bnb4 on the CPU: bitsandbytes' and torch's OpenMP pools busy-wait against each other "
                     "(4-bit matmuls up to ~300x slower on few cores); export OMP_WAIT_POLICY=PASSIVE before starting")
@@ -302,10 +303,10 @@ def _linear4bit_bytes(m) -> int:
 def storage_census(model: nn.Module) -> dict:
     """Logical parameter counts (a 4-bit weight counts its unpacked elements) and bytes held by
     weights, quant states included. A tied parameter counts once."""
-    try:
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:  # bf16 builds on machines without bitsandbytes
-        Linear4bit = ()
+    # a Linear4bit exists only once bitsandbytes is imported: a bf16 build never imports it (its
+    # OpenMP pool busy-waits against torch's on the CPU)
+    bnb_nn = sys.modules.get("bitsandbytes.nn")
+    Linear4bit = getattr(bnb_nn, "Linear4bit", ())
     params_4bit = params_other = nbytes = 0
     seen: set[int] = set()
     for m in model.modules():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flexgemma.report.build import build_report
+from flexgemma.extras import MissingExtra
 from flexgemma.report.collect import ReportError
 
 
@@ -26,8 +26,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        from flexgemma.report.build import build_report
+
         report = build_report(args.dirs, out=args.out, title=args.title)
-    except ReportError as e:
+    except (ReportError, MissingExtra) as e:
         print(f"flexgemma.report: {e}", file=sys.stderr)
         return 2
     print(report.verdict.headline)

@@ -76,9 +76,9 @@ class Collection:
         return [j for j in self.jobs if not j.ok]
 
     def best(self) -> Job | None:
-        """The ok job with the highest median total tokens/s."""
-        scored = [j for j in self.ok_jobs if _number(j.get("throughput/total_tok_s_median")) is not None]
-        return max(scored, key=lambda j: j.get("throughput/total_tok_s_median"), default=None)
+        """The ok job with the highest median output tokens/s."""
+        scored = [j for j in self.ok_jobs if _number(j.get("throughput/output_tok_s_median")) is not None]
+        return max(scored, key=lambda j: j.get("throughput/output_tok_s_median"), default=None)
 
     def values_of(self, key: str) -> list[str]:
         """The distinct values a swept key took, in natural order (numbers by value)."""
@@ -182,7 +182,7 @@ def _read_rounds(job_dir: Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except ValueError:
             continue  # a line cut short by a killed job
-        if isinstance(row, dict) and "throughput/total_tok_s" in row:
+        if isinstance(row, dict) and "throughput/output_tok_s" in row:
             rows.append(row)
     # metrics.jsonl is appended to, so a re-run job holds several attempts: keep the last one,
     # which is the attempt its summary.json describes (a new attempt starts where the round

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from flexgemma.report.collect import MISSING, Collection, Job
 
-TOTAL = "throughput/total_tok_s_median"
+OUTPUT = "throughput/output_tok_s_median"
 
 # Keys that only name a repetition: `seed` is the engine's sampling seed (requests of the bench
 # workload carry their own seeds, workload.seed), `repeat` a key added only to repeat jobs.
@@ -104,11 +104,11 @@ class Group:
 
     @property
     def medians(self) -> list[float]:
-        return [float(j.get(TOTAL)) for j in self.jobs]
+        return [float(j.get(OUTPUT)) for j in self.jobs]
 
     @property
     def total(self) -> float:
-        """The configuration's total tokens/s: the median over its jobs' medians."""
+        """The configuration's output tokens/s: the median over its jobs' medians."""
         return statistics.median(self.medians)
 
     @property
@@ -119,16 +119,16 @@ class Group:
 
 
 def groups(coll: Collection, live: list[str]) -> list[Group]:
-    """The ok jobs with a total tokens/s, grouped by their live swept values, fastest group first."""
+    """The ok jobs with a output tokens/s, grouped by their live swept values, fastest group first."""
     by_values: dict[tuple, Group] = {}
     for job in coll.ok_jobs:
-        if not isinstance(job.get(TOTAL), (int, float)):
+        if not isinstance(job.get(OUTPUT), (int, float)):
             continue
         values = {k: job.swept.get(k, MISSING) for k in live}
         by_values.setdefault(tuple(values.values()), Group(values, [])).jobs.append(job)
     out = sorted(by_values.values(), key=lambda g: -g.total)
     for g in out:
-        g.jobs.sort(key=lambda j: -j.get(TOTAL))
+        g.jobs.sort(key=lambda j: -j.get(OUTPUT))
     return out
 
 

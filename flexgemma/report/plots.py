@@ -11,16 +11,21 @@ from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
-from matplotlib import rc_context
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.patches import Rectangle
+try:
+    from matplotlib import rc_context
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+except ImportError as e:  # the [report] extra
+    from flexgemma.extras import missing_extra
+
+    raise missing_extra("matplotlib", "report", "python -m flexgemma.report (its plots)", str(e)) from None
 
 from flexgemma.report.collect import MISSING, Collection, Job
-from flexgemma.report.tables import TOTAL, determinism_keys, job_label, ranked_jobs, short_keys
+from flexgemma.report.tables import OUTPUT, determinism_keys, job_label, ranked_jobs, short_keys
 
 THROUGHPUTS = [  # (summary median key, per-round key, panel title)
-    (TOTAL, "throughput/total_tok_s", "total"),
+    (OUTPUT, "throughput/output_tok_s", "output"),
     ("throughput/decode_tok_s_median", "throughput/decode_tok_s", "decode"),
     ("throughput/prefill_tok_s_median", "throughput/prefill_tok_s", "prefill"),
 ]
@@ -95,7 +100,7 @@ def throughput_vs_key(coll: Collection, key: str, out_dir: Path) -> Plot:
     axes = fig.subplots(1, 3)
     for ax, (median_key, round_key, name) in zip(axes, THROUGHPUTS):
         top = max([0.0] + [_series_line(ax, coll, key, xs, label, member, median_key, round_key,
-                                        best if name == "total" else None)
+                                        best if name == "output" else None)
                            for label, member in series])
         _finish_axis(ax, key, xs, name, top, failed_x, legend_title)
     fig.suptitle(f"Throughput vs {key} (median over rounds, bars: min–max)", fontsize=13)
@@ -169,23 +174,23 @@ def _height(n_rows: int) -> float:
 
 
 def throughput_rounds(coll: Collection, out_dir: Path) -> Plot:
-    """Every timed round's total tokens/s per ok job (the spread behind each median)."""
+    """Every timed round's output tokens/s per ok job (the spread behind each median)."""
     jobs = [j for j in ranked_jobs(coll) if j.ok][::-1]  # fastest on top
     best = coll.best()
     fig = Figure(figsize=(10, _height(len(jobs))))
     ax = fig.subplots()
     for y, job in enumerate(jobs):
         color = BEST_COLOR if job is best else "#1f77b4"
-        vals = job.round_values("throughput/total_tok_s")
+        vals = job.round_values("throughput/output_tok_s")
         if vals:
             ax.plot([min(vals), max(vals)], [y, y], color=color, alpha=0.4, linewidth=2)
             ax.scatter(vals, [y] * len(vals), color=color, alpha=0.6, s=22,
                        label="one timed round" if y == 0 else None)
-        if isinstance(job.get(TOTAL), (int, float)):
-            ax.scatter([job.get(TOTAL)], [y], marker="|", s=400, color="black", linewidths=2,
+        if isinstance(job.get(OUTPUT), (int, float)):
+            ax.scatter([job.get(OUTPUT)], [y], marker="|", s=400, color="black", linewidths=2,
                        label="median" if y == 0 else None)
     ax.set_yticks(range(len(jobs)), [_short(f"{job_label(j, coll)}  (job {j.name})") for j in jobs])
-    ax.set_xlabel("total tokens/s (generated tokens over round wall time, prefill included)")
+    ax.set_xlabel("output tokens/s (generated tokens over round wall time, prefill included)")
     ax.set_title("Total throughput per timed round (best job in red)")
     ax.set_xlim(left=0)
     ax.set_ylim(-0.6, len(jobs) - 0.4)

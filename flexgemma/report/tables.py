@@ -12,7 +12,7 @@ from typing import Any, Callable
 from flexgemma.report.collect import MISSING, Collection, Job, parse_override
 from flexgemma.report.noise import Group, groups, inert_keys, live_keys, noise
 
-TOTAL = "throughput/total_tok_s_median"
+OUTPUT = "throughput/output_tok_s_median"
 
 
 @dataclass
@@ -94,7 +94,7 @@ def job_label(job: Job, coll: Collection, keys: list[str] | None = None) -> str:
 
 def ranked_jobs(coll: Collection) -> list[Job]:
     """Ok jobs fastest first, then the others in job order."""
-    ok = sorted(coll.ok_jobs, key=lambda j: -(_num(j.get(TOTAL)) or float("-inf")))
+    ok = sorted(coll.ok_jobs, key=lambda j: -(_num(j.get(OUTPUT)) or float("-inf")))
     return ok + coll.problem_jobs
 
 
@@ -132,8 +132,8 @@ def _build(title: str, coll: Collection, columns: list[Column], note: str = "") 
 
 def throughput_table(coll: Collection) -> Table:
     columns = [
-        Column("total tok/s (median)", lambda j: fmt_rate(j.get(TOTAL))),
-        Column("total tok/s min – max (rounds)", lambda j: _spread_cell(j, "throughput/total_tok_s")),
+        Column("output tok/s (median)", lambda j: fmt_rate(j.get(OUTPUT))),
+        Column("output tok/s min – max (rounds)", lambda j: _spread_cell(j, "throughput/output_tok_s")),
         Column("decode tok/s", lambda j: fmt_rate(j.get("throughput/decode_tok_s_median"))),
         Column("decode tok/s min – max", lambda j: _spread_cell(j, "throughput/decode_tok_s")),
         Column("prefill tok/s", lambda j: fmt_rate(j.get("throughput/prefill_tok_s_median"))),
@@ -214,7 +214,7 @@ def verdict(coll: Collection) -> Verdict:
     difference and, where repeated jobs measured the noise, the difference exceeds it."""
     counts = _status_counts(coll)
     if coll.best() is None:
-        why = "none has a total tokens/s" if coll.ok_jobs else "none finished with status ok"
+        why = "none has a output tokens/s" if coll.ok_jobs else "none finished with status ok"
         return Verdict(f"No best configuration: {len(coll.jobs)} job(s), {why} ({counts}).",
                        ["The errors are listed under “Failed, invalid and incomplete jobs”."], None)
     inert = inert_keys(coll)
@@ -251,7 +251,7 @@ def _jobs_text(group: Group) -> str:
 
 
 def _group_speed(group: Group, coll: Collection) -> str:
-    speed = f"{fmt_rate(group.total)} total tok/s"
+    speed = f"{fmt_rate(group.total)} output tok/s"
     if len(group.jobs) > 1:
         return speed + f" (median of {len(group.jobs)} repeated jobs' medians)"
     rounds = group.jobs[0].get("bench/rounds")
@@ -263,7 +263,7 @@ def _runner_note(top: Group, runner: Group, gap: float, label: str, measured: tu
     if measured is not None:
         return note + (f" That is more than the {100 * measured[0]:.1f}% spread between repeated jobs "
                        f"({measured[1]} jobs).")
-    b, r = top.jobs[0].spread("throughput/total_tok_s"), runner.jobs[0].spread("throughput/total_tok_s")
+    b, r = top.jobs[0].spread("throughput/output_tok_s"), runner.jobs[0].spread("throughput/output_tok_s")
     if b and r and r[2] >= b[0]:
         note += (" Their round-to-round ranges overlap, so the order may be noise: "
                  "re-run both with more rounds (workload.rounds=N) before trusting it.")
@@ -274,7 +274,7 @@ def _runner_note(top: Group, runner: Group, gap: float, label: str, measured: tu
 def _within_noise(top: Group, runner: Group, gap: float, measured: tuple[float, int], counts: str,
                   coll: Collection, live: list[str], notes: list[str]) -> Verdict:
     head = (f"Within noise: the fastest configuration, {job_label(top.jobs[0], coll, live)} "
-            f"({fmt_rate(top.total)} total tok/s), is {gap:.1f}% ahead of "
+            f"({fmt_rate(top.total)} output tok/s), is {gap:.1f}% ahead of "
             f"{job_label(runner.jobs[0], coll, live)} ({fmt_rate(runner.total)}), no more than the "
             f"{100 * measured[0]:.1f}% spread between repeated jobs ({measured[1]} jobs); {counts}.")
     notes.append("No configuration is crowned. Add repeats (+repeat=0,1,2,...) or rounds "
@@ -287,7 +287,7 @@ def _no_live_key(coll: Collection, gs: list[Group], measured: tuple[float, int] 
     (only,) = gs  # every ok job is the same configuration
     spread = f", {100 * measured[0]:.1f}% apart" if measured else ""
     head = (f"No best configuration: the jobs differ only in inert or repeat keys "
-            f"({', '.join(coll.swept_keys)}), so they ran one configuration: {fmt_rate(only.total)} total "
+            f"({', '.join(coll.swept_keys)}), so they ran one configuration: {fmt_rate(only.total)} output "
             f"tok/s, the median of {len(only.jobs)} job(s){spread}; {counts}.")
     notes.append("Their differences in speed are noise, not an effect of the swept values.")
     return Verdict(head, notes, None)

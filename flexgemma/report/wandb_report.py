@@ -12,10 +12,10 @@ import os
 
 from flexgemma.report.build import Report
 from flexgemma.report.collect import Collection
-from flexgemma.report.tables import TOTAL
+from flexgemma.report.tables import OUTPUT
 
 SUMMARY_PANELS = [  # (summary key, bar chart title)
-    (TOTAL, "Total tokens/s (median over rounds)"),
+    (OUTPUT, "Output tokens/s (median over rounds)"),
     ("throughput/decode_tok_s_median", "Decode tokens/s (median over rounds)"),
     ("latency/tpot_p50_ms", "Time per output token p50 (ms)"),
     ("memory/peak_allocated_gib", "Peak allocated memory (GiB)"),
@@ -58,8 +58,8 @@ def publish_wandb_report(report: Report, target: str, group: str | None = None) 
                          layout=wr.Layout(x=12 * (i % 2), y=8 * (i // 2), w=12, h=8))
               for i, (key, title) in enumerate(SUMMARY_PANELS)]
     columns = [wr.ParallelCoordinatesPlotColumn(metric=wr.Config(k)) for k in _config_keys(report.collection)]
-    columns.append(wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(TOTAL), display_name="total tok/s"))
-    panels.append(wr.ParallelCoordinatesPlot(title="Swept keys vs total tokens/s", columns=columns,
+    columns.append(wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(OUTPUT), display_name="output tok/s"))
+    panels.append(wr.ParallelCoordinatesPlot(title="Swept keys vs output tokens/s", columns=columns,
                                              layout=wr.Layout(x=0, y=16, w=24, h=10)))
     panels.append(wr.RunComparer(diff_only="split", layout=wr.Layout(x=0, y=26, w=24, h=12)))
     v = report.verdict

@@ -13,13 +13,16 @@ import time
 import numpy as np
 import torch
 
-from flexgemma.tasks.common import bandwidth_metrics, bounded, memory_metrics, request_error_metrics, round_metrics
+from flexgemma.tasks.common import (bandwidth_metrics, bounded, expected_tokens, memory_metrics, request_error_metrics,
+                                    round_metrics, token_progress)
 
 
 def run(engine, workload, cfg, recorder) -> dict:
     w = cfg.workload
-    for _ in range(int(w.warmup_rounds)):
-        engine.generate(workload.prompts, workload.params)
+    total = expected_tokens(workload.prompts, workload.params)
+    for i in range(int(w.warmup_rounds)):
+        with token_progress(engine, f"warm-up {i + 1}/{w.warmup_rounds}", total):
+            engine.generate(workload.prompts, workload.params)
     rounds, latencies, first, first_outputs = [], [], None, []
     deterministic = True
     if torch.cuda.is_available():
@@ -29,9 +32,10 @@ def run(engine, workload, cfg, recorder) -> dict:
         graphs.hits.clear()
         graphs.padded_rows = graphs.real_rows = 0
     for r in range(int(w.rounds)):
-        t0 = time.perf_counter()
-        outs = engine.generate(workload.prompts, workload.params, use_tqdm=True)
-        wall = time.perf_counter() - t0
+        with token_progress(engine, f"round {r + 1}/{w.rounds}", total):
+            t0 = time.perf_counter()
+            outs = engine.generate(workload.prompts, workload.params)
+            wall = time.perf_counter() - t0
         m, lat = round_metrics(outs, engine.stats, wall)
         m.update(bandwidth_metrics(engine, outs, engine.stats))
         m["round"] = r
@@ -44,15 +48,19 @@ def run(engine, workload, cfg, recorder) -> dict:
         elif tokens != first:
             deterministic = False
     summary = {}
-    for key in ("throughput/total_tok_s", "throughput/decode_tok_s", "throughput/prefill_tok_s"):
+    for key in ("throughput/output_tok_s", "throughput/total_tok_s", "throughput/requests_s",
+                "throughput/decode_tok_s", "throughput/prefill_tok_s"):
         vals = [m[key] for m in rounds]
         summary[key + "_median"] = statistics.median(vals)
         summary[key + "_best"] = max(vals)
     for key in ("latency/ttft_ms", "latency/tpot_ms"):
         vals = np.concatenate([lat[key] for lat in latencies])
         name = key.removesuffix("_ms")
-        summary[name + "_p50_ms"] = float(np.percentile(vals, 50)) if vals.size else None
-        summary[name + "_p99_ms"] = float(np.percentile(vals, 99)) if vals.size else None
+        summary[name + "_mean_ms"] = float(vals.mean()) if vals.size else None
+        for q in (50, 90, 99):
+            summary[f"{name}_p{q}_ms"] = float(np.percentile(vals, q)) if vals.size else None
+    itl = [m["latency/itl_mean_ms"] for m in rounds if m["latency/itl_mean_ms"] is not None]
+    summary["latency/itl_mean_ms"] = statistics.median(itl) if itl else None
     for key in ("bandwidth/decode_gb_s", "bandwidth/decode_pct_of_peak"):
         if key in rounds[0]:
             summary[key + "_median"] = statistics.median(m[key] for m in rounds)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import resource
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -82,6 +85,45 @@ def cuda_time_ms(fn, iters: int = 50, warmup: int = 5) -> float:
     return float(np.median(times))
 
 
+def expected_tokens(prompts, params) -> Optional[int]:
+    """Most tokens a generate() of these prompts can produce (exact when EOS is ignored)."""
+    if isinstance(params, (list, tuple)):
+        return sum(int(p.max_new_tokens) for p in params)
+    return len(prompts) * int(params.max_new_tokens) if params is not None else None
+
+
+@contextmanager
+def token_progress(engine, desc: str, total: Optional[int] = None, interval: float = 0.25,
+                   disable: Optional[bool] = None):
+    """A tqdm bar of generated tokens (and tokens/s) while the body runs: a daemon thread polls
+    engine.tokens_generated, so generate() itself is untouched. Shown on a terminal only (a sweep
+    job's log gets no carriage-return lines)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="tok", disable=disable, leave=True)
+    if bar.disable:
+        yield bar
+        return
+    start, stop = engine.tokens_generated, threading.Event()
+
+    def poll():
+        while not stop.wait(interval):
+            bar.update(engine.tokens_generated - start - bar.n)
+
+    thread = threading.Thread(target=poll, name="token-progress", daemon=True)
+    thread.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        thread.join()
+        bar.update(engine.tokens_generated - start - bar.n)
+        if bar.total is not None and bar.n < bar.total:
+            bar.total = bar.n  # requests that stopped at EOS: the bar ends full
+            bar.refresh()
+        bar.close()
+
+
 def timed_rounds(engine, prompts, params, warmup: int, rounds: int) -> list[TimedRound]:
     """`warmup` untimed rounds, then `rounds` timed ones (the benchmark scripts' shared loop)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -102,17 +144,26 @@ def timed_rounds(engine, prompts, params, warmup: int, rounds: int) -> list[Time
 
 def round_metrics(outputs, stats, wall: float) -> tuple[dict, dict]:
     """(scalar metrics of one round, per-request latency arrays in ms)."""
-    gen = sum(len(o.token_ids) for o in outputs if o.finish_reason != "error")
+    ok = [o for o in outputs if o.finish_reason != "error"]
+    gen = sum(len(o.token_ids) for o in ok)
+    prompt = sum(len(o.prompt_token_ids) for o in ok)
     ttft = np.array([o.first_token_time * 1e3 for o in outputs if o.first_token_time is not None])
-    tpot = np.array([
-        (o.finish_time - o.first_token_time) * 1e3 / (len(o.token_ids) - 1)
-        for o in outputs if o.finish_time is not None and len(o.token_ids) > 1
-    ])
+    decoding = [o for o in outputs if o.finish_time is not None and o.first_token_time is not None
+                and len(o.token_ids) > 1]
+    tpot = np.array([(o.finish_time - o.first_token_time) * 1e3 / (len(o.token_ids) - 1) for o in decoding])
+    # inter-token latency, vLLM's meaning: the gaps between consecutive tokens of a request, over all
+    # requests (a token-weighted mean; the engine keeps no per-token times, so no percentiles)
+    gaps = sum(len(o.token_ids) - 1 for o in decoding)
+    itl_mean = sum((o.finish_time - o.first_token_time) * 1e3 for o in decoding) / gaps if gaps else None
     bs = stats.decode_batch_sizes
     return {
         "bench/round_seconds": wall,
         "bench/generated_tokens": gen,
-        "throughput/total_tok_s": gen / wall,
+        "bench/prompt_tokens": prompt,
+        "throughput/output_tok_s": gen / wall,
+        "throughput/total_tok_s": (prompt + gen) / wall,
+        "throughput/requests_s": len(ok) / wall,
+        "latency/itl_mean_ms": itl_mean,
         "throughput/decode_tok_s": stats.decode_tokens / stats.decode_time if stats.decode_time else 0.0,
         "throughput/prefill_tok_s": stats.prefill_tokens / stats.prefill_time if stats.prefill_time else 0.0,
         "scheduler/prefill_steps": stats.prefill_steps,

@@ -197,10 +197,10 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def run(engine, workload, cfg, recorder) -> dict:
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        raise ConfigError("task=grpo needs TRL: pip install 'flexgemma[rl]' (trl 1.16)") from None
+    from flexgemma.extras import require
+
+    require("trl", "rl", "task=grpo")
+    require("datasets", "rl", "task=grpo")
     from transformers import PrinterCallback
 
     from flexgemma.rl.rollout import grpo_trainer

@@ -18,7 +18,8 @@ class FlexgemmaLocalConf:
     # jobs at once: null = one per visible GPU (each job sees only its GPU), 1 on a machine without one
     parallel_jobs: Optional[int] = None
     timeout_min: int = 24 * 60  # a job running longer is stopped and recorded as failed
-    submitit_folder: str = "${hydra.sweep.dir}/.submitit/%j"  # job logs: <id>/<id>_0_log.out / .err
+    # job logs: <id>_0_log.out / .err (no %j folder: submitit's local executor would create one literally)
+    submitit_folder: str = "${hydra.sweep.dir}/.submitit"
     name: str = "${hydra.job.name}"
     stderr_to_stdout: bool = False
     # the remaining options of submitit_local, kept for compatibility

@@ -31,9 +31,25 @@ from typing import Any, Optional, Sequence
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
-from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf, open_dict
+
+try:
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+except ImportError:  # without the [slurm] extra: the plugin scan stays quiet, a multirun says what to install
+    from hydra.plugins.launcher import Launcher
+
+    BaseQueueConf = None
+
+    class BaseSubmititLauncher(Launcher):  # type: ignore[no-redef]
+        def __init__(self, **params: Any) -> None:
+            self.params = params
+
+        def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
+            from flexgemma.extras import missing_extra
+
+            raise missing_extra("hydra-submitit-launcher", "slurm",
+                                "a multirun (-m: each job in its own process, locally or on SLURM)")
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +103,9 @@ class _ResumableSubmititLauncher(BaseSubmititLauncher):
 
         assert self.config is not None and self.hydra_context is not None
         check_options(self.parallel_jobs, self.params)
+        # every job's process inherits it: OpenMP threads that spin while waiting fight torch's (and
+        # bitsandbytes') pools on a CPU; a user's own setting is kept
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         state = Singleton.get_state()  # before job_dir() touches HydraConfig
