@@ -14,9 +14,10 @@ from flexgemma.config import ConfigError, validate_kernels
 from flexgemma.engine.block_mask import MaskBuilder
 from flexgemma.engine.engine import Engine
 from flexgemma.engine.kv_cache import KVCache, PoolDemand
-from flexgemma.engine.cuda_graphs import DecodeGraphs
+from flexgemma.engine.cuda_graphs import DecodeGraphs, attention_row_sizes, resolve_buckets
 from flexgemma.engine.runner import ModelRunner
 from flexgemma.engine.sampler import sample
+from flexgemma.engine.warm import warm_up
 from flexgemma.engine.scheduler import Scheduler
 from flexgemma.model.attention import AttentionKernels
 from flexgemma.model.forward import GemmaForward
@@ -25,7 +26,7 @@ from flexgemma.model.estimate import describe, estimate_build, refuse_if_too_lar
 from flexgemma.model.load import build_model, free_memory
 from flexgemma.model.lora import attach_lora
 from flexgemma.model.projections import fuse_projections
-from flexgemma.model.spec import ModelSpec
+from flexgemma.model.spec import FULL, ModelSpec
 
 log = logging.getLogger("flexgemma")
 
@@ -193,7 +194,7 @@ def assemble_engine(cfg: DictConfig, model, tokenizer, info: dict, lora, device:
         validate_kernels(cfg)
     use_compile = cfg.engine.compile if cfg.engine.compile is not None else device.type == "cuda"
     counter = CompileCounter()
-    kernels = AttentionKernels(backend, decode_rows=cfg.engine.max_batch_size, counter=counter)
+    kernels = AttentionKernels(backend, decode_rows=attention_row_sizes(cfg.engine.max_batch_size), counter=counter)
     moe_kernel = _kernel_choice("moe_kernel", str(cfg.engine.moe_kernel), "grouped_mm", device)
     quantised = cfg.quant is not None and cfg.quant.method != "none"
     linear4bit_kernel = _kernel_choice("linear4bit_kernel", str(cfg.engine.linear4bit_kernel), "bnb", device) \
@@ -210,17 +211,26 @@ def assemble_engine(cfg: DictConfig, model, tokenizer, info: dict, lora, device:
     runner = ModelRunner(forward, cache, masks, cfg.engine.max_batch_size, cfg.attn.q_block_size, sample_fn)
     t1 = time.perf_counter()
     if cfg.cudagraph.enabled and device.type == "cuda":
-        runner.graphs = DecodeGraphs(runner, list(cfg.cudagraph.buckets))
+        runner.graphs = DecodeGraphs(runner, resolve_buckets(cfg.cudagraph.buckets, cfg.engine.max_batch_size))
         runner.graphs.capture()  # compiles the kernels on its warm-up steps
     elif use_compile or backend == "flex":
-        runner.fill_decode([], cfg.engine.max_batch_size)
-        runner.decode_step(cfg.engine.max_batch_size)  # compile now, not inside a timed round
+        for rows in kernels.decode_rows or [cfg.engine.max_batch_size]:
+            runner.fill_decode([], rows)
+            runner.decode_step(rows)  # compile now, not inside a timed round
     info["compile_capture_seconds"] = time.perf_counter() - t1
     scheduler = Scheduler(cache, cfg.engine.max_batch_size, cfg.engine.max_prefill_tokens)
     info.update(
         compile_glue=use_compile, compiled_graphs=counter.count,
         cudagraphs=runner.graphs is not None,
         capture_seconds=runner.graphs.capture_seconds if runner.graphs else 0.0,
+        cudagraph_buckets=list(runner.graphs.buckets) if runner.graphs else [],
+        graph_pool_gib=runner.graphs.pool_bytes / 2**30 if runner.graphs else 0.0,
+        attention_decode_rows=list(kernels.decode_rows or []),
+        # KV memory per token of context: every KV-writing layer (short contexts), and the full-attention
+        # layers alone (what each token adds once the sliding layers hold their window); an 8-bit cache halves both
+        kv_bytes_per_token=spec.kv_bytes_per_token(dtype.itemsize),
+        kv_bytes_per_token_full_layers=spec.kv_bytes_per_token(dtype.itemsize, [FULL]),
+        kv_bytes_per_max_len_seq=spec.kv_bytes_per_sequence(max_len, dtype.itemsize),
         device=str(device), kv_pages=num_pages, kv_window_pages=window_pages or 0, page_size=cfg.kv.page_size,
         kv_pool_bytes=cache.nbytes,
         max_model_len=max_len, attention_backend=backend, async_decode=bool(cfg.engine.async_decode),
@@ -231,6 +241,8 @@ def assemble_engine(cfg: DictConfig, model, tokenizer, info: dict, lora, device:
     engine.compile_counter = counter
     engine.async_decode = bool(cfg.engine.async_decode)
     engine.lora = lora
+    if cfg.engine.warmup and (device.type == "cuda" or use_compile):  # the CPU's eager steps have nothing to warm
+        info.update(warm_up(engine, demand, int(cfg.engine.max_prefill_tokens)))
     info["build_seconds"] = time.perf_counter() - t0
     log.info(
         "engine: %s (%s, %.2fB params, %s) on %s; KV pool %d pages x %d tokens = %.2f GiB",

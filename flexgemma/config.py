@@ -134,9 +134,10 @@ class KVConfig:
 
 @dataclass
 class CudaGraphConfig:
-    name: str = "ladder8"
+    name: str = "auto"
     enabled: bool = True
-    buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64])
+    # null: derived from engine.max_batch_size (cuda_graphs.auto_buckets); a list fixes the ladder
+    buckets: Optional[list[int]] = None
 
 
 @dataclass
@@ -144,6 +145,9 @@ class EngineConfig:
     max_batch_size: int = 64
     max_model_len: int = 4096
     max_prefill_tokens: int = 8192  # token budget of one packed prefill step; long prompts are chunked
+    # before the engine is returned, run every decode bucket and the prefill shapes a workload uses
+    # (flexgemma/engine/warm.py), so nothing compiles or allocates inside a timed round
+    warmup: bool = True
     compile: Optional[bool] = None  # torch.compile the fused norm/RoPE/activation glue and the sampler; null = GPU only
     # queue decode step N+1 before reading step N's tokens (host work overlaps the GPU; no sync a step)
     async_decode: bool = True  # measured on the H200: +10% on the E2B speed workload (RESULTS.md, run 8a)
@@ -313,7 +317,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"engine.moe_kernel={eng.moe_kernel!r} is invalid: auto, grouped_mm or triton")
     if eng.linear4bit_kernel not in ("auto", "bnb", "triton"):
         raise ConfigError(f"engine.linear4bit_kernel={eng.linear4bit_kernel!r} is invalid: auto, bnb or triton")
-    if cg.enabled:
+    if cg.enabled and cg.buckets is not None:
         b = list(cg.buckets)
         if not b or any(x < 1 for x in b) or b != sorted(set(b)):
             raise ConfigError(f"cudagraph.buckets={b} is invalid: a strictly increasing list of positive batch sizes")
