@@ -3,7 +3,9 @@ sharing one memory pool.
 
 A batch of n runs in the smallest bucket >= n; its padding rows read token 0, write their KV to
 the sink page and see no page. Every graph reads the runner's persistent DecodeInputs and the
-BlockMasks built over them, so a replay only needs new values copied into those buffers.
+BlockMasks built over them, so a replay only needs new values copied into those buffers. Graphs
+of one pool may reuse each other's freed blocks, outputs included: a step's outputs are read (or
+copied) before the next replay, whichever graph that is.
 """
 
 from __future__ import annotations
@@ -92,7 +94,10 @@ class DecodeGraphs:
                     out = r.decode_step(rows, greedy_only)
                 if self.pool is None:
                     self.pool = graph.pool()
+                if greedy_only:  # nothing reads an all-greedy step's logits (only top-k/top-p rows do)
+                    out = (None, *out[1:])  # so their [rows, vocab] float32 block goes back to the pool
                 self.graphs[rows, greedy_only], self.outputs[rows, greedy_only] = graph, out
+                del out
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         torch.cuda.empty_cache()
