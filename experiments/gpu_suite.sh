@@ -2,7 +2,7 @@
 # Everything that needs the GPU, stage by stage, each under its own time limit (device time is
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
-# Stages (in this order): grpo_e2b grpo_e2b_trl grpo_26b grpo_tests speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): batches batches_e2b batches_26b kernels_large grpo_e2b grpo_e2b_trl grpo_26b grpo_tests speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -28,13 +28,34 @@ run() {  # name timeout command...
   if (( limit < 30 )); then echo "== $name skipped: ${left}s left"; return 0; fi
   timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - t0 ))s"
-  grep -E "passed|failed|^FAILED|Error:|GRPO|grpo step|e2b_|26b_|tok/s|tok_s_median|speedup|peak|parity|ratio|refresh|build_seconds|capture_seconds|best|sum over|^built " \
+  grep -E "passed|failed|^FAILED|Error:|GRPO|grpo step|e2b_|26b_|tok/s|tok_s_median|speedup|peak|parity|ratio|refresh|build_seconds|capture_seconds|best|sum over|^built |^\| " \
     "$WORK/$name.log" | grep -v DEBUG | tail -25
   pack
 }
 bench=experiments/bench_vs_hf.py
 # 26B-A4B cut to its first six layers (five sliding, one full) so that float32 fits beside the tests
 L6="model.hf_config.num_hidden_layers=6 model.hf_config.layer_types=[sliding_attention,sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]"
+
+# RL-sized batches (issue 21): one build per variant at the largest batch (cudagraph=auto), every batch
+# size in that process, no per-size warm-up round (the build's warm-up must make the first timed round
+# as fast as the median); tables and JSON in $WORK/batches. E2B ~3.5 min, 26B-A4B ~3 min.
+batches_e2b() {
+  python3 experiments/bench_batches.py --model e2b --batch-sizes 64,128,256,512 --new-tokens 512 --rounds 3 \
+    --warmup-rounds 0 --out "$WORK/batches"
+}
+batches_26b() {
+  python3 experiments/bench_batches.py --model 26b_a4b --batch-sizes 8,64,128 --new-tokens 256 --rounds 3 \
+    --warmup-rounds 0 --out "$WORK/batches"
+}
+export -f batches_e2b batches_26b
+run batches 570 bash -c 'batches_e2b; batches_26b; cat "$WORK"/batches/*.md'
+run batches_e2b 300 bash -c 'batches_e2b; cat "$WORK"/batches/bench_batches_e2b.md'
+run batches_26b 300 bash -c 'batches_26b; cat "$WORK"/batches/bench_batches_26b_a4b.md'
+# the kernels past the sizes they were tuned at: 4-bit projections up to 512 rows (programs of 64 rows)
+# against bitsandbytes' dequantise + GEMM, routed experts past 1,024 entries (sorted) against torch's path
+run kernels_large 300 bash -c 'python3 experiments/bench_linear4bit.py --batch-sizes 64,128,256,512 \
+  --grid-batch-sizes 256 --out "$WORK/linear4bit_large.json" && python3 experiments/bench_moe_kernel.py \
+  --batch-sizes 64,128,256,512 --bnb4 --grid-batch-sizes 256 --out "$WORK/moe_kernel_large.json"'
 
 # GRPO through TRL (issue 17): one job a stage (build + 10-12 steps, 2-5 min each); the table of every
 # finished job is printed after each stage (experiments/grpo_gpu.py --collect)

@@ -14,9 +14,10 @@ from flexgemma.config import Config, ConfigError, validate
 from flexgemma.engine.block_mask import MaskBuilder
 from flexgemma.engine.engine import Engine
 from flexgemma.engine.kv_cache import KVCache, PoolDemand
-from flexgemma.engine.cuda_graphs import DecodeGraphs
+from flexgemma.engine.cuda_graphs import DecodeGraphs, attention_row_sizes, resolve_buckets
 from flexgemma.engine.runner import ModelRunner
 from flexgemma.engine.sampler import sample
+from flexgemma.engine.warm import warm_up
 from flexgemma.engine.scheduler import Scheduler
 from flexgemma.model.attention import AttentionKernels
 from flexgemma.model.forward import GemmaForward
@@ -25,7 +26,7 @@ from flexgemma.model.estimate import describe, estimate_build, refuse_if_too_lar
 from flexgemma.model.load import build_model, free_memory
 from flexgemma.model.lora import attach_lora
 from flexgemma.model.projections import fuse_projections
-from flexgemma.model.spec import ModelSpec
+from flexgemma.model.spec import FULL, ModelSpec
 from flexgemma.resolve import Resolved, resolve, resolve_device
 
 log = logging.getLogger("flexgemma")
@@ -148,7 +149,8 @@ def _build_from_config(cfg: DictConfig, demand: PoolDemand) -> Engine:
 def _forward(cfg, r: Resolved, model, spec: ModelSpec, cache: KVCache, max_len: int, counter: CompileCounter,
              lora, info: dict) -> GemmaForward:
     """The model's forward with the resolved kernels (attention, MoE, 4-bit projections)."""
-    kernels = AttentionKernels(r.attention_backend, decode_rows=cfg.engine.max_batch_size, counter=counter)
+    kernels = AttentionKernels(r.attention_backend, decode_rows=attention_row_sizes(cfg.engine.max_batch_size),
+                               counter=counter)
     ops = make_ops(counter if r.compile else None, r.moe_kernel)
     forward = GemmaForward(model, spec, cache.pools, cfg.attn, max_len, kernels, ops, lora,
                            linear4bit=r.linear4bit_kernel == "triton")
@@ -159,11 +161,43 @@ def _forward(cfg, r: Resolved, model, spec: ModelSpec, cache: KVCache, max_len: 
     return forward
 
 
+def _prepare_decode(cfg, runner: ModelRunner, r: Resolved) -> float:
+    """Captures the decode graphs (GPU) or compiles the decode step at each attention row count, so
+    nothing compiles inside a timed round. Returns the seconds it took."""
+    t1 = time.perf_counter()
+    if cfg.cudagraph.enabled and r.device.type == "cuda":
+        runner.graphs = DecodeGraphs(runner, resolve_buckets(cfg.cudagraph.buckets, cfg.engine.max_batch_size))
+        runner.graphs.capture()  # compiles the kernels on its warm-up steps
+    elif r.compile or r.attention_backend == "flex":
+        for rows in runner.forward.kernels.decode_rows or [cfg.engine.max_batch_size]:
+            runner.fill_decode([], rows)
+            runner.decode_step(rows)
+    return time.perf_counter() - t1
+
+
+def _engine_facts(runner: ModelRunner, spec: ModelSpec, dtype: torch.dtype, max_len: int, compiled: int,
+                  r: Resolved) -> dict:
+    """What the build decided, for the job's info and summary."""
+    graphs = runner.graphs
+    return dict(
+        compile_glue=r.compile, compiled_graphs=compiled, cudagraphs=graphs is not None,
+        capture_seconds=graphs.capture_seconds if graphs else 0.0,
+        cudagraph_buckets=list(graphs.buckets) if graphs else [],
+        graph_pool_gib=graphs.pool_bytes / 2**30 if graphs else 0.0,
+        attention_decode_rows=list(runner.forward.kernels.decode_rows or []), attention_backend=r.attention_backend,
+        # KV memory per token of context: every KV-writing layer (short contexts), and the full-attention
+        # layers alone (what each token adds once the sliding layers hold their window); an 8-bit cache halves both
+        kv_bytes_per_token=spec.kv_bytes_per_token(dtype.itemsize),
+        kv_bytes_per_token_full_layers=spec.kv_bytes_per_token(dtype.itemsize, [FULL]),
+        kv_bytes_per_max_len_seq=spec.kv_bytes_per_sequence(max_len, dtype.itemsize),
+    )
+
+
 def assemble_engine(cfg, model, tokenizer, info: dict, lora, r: Resolved,
                     demand: PoolDemand = PoolDemand(), t0: Optional[float] = None) -> Engine:
     """The engine around a built model: KV pool, kernels, masks, runner, CUDA graphs, scheduler."""
     t0 = time.perf_counter() if t0 is None else t0
-    device, backend, use_compile = r.device, r.attention_backend, r.compile
+    device, use_compile = r.device, r.compile
     spec = ModelSpec.from_hf_config(model.config)
     dtype = model.model.embed_tokens.weight.dtype
     max_len = min(int(cfg.engine.max_model_len), spec.max_position)
@@ -177,29 +211,20 @@ def assemble_engine(cfg, model, tokenizer, info: dict, lora, r: Resolved,
     masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len)
     sample_fn = compile_fn(sample, counter) if use_compile else sample
     runner = ModelRunner(forward, cache, masks, cfg.engine.max_batch_size, cfg.attn.q_block_size, sample_fn)
-    t1 = time.perf_counter()
-    if cfg.cudagraph.enabled and device.type == "cuda":
-        runner.graphs = DecodeGraphs(runner, list(cfg.cudagraph.buckets))
-        runner.graphs.capture()  # compiles the kernels on its warm-up steps
-    elif use_compile or backend == "flex":
-        runner.fill_decode([], cfg.engine.max_batch_size)
-        runner.decode_step(cfg.engine.max_batch_size)  # compile now, not inside a timed round
-    info["compile_capture_seconds"] = time.perf_counter() - t1
+    info["compile_capture_seconds"] = _prepare_decode(cfg, runner, r)
     scheduler = Scheduler(cache, cfg.engine.max_batch_size, cfg.engine.max_prefill_tokens)
-    info.update(
-        compile_glue=use_compile, compiled_graphs=counter.count,
-        cudagraphs=runner.graphs is not None,
-        capture_seconds=runner.graphs.capture_seconds if runner.graphs else 0.0,
-        device=str(device), kv_pages=num_pages, kv_window_pages=window_pages or 0, page_size=cfg.kv.page_size,
-        kv_pool_bytes=cache.nbytes,
-        max_model_len=max_len, attention_backend=backend, async_decode=bool(cfg.engine.async_decode),
-    )
+    info.update(_engine_facts(runner, spec, dtype, max_len, counter.count, r))
+    info.update(device=str(device), kv_pages=num_pages, kv_window_pages=window_pages or 0,
+                page_size=cfg.kv.page_size, kv_pool_bytes=cache.nbytes, max_model_len=max_len,
+                async_decode=bool(cfg.engine.async_decode))
     if any(s.moe for s in spec.layers):
         info["moe_kernel"] = r.moe_kernel
     engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info)
     engine.compile_counter = counter
     engine.async_decode = bool(cfg.engine.async_decode)
     engine.lora = lora
+    if cfg.engine.warmup and (device.type == "cuda" or use_compile):  # the CPU's eager steps have nothing to warm
+        info.update(warm_up(engine, demand, int(cfg.engine.max_prefill_tokens)))
     info["build_seconds"] = time.perf_counter() - t0
     log.info(
         "engine: %s (%s, %.2fB params, %s) on %s; KV pool %d pages x %d tokens = %.2f GiB",

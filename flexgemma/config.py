@@ -200,11 +200,14 @@ class KVConfig:
 
 @dataclass
 class CudaGraphConfig:
-    name: str = "ladder8"
+    name: str = "auto"
     enabled: bool = True
-    buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64])
+    # null: derived from engine.max_batch_size (cuda_graphs.auto_buckets); a list fixes the ladder
+    buckets: Optional[list[int]] = None
 
     def __post_init__(self):
+        if self.buckets is None:  # derived from engine.max_batch_size at build
+            return
         b = list(self.buckets)
         if self.enabled and (not b or any(x < 1 for x in b) or b != sorted(set(b))):
             raise ConfigError(f"cudagraph.buckets={b} is invalid: a strictly increasing list of positive batch sizes")
@@ -215,6 +218,9 @@ class EngineConfig:
     max_batch_size: int = 64
     max_model_len: int = 4096
     max_prefill_tokens: int = 8192  # token budget of one packed prefill step; long prompts are chunked
+    # before the engine is returned, run every decode bucket and the prefill shapes a workload uses
+    # (flexgemma/engine/warm.py), so nothing compiles or allocates inside a timed round
+    warmup: bool = True
     compile: Optional[bool] = None  # torch.compile the fused norm/RoPE/activation glue and the sampler; null = GPU only
     # queue decode step N+1 before reading step N's tokens (host work overlaps the GPU; no sync a step)
     async_decode: bool = True  # measured on the H200: +10% on the E2B speed workload (RESULTS.md, run 8a)
@@ -357,7 +363,7 @@ class Config:
         if self.lora.merge and self.quant.method != "none":
             raise ConfigError(f"lora.merge=true needs bf16/fp32 base weights; with quant={self.quant.name} use "
                               "lora.merge=null/false")
-        if cg.enabled and cg.buckets[-1] < eng.max_batch_size:
+        if cg.enabled and cg.buckets is not None and cg.buckets[-1] < eng.max_batch_size:
             raise ConfigError(
                 f"cudagraph.buckets={list(cg.buckets)} has a hole: batches of {cg.buckets[-1] + 1}.."
                 f"{eng.max_batch_size} (engine.max_batch_size) find no bucket; add {eng.max_batch_size} or lower "

@@ -13,6 +13,8 @@ ROUND_METRICS: dict[str, str] = {
     "bench/round_seconds": "wall time of the round (s)",
     "bench/generated_tokens": "tokens generated in the round (output tokens)",
     "bench/prompt_tokens": "prompt tokens of the round's requests",
+    "bench/compiled_in_round": "graphs torch.compile built inside the round (0 when the warm-up did its job)",
+    "bench/reserved_growth_gib": "growth of the allocator's reserved memory inside the round (GiB; GPU)",
     "throughput/output_tok_s": "output (generated) tokens / round wall time (vLLM's output token throughput)",
     "throughput/total_tok_s": "(prompt + output) tokens / round wall time (vLLM's total token throughput)",
     "throughput/requests_s": "requests finished / round wall time",
@@ -112,6 +114,9 @@ METRICS: dict[str, str] = {
     "bench/rounds": "timed rounds",
     "bench/generated_tokens_per_round": "tokens generated per round",
     "bench/round_seconds_median": "wall time of a round, median (s)",
+    "bench/first_round_ratio": "the first timed round's speed over the median round's (1 = as fast)",
+    "bench/first_round_within_5pct": "the first timed round is within 5% of the median (nothing lazy inside it)",
+    "bench/compiled_in_rounds": "graphs torch.compile built inside the timed rounds, all of them",
     "workload/prompts": "requests per round (prompts x workload.n)",
     "workload/prompt_tokens": "prompt tokens per round",
     "samples": "a few completions of the first timed round (decoded when the checkpoint has a tokenizer); "

@@ -53,7 +53,7 @@ def test_e2b_spec_kv_sharing_and_double_wide_mlp():
         (["attn.q_block_size=100"], "attn.q_block_size=100"),
         (["attn.kv_block_size=32"], "must equal kv.page_size"),
         (["lora=r16", "lora.rank=0"], "lora.rank=0"),
-        (["engine.max_batch_size=80"], "has a hole"),
+        (["cudagraph=ladder8", "engine.max_batch_size=80"], "has a hole"),
         (["attn.decode.num_warps=3"], "attn.decode.num_warps=3"),
         (["kv.memory_fraction=1.5"], "kv.memory_fraction"),
         (["workload.max_new_tokens=0"], "max_new_tokens"),

@@ -49,7 +49,6 @@ def test_group_equals_bitsandbytes_modules_interpreted():
                     xa, b = torch.randn(t, 24).half(), (torch.randn(sum(outs), 24) * 0.2).half()
                     lora = refs[t].float() + xa.float() @ b.float().T
                     print("err_lora", qt, t, rel(g.matmul(x, xa, b), lora), rel(refs[t], lora))
-            print("kernel_rows_ok", L.KERNEL_MAX_ROWS == 64)
     """)
     lines = [ln.split() for ln in out.splitlines()]
     errs = [float(ln[3]) for ln in lines if ln[0] in ("err", "err_split")]
@@ -60,6 +59,45 @@ def test_group_equals_bitsandbytes_modules_interpreted():
     assert len(lora) == 15 and all(e < 1e-3 and moved > 0.05 for e, moved in lora), out
     kept = [ln[-1] for ln in lines if ln[0] == "kept8bit"]
     assert kept == ["True", "True", "False", "False", "False"], out
+
+
+def test_kernel_takes_rl_batches_in_row_tiles_interpreted():
+    """Steps of more than ROW_TILE rows (RL decode batches up to KERNEL_MAX_ROWS) run in the kernel as
+    programs of ROW_TILE rows: each row's output is bit for bit what a step of its tile alone gives
+    (LoRA and split K included), and equals bitsandbytes' modules; past KERNEL_MAX_ROWS, dequantise
+    + GEMM as before."""
+    out = run_interpreted("""
+        import torch
+        from flexgemma.model.quant import Bnb4Settings, linear4bit_from
+        from flexgemma.model import linear4bit as L
+        torch.manual_seed(0)
+        rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
+        s = Bnb4Settings("nf4", True, 64, torch.float16)
+        mods = [linear4bit_from(torch.nn.Linear(128, n, bias=False).half(), s, torch.device("cpu")) for n in (64, 32)]
+        g = L.Linear4bitGroup(mods)
+        x = torch.randn(150, 128).half()
+        xa, b = torch.randn(150, 16).half(), (torch.randn(96, 16) * 0.2).half()
+        ref = torch.cat([m(x) for m in mods], -1)
+        tiles = [slice(0, 64), slice(64, 128), slice(128, 150)]
+        for name, kw in (("plain", {}), ("split", dict(tiles=dict(BLOCK_N=16, BLOCK_K=32)))):
+            whole = g.matmul(x, **kw)
+            parts = torch.cat([g.matmul(x[t], **kw) for t in tiles])
+            print("same", name, torch.equal(whole, parts), rel(whole, ref))
+        whole = g.matmul(x, xa, b)
+        parts = torch.cat([g.matmul(x[t], xa[t], b) for t in tiles])
+        print("same lora", torch.equal(whole, parts), rel(whole, ref.float() + xa.float() @ b.float().T))
+        calls = []
+        real = L._linear_4bit_kernel
+        L._linear_4bit_kernel = type("K", (), {"__getitem__": lambda self, grid: calls.append(grid) or real[grid]})()
+        g.matmul(x)
+        y = g.matmul(torch.randn(L.KERNEL_MAX_ROWS + 1, 128).half())
+        print("grids", calls, L.ROW_TILE, tuple(y.shape))
+    """)
+    lines = [ln.split() for ln in out.splitlines()]
+    same = [ln for ln in lines if ln[0] == "same"]
+    assert len(same) == 3 and all(ln[2] == "True" and float(ln[3]) < 1e-3 for ln in same), out
+    grids = next(ln for ln in lines if ln[0] == "grids")
+    assert grids[1:] == ["[(2,", "1,", "3)]", "64", "(513,", "96)"], out  # 150 rows: 3 tiles; 513 rows: no kernel
 
 
 def test_engine_runs_4bit_groups_and_lora_inside_them_interpreted():

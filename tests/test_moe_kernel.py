@@ -60,6 +60,42 @@ def test_decode_experts_equal_the_loop_interpreted():
     assert "wired True triton True" in out, out
 
 
+def test_big_steps_sort_their_entries_and_give_the_same_numbers_interpreted():
+    """RL batches past ROUTED_MAX_ENTRIES (26B-A4B at 256 or 512 rows x top-8) stay in the kernels with
+    their entries sorted by expert outside them: bit for bit what the in-kernel matching gives (the
+    same tiles), bf16-class and fused 4-bit experts alike, and close to the loop; TritonExperts takes
+    such steps up to KERNEL_MAX_ENTRIES."""
+    out = run_interpreted("""
+        import torch
+        from transformers.activations import GELUTanh
+        from flexgemma.model import moe_kernel as M
+        from flexgemma.model.moe import experts_loop
+        from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+        torch.manual_seed(0)
+        e, h, i, k, t = 8, 64, 64, 4, 300  # 1,200 entries: past ROUTED_MAX_ENTRIES
+        gate_up, down = (torch.randn(e, 2 * i, h) * 0.1).half(), (torch.randn(e, h, i) * 0.1).half()
+        x = torch.randn(t, h).half()
+        w, idx = torch.softmax(torch.randn(t, e), -1).topk(k, dim=-1)
+        act = GELUTanh()
+        ref = experts_loop(x.float(), idx, w, gate_up.float(), down.float(), act)
+        sorted_, matched = M.decode_experts(x, idx, w, gate_up, down), M.decode_experts(x, idx, w, gate_up, down,
+                                                                                      sort_entries=False)
+        print("bf16", torch.equal(sorted_, matched), float((sorted_.float() - ref).norm() / ref.norm()))
+        s = Bnb4Settings(double_quant=False, compute_dtype=torch.float16)
+        pg, pd = PackedExpertWeight.pack(gate_up, s, torch.device("cpu")), PackedExpertWeight.pack(down, s, torch.device("cpu"))
+        a = M.decode_experts(x[:40], idx[:40], w[:40], pg, pd, sort_entries=True)
+        b = M.decode_experts(x[:40], idx[:40], w[:40], pg, pd)
+        print("packed", torch.equal(a, b))
+        big = torch.zeros(M.KERNEL_MAX_ENTRIES // k + 1, k, dtype=torch.long)
+        print("takes", M.TritonExperts.takes(x, idx, act, gate_up, down),
+              M.TritonExperts.takes(torch.zeros(big.shape[0], h).half(), big, act, gate_up, down))
+    """)
+    lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()}
+    assert lines["bf16"][0] == "True" and float(lines["bf16"][1]) < 5e-3, out
+    assert lines["packed"] == ["True"], out
+    assert lines["takes"] == ["True", "False"], out
+
+
 def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
     """4-bit experts (NF4 and FP4, with and without double quantisation), decoded inside the GEMM
     kernels (fused) or dequantised into slots first, equal bitsandbytes' own dequantisation followed
@@ -236,7 +272,7 @@ def test_gpu_4bit_experts_take_the_triton_kernels():
     Triton kernels (fused where rows are whole quantisation blocks), prefill-sized ones to torch's
     dequantise + grouped GEMM path, and both equal the loop."""
     from flexgemma.model.moe import experts_grouped, experts_loop
-    from flexgemma.model.moe_kernel import ROUTED_MAX_ENTRIES, TritonExperts, fused_4bit_fits
+    from flexgemma.model.moe_kernel import KERNEL_MAX_ENTRIES, TritonExperts, fused_4bit_fits
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
 
     torch.manual_seed(0)
@@ -246,10 +282,10 @@ def test_gpu_4bit_experts_take_the_triton_kernels():
     down = PackedExpertWeight.pack((torch.randn(16, 256, 128) * 0.05).bfloat16(), s, dev)
     assert fused_4bit_fits(gate_up, down)
     act = GELUTanh()
-    for t in (1, 3, 64, ROUTED_MAX_ENTRIES // 4 + 1):
+    for t in (1, 3, 64, 300, KERNEL_MAX_ENTRIES // 4 + 1):
         x = torch.randn(t, 256, device=dev, dtype=torch.bfloat16)
         w, idx = torch.softmax(torch.randn(t, 16, device=dev), -1).topk(4, dim=-1)
-        assert TritonExperts.takes(x, idx, act, gate_up, down) == (t <= ROUTED_MAX_ENTRIES // 4)
+        assert TritonExperts.takes(x, idx, act, gate_up, down) == (t <= KERNEL_MAX_ENTRIES // 4)
         got = experts_grouped(x, idx, w, gate_up, down, act, kernel=TritonExperts()).float()
         ref = experts_loop(x.float(), idx, w, gate_up.dequantize().float(), down.dequantize().float(), act)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-2

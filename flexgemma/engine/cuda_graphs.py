@@ -3,7 +3,9 @@ sharing one memory pool.
 
 A batch of n runs in the smallest bucket >= n; its padding rows read token 0, write their KV to
 the sink page and see no page. Every graph reads the runner's persistent DecodeInputs and the
-BlockMasks built over them, so a replay only needs new values copied into those buffers.
+BlockMasks built over them, so a replay only needs new values copied into those buffers. Graphs
+of one pool may reuse each other's freed blocks, outputs included: a step's outputs are read (or
+copied) before the next replay, whichever graph that is.
 """
 
 from __future__ import annotations
@@ -13,6 +15,41 @@ import time
 from collections import Counter
 
 import torch
+
+# cudagraph=auto: the ladder from engine.max_batch_size. Dense where a step's time grows with its
+# rows (small batches, where one padding row is a large share), coarser above: past 64 rows a decode
+# step is bound by reading the weights, so a padding row costs only its KV and sampler share, while
+# every bucket costs two captures and graph memory. 1, 2, 4, 8, then +8 to 32, +16 to 64, +32 to
+# 256, +64 to 512, +128 beyond, and max_batch_size itself: from 17 rows on, at most a third of a
+# bucket is padding (a fifth from 257 on), and batch 512 captures 19 buckets, not 512.
+_AUTO_STEPS = ((32, 8), (64, 16), (256, 32), (512, 64), (None, 128))  # (up to, step)
+
+
+def auto_buckets(max_batch: int) -> list[int]:
+    """The cudagraph=auto ladder for engine.max_batch_size=max_batch (it always ends at max_batch)."""
+    if max_batch < 1:
+        raise ValueError(f"engine.max_batch_size={max_batch}: at least 1")
+    ladder, b = [1, 2, 4, 8], 8
+    for limit, step in _AUTO_STEPS:
+        while b + step <= (limit or max_batch):
+            b += step
+            ladder.append(b)
+    return sorted({x for x in ladder if x < max_batch} | {max_batch})
+
+
+def resolve_buckets(buckets, max_batch: int) -> list[int]:
+    """cudagraph.buckets as given, or the auto ladder when it is null."""
+    return auto_buckets(max_batch) if buckets is None else [int(b) for b in buckets]
+
+
+def attention_row_sizes(max_batch: int, factor: int = 4, smallest: int = 16) -> list[int]:
+    """The row counts flex decode attention is compiled at: max_batch, then a quarter of it each time
+    down to `smallest` (512: 32, 128, 512; 64: 16, 64). A step pads its queries to the next one up:
+    at most 4x the rows, and two compiles (one per head_dim) a size, not two per bucket."""
+    sizes = [max_batch]
+    while sizes[-1] // factor >= smallest:
+        sizes.append(sizes[-1] // factor)
+    return sorted(sizes)
 
 
 class DecodeGraphs:
@@ -57,7 +94,10 @@ class DecodeGraphs:
                     out = r.decode_step(rows, greedy_only)
                 if self.pool is None:
                     self.pool = graph.pool()
+                if greedy_only:  # nothing reads an all-greedy step's logits (only top-k/top-p rows do)
+                    out = (None, *out[1:])  # so their [rows, vocab] float32 block goes back to the pool
                 self.graphs[rows, greedy_only], self.outputs[rows, greedy_only] = graph, out
+                del out
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         torch.cuda.empty_cache()

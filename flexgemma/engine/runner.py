@@ -77,8 +77,8 @@ class ModelRunner:
         self.decode_in = DecodeInputs(masks, max_batch, self.device)
         self._decode_masks: dict[int, dict] = {}  # rows -> BlockMasks over the persistent buffers
         self.sample_fn = sample_fn or sample  # the sampler, compiled on the GPU
-        # decode attention runs at a fixed row count when the kernel is compiled for one
-        self.attn_rows = forward.kernels.decode_rows
+        # decode attention runs at one of a few fixed row counts when its kernel is compiled for them
+        self.attn_rows = forward.kernels.padded_rows
         self.graphs = None  # a cuda_graphs.DecodeGraphs once captured
 
     def _slots_by_type(self, slots: torch.Tensor, window_slots: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -163,8 +163,8 @@ class ModelRunner:
             floats[:, i] = (s.params.temperature, s.params.top_p)
         d.ints.upload()
         d.floats.upload()
-        # masks cover the rows attention runs at (all of them when it is padded to a fixed count)
-        self.masks.fill_decode(d.mask_buffers, seqs, self.attn_rows or rows)
+        # masks cover the rows attention runs at (its padding rows too)
+        self.masks.fill_decode(d.mask_buffers, seqs, self.attn_rows(rows))
         return needs_filter(seqs), greedy_only(seqs)
 
     def decode_masks(self, rows: int) -> dict:
@@ -177,7 +177,7 @@ class ModelRunner:
         return decode_step(
             self.forward, self.sample_fn, d.input_ids[:rows], d.positions[:rows],
             self._slots_by_type(d.slots[:rows], d.window_slots[:rows]),
-            self.decode_masks(self.attn_rows or rows), d.temperature[:rows], d.top_k[:rows], d.top_p[:rows],
+            self.decode_masks(self.attn_rows(rows)), d.temperature[:rows], d.top_k[:rows], d.top_p[:rows],
             d.seed[:rows], greedy_only,
         )
 

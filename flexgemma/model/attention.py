@@ -5,6 +5,7 @@ KV write and the flex_attention call. The projections are the transformers modul
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, Callable, Optional
 
 import torch
@@ -100,15 +101,18 @@ class PagedAttention:
 class AttentionKernels:
     """The attention calls of both phases for one backend.
 
-    flex: compiled flex_attention; decode is compiled once with a static batch of `decode_rows`
-    (torch's flex *decoding* kernel needs a static batch) and every CUDA-graph bucket pads its
-    queries to it (padding rows list no pages, so their programs exit at once); prefill is
-    compiled with a dynamic length. Other backends run at the batch they are given.
+    flex: compiled flex_attention; decode is compiled with a static batch (torch's flex *decoding*
+    kernel needs one) for each of a few row counts `decode_rows`, and a step pads its queries to the
+    smallest that holds them (padding rows list no pages, so their programs exit at once). Few
+    counts: few compiles; not one: a batch of 8 padded to 512 rows would also get the kernel's
+    split of the KV for 512 rows, one program a row, where 16 rows split each row's KV over many.
+    Prefill is compiled with a dynamic length. Other backends run at the batch they are given.
     """
 
-    def __init__(self, backend: str, decode_rows: Optional[int] = None, counter=None):
+    def __init__(self, backend: str, decode_rows=None, counter=None):
         self.backend = backend
-        self.decode_rows = decode_rows if backend == "flex" else None
+        rows = [decode_rows] if isinstance(decode_rows, int) else decode_rows
+        self.decode_rows = sorted(int(r) for r in rows) if backend == "flex" and rows else None
         if backend == "flex":
             counter = counter or CompileCounter()
             self._decode = compile_fn(flex_attention, counter, dynamic=False)
@@ -116,11 +120,22 @@ class AttentionKernels:
         else:
             self._decode = self._prefill = attention_fn(backend)
 
+    def padded_rows(self, b: int) -> int:
+        """The row count a decode step of b queries runs attention at."""
+        if not self.decode_rows:
+            return b
+        i = bisect.bisect_left(self.decode_rows, b)
+        if i == len(self.decode_rows):
+            raise ValueError(f"a decode step of {b} rows: the attention kernels take at most {self.decode_rows[-1]} "
+                             "(engine.max_batch_size)")
+        return self.decode_rows[i]
+
     def decode(self, q, k, v, mask, options):
         """q [B, H, D] -> [B, H, D]: one query per sequence against the pool broadcast over B."""
         b = q.shape[0]
-        if self.decode_rows is not None and b < self.decode_rows:
-            q = F.pad(q, (0, 0, 0, 0, 0, self.decode_rows - b))
+        rows = self.padded_rows(b)
+        if rows > b:
+            q = F.pad(q, (0, 0, 0, 0, 0, rows - b))
         out = self._call(self._decode, "decode", q[:, :, None, :], k, v, mask, options)
         return out[:b, :, 0, :]
 

@@ -31,8 +31,12 @@ from flexgemma.model.quant import dequantize_blocks
 from flexgemma.model.triton4bit import code4, sum_rows
 
 NESTED_BLOCK = 256  # bitsandbytes double quantisation: one float32 scale per 256 block scales
-# the kernel takes steps of at most this many rows (the decode buckets); more go dequantise + GEMM
-KERNEL_MAX_ROWS = 64
+# the kernel takes steps of at most this many rows (decode buckets up to RL batches of 512); more
+# (prefill) go dequantise + GEMM. Past ROW_TILE rows, programs of ROW_TILE rows each re-read their
+# feature tile (from L2 mostly) instead of a dequantise that writes and re-reads the whole bf16
+# matrix (4.5 bytes a weight moved against 0.5); tuned on the H200 at <= 64 rows only (RESULTS.md)
+KERNEL_MAX_ROWS = 512
+ROW_TILE = 64  # rows of one program: the tile the kernel was tuned at (a [64, 256] row block in registers)
 # tile options: output features and K elements of a program. On the H200 (experiments/RESULTS.md,
 # session 5, bench_linear4bit.py) programs that looped over K steps ran at 0.03-0.1 TB/s whatever the
 # tiles; one 64 x 256 step a program (K split across programs, partials summed by a second kernel)
@@ -50,7 +54,7 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
                         PARTIAL: tl.constexpr, QBLOCK: tl.constexpr, SCALES: tl.constexpr, NESTED: tl.constexpr,
                         DOUBLE_QUANT: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (j, s): rows x [M, K] against features [j*BLOCK_N, (j+1)*BLOCK_N) of the 4-bit W [N, K]
+    """Program (j, s, m): rows [m*BLOCK_M, (m+1)*BLOCK_M) of x [M, K] against features [j*BLOCK_N, (j+1)*BLOCK_N) of the 4-bit W [N, K]
     (rows of row_bytes = K/2 bytes and row_blocks = K/QBLOCK scales) over the K step
     [s*BLOCK_K, (s+1)*BLOCK_K), one step a program (split = K / BLOCK_K programs along K). The step
     reads BLOCK_K contiguous elements of each row (split into even and odd halves in registers: they
@@ -65,7 +69,7 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
     dt = x_ptr.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = rows < M
     k0 = tl.program_id(1) * BLOCK_K
     a = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None],
@@ -232,13 +236,14 @@ class Linear4bitGroup:
         dq = self.double_quant
         lora = xa is not None
         r = xa.shape[1] if lora else 0
-        _linear_4bit_kernel[(n_tiles, split)](
+        block_m = min(ROW_TILE, max(16, triton.next_power_of_2(t)))
+        _linear_4bit_kernel[(n_tiles, split, triton.cdiv(t, block_m))](
             x_ptr=x, w_ptr=self.packed, absmax_ptr=self.absmax, code_ptr=self.code,
             ncode_ptr=self.nested_code if dq else self.absmax, nabsmax_ptr=self.nested_absmax if dq else self.absmax,
             noffset_ptr=self.nested_offset if dq else self.absmax, xa_ptr=xa if lora else x, b_ptr=b if lora else x,
             out_ptr=dst, M=t, N=n, R=r, stride_x=x.stride(0), stride_xa=xa.stride(0) if lora else 0,
             row_bytes=k // 2, row_blocks=k // q, split=split, PARTIAL=split > 1, QBLOCK=q, SCALES=max(1, block_k // q), NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, LORA=lora,
-            BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_M=max(16, triton.next_power_of_2(t)), BLOCK_N=block_n,
+            BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k,
             num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
         )

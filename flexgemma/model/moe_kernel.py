@@ -13,8 +13,10 @@ kernels per layer around two GEMMs that read the weights at 1.6-2.7 TB/s on the 
 - down: the same over the down projection, times the entry's router weight, in float32;
 - the K choices of each token summed and cast (one small kernel).
 
-Experts with no entries exit at once. Weights are read in their stored [E, N, K] layout. Prefill
-(many rows per expert) stays on torch's grouped GEMM.
+Experts with no entries exit at once. Weights are read in their stored [E, N, K] layout. Steps of
+more than ROUTED_MAX_ENTRIES entries (RL batches past 128 rows) sort their entries by expert first,
+so a program reads only its own; prefill-sized steps (many rows per expert) stay on torch's grouped
+GEMM.
 
 4-bit experts (`quant.PackedExpertWeight`) are read as packed bytes by the same two kernels: a K step
 is one quantisation block, whose bytes meet the rows' even and odd elements (high and low nibbles)
@@ -98,6 +100,32 @@ def _match_tile(offs, match, rank, m0, count, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED: tl.constexpr, NFLAT: tl.constexpr):
+    """(offs, match, rank, start, count) of the entries routed to `expert`: matched in the program
+    (_expert_matches), or with SORTED a range [start, start + count) of `order` (entries sorted by
+    expert outside, for steps too big to read whole in every program)."""
+    if SORTED:
+        start = tl.load(starts_ptr + expert)
+        offs = tl.arange(0, NFLAT)  # unused in this mode
+        return offs, offs, offs, start, tl.load(starts_ptr + expert + 1) - start
+    else:
+        offs, match, rank, count = _expert_matches(index_ptr, n_flat, expert, NFLAT)
+        return offs, match, rank, 0, count
+
+
+@triton.jit
+def _entry_tile(offs, match, rank, order_ptr, start, m0, count, SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Flat entries of matches m0 .. m0+BLOCK_M-1 of the expert, and which exist; both modes list an
+    expert's entries in ascending flat order, so their tiles (and results) are the same."""
+    if SORTED:
+        want = m0 + tl.arange(0, BLOCK_M)
+        valid = want < count
+        return tl.load(order_ptr + start + want, mask=valid, other=0), valid
+    else:
+        return _match_tile(offs, match, rank, m0, count, BLOCK_M)
+
+
+@triton.jit
 def _weight_index(slots_ptr, expert, HAS_SLOTS: tl.constexpr):
     """Where expert's matrix sits in the weights the kernel reads: its own id, or its slot among the
     dequantised 4-bit experts."""
@@ -133,11 +161,12 @@ def _block_dot_4bit(a_even, a_odd, w_ptr, widx, rows, ok, k0, K: tl.constexpr, s
 
 
 @triton.jit
-def _routed_up_kernel(x_ptr, index_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr,
+def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr,
                       noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_x,
                       stride_we, stride_wn, stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr,
                       QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
-                      NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
     """Program (e, j): for every (token, choice) routed to expert e, features [j*BLOCK_N, (j+1)*BLOCK_N)
     of act(x @ gate.T) * (x @ up.T), written at the entry's flat row of out [T*TOPK, I]. gate is rows
     [0, I) of the expert's gate_up, up rows [I, 2I): both tiles of a feature slice are read together.
@@ -145,13 +174,13 @@ def _routed_up_kernel(x_ptr, index_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, co
     the 4-bit bytes of expert e themselves, decoded a quantisation block (QBLOCK elements) at a time."""
     expert = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
-    offs, match, rank, count = _expert_matches(index_ptr, n_flat, expert, NFLAT)
+    offs, match, rank, start, count = _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED, NFLAT)
     widx = _weight_index(slots_ptr, expert, HAS_SLOTS)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     m0 = 0
     while m0 < count:
-        flat, valid = _match_tile(offs, match, rank, m0, count, BLOCK_M)
+        flat, valid = _entry_tile(offs, match, rank, order_ptr, start, m0, count, SORTED, BLOCK_M)
         token = flat // TOPK
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -183,23 +212,24 @@ def _routed_up_kernel(x_ptr, index_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, co
 
 
 @triton.jit
-def _routed_down_kernel(inter_ptr, index_ptr, weights_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr,
+def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr,
                         nabsmax_ptr, noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, stride_we, stride_wn,
                         stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr, QBLOCK: tl.constexpr,
                         NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
-                        NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     """Program (e, j): out[f, j-slice] = (inter[f] @ down_e.T) x router weight of f, for every flat
     entry f routed to expert e; out is float32 [T*TOPK, H], summed over the choices afterwards. The
     weights as in the up kernel: plain, through slots, or PACKED 4-bit."""
     expert = tl.program_id(0)
     dt = inter_ptr.dtype.element_ty
-    offs, match, rank, count = _expert_matches(index_ptr, n_flat, expert, NFLAT)
+    offs, match, rank, start, count = _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED, NFLAT)
     widx = _weight_index(slots_ptr, expert, HAS_SLOTS)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     m0 = 0
     while m0 < count:
-        flat, valid = _match_tile(offs, match, rank, m0, count, BLOCK_M)
+        flat, valid = _entry_tile(offs, match, rank, order_ptr, start, m0, count, SORTED, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if PACKED:
             ok = cols < H
@@ -265,8 +295,11 @@ def route(scores: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple
 
 
 # the routed kernels read a decode step's whole routing in every program: up to this many (token,
-# choice) entries (bucket 64 x top-8 = 512); bigger steps sort rows by expert instead
+# choice) entries (bucket 128 x top-8); bigger steps up to KERNEL_MAX_ENTRIES (RL batches of 512 x
+# top-8) have their entries sorted by expert first (a stable argsort, counts, cumsum: three small
+# kernels) and each program reads only its own range; bigger still (prefill) go to torch's path
 ROUTED_MAX_ENTRIES = 1024
+KERNEL_MAX_ENTRIES = 4096
 # tile options of the two kernels, from experiments/bench_moe_kernel.py on the H200 (session 4 grid:
 # up BLOCK_N 32 with down 128 was best or within noise of it at bs 8 and 32, 9-10% under 64/128)
 UP_TILES = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
@@ -324,8 +357,8 @@ def _check_step(x, top_k_index, gate_up, down, packed_mode: Optional[str], code_
     for name, w in (("gate_up", gate_up), ("down", down)):
         if isinstance(w, torch.Tensor) and w.dtype != x.dtype:
             raise TypeError(f"decode_experts: {name} is {w.dtype}; the rows are {x.dtype}")
-    if top_k_index.numel() > ROUTED_MAX_ENTRIES:
-        raise ValueError(f"decode_experts takes at most {ROUTED_MAX_ENTRIES} (token, choice) entries, "
+    if top_k_index.numel() > KERNEL_MAX_ENTRIES:
+        raise ValueError(f"decode_experts takes at most {KERNEL_MAX_ENTRIES} (token, choice) entries, "
                          f"got {top_k_index.numel()}")
 
 
@@ -357,7 +390,8 @@ def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_l
 
 def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up, down,
                    up_tiles: Optional[dict] = None, down_tiles: Optional[dict] = None,
-                   packed_mode: Optional[str] = None, code_lookup: str = "table") -> torch.Tensor:
+                   packed_mode: Optional[str] = None, code_lookup: str = "table",
+                   sort_entries: Optional[bool] = None) -> torch.Tensor:
     """Gemma-4's routed experts for a decode-sized step in two kernels, with no sort of rows by expert.
 
     x [T, H] bf16/fp16; top_k_* [T, K]; gate_up [E, 2I, H], down [E, H, I], as tensors of x's dtype
@@ -368,7 +402,9 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     *_tiles override UP_TILES / DOWN_TILES (BLOCK_N, BLOCK_K, num_warps, num_stages; fused 4-bit
     steps are one quantisation block each, whatever BLOCK_K says). code_lookup: how the fused mode
     turns 4-bit values into weights, "table" (a load from the 16-entry table) or "select" (a tree of
-    selects over it)."""
+    selects over it). sort_entries: list each expert's entries through a sort outside the kernels
+    (default: above ROUTED_MAX_ENTRIES entries) instead of every program matching the whole routing;
+    the same tiles either way."""
     _check_step(x, top_k_index, gate_up, down, packed_mode, code_lookup)
     t, topk = top_k_index.shape
     e, two_i, h = gate_up.shape
@@ -383,7 +419,16 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     x = x.contiguous()
     index = top_k_index.reshape(-1).to(torch.int32)
     weights = top_k_weights.reshape(-1).float()
-    nflat = max(16, triton.next_power_of_2(n_flat))
+    sort_entries = n_flat > ROUTED_MAX_ENTRIES if sort_entries is None else sort_entries
+    if sort_entries:
+        order = torch.argsort(index, stable=True).to(torch.int32)  # ascending flat order within an expert
+        counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(0, index.long(),
+                                                                                   torch.ones_like(index))
+        starts = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0, dtype=torch.int32)])
+        nflat = 16  # the matching's width: unused
+    else:
+        order = starts = index  # placeholders, never read
+        nflat = max(16, triton.next_power_of_2(n_flat))
     ids, slots = expert_slots(top_k_index, e) if slotted else (None, index)  # index: a placeholder, never read
     operands = functools.partial(_weight_operands, x=x, fused=fused, slotted=slotted, ids=ids,
                                  code_lookup=code_lookup)
@@ -391,14 +436,16 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     ops = operands(gate_up)
     inter = torch.empty(n_flat, i, dtype=x.dtype, device=x.device)
     _routed_up_kernel[(e, triton.cdiv(i, up_tiles["BLOCK_N"]))](
-        x_ptr=x, index_ptr=index, n_flat=n_flat, slots_ptr=slots, out_ptr=inter, I=i, H=h, TOPK=topk,
-        stride_x=x.stride(0), HAS_SLOTS=slotted, PACKED=fused, NFLAT=nflat, BLOCK_M=BLOCK_M, **ops, **up_tiles)
+        x_ptr=x, index_ptr=index, order_ptr=order, starts_ptr=starts, n_flat=n_flat, slots_ptr=slots, out_ptr=inter,
+        I=i, H=h, TOPK=topk, stride_x=x.stride(0), HAS_SLOTS=slotted, PACKED=fused, SORTED=sort_entries, NFLAT=nflat,
+        BLOCK_M=BLOCK_M, **ops, **up_tiles)
     del ops  # one dequantised matrix alive at a time
     ops = operands(down)
     out = torch.empty(n_flat, h, dtype=torch.float32, device=x.device)
     _routed_down_kernel[(e, triton.cdiv(h, down_tiles["BLOCK_N"]))](
-        inter_ptr=inter, index_ptr=index, weights_ptr=weights, n_flat=n_flat, slots_ptr=slots, out_ptr=out,
-        I=i, H=h, HAS_SLOTS=slotted, PACKED=fused, NFLAT=nflat, BLOCK_M=BLOCK_M, **ops, **down_tiles)
+        inter_ptr=inter, index_ptr=index, order_ptr=order, starts_ptr=starts, weights_ptr=weights, n_flat=n_flat,
+        slots_ptr=slots, out_ptr=out, I=i, H=h, HAS_SLOTS=slotted, PACKED=fused, SORTED=sort_entries, NFLAT=nflat,
+        BLOCK_M=BLOCK_M, **ops, **down_tiles)
     summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
     return sum_rows(out, summed)
 
@@ -416,7 +463,7 @@ class TritonExperts:
         """A decode-sized bf16/fp16 step with Gemma-4's activation over weights of its dtype or 4-bit
         experts (anything else: torch's path)."""
         # a PackedExpertWeight's dtype is the one it dequantises to
-        return (x.dtype in (torch.bfloat16, torch.float16) and top_k_index.numel() <= ROUTED_MAX_ENTRIES
+        return (x.dtype in (torch.bfloat16, torch.float16) and top_k_index.numel() <= KERNEL_MAX_ENTRIES
                 and is_gelu_tanh(act) and gate_up.dtype == x.dtype and down.dtype == x.dtype
                 and isinstance(gate_up, torch.Tensor) == isinstance(down, torch.Tensor))
 

@@ -52,6 +52,12 @@ class ModelSpec:
         return sum(2 * s.num_kv_heads * s.head_dim * element_size for s in self.kv_layers
                    if layer_types is None or s.layer_type in layer_types)
 
+    def kv_bytes_per_sequence(self, tokens: int, element_size: int) -> int:
+        """KV bytes one sequence of `tokens` tokens holds: K and V of every KV-writing layer (KV-shared
+        layers hold none), a sliding layer at most its window."""
+        return sum(2 * s.num_kv_heads * s.head_dim * element_size * (tokens if s.window is None else min(tokens, s.window))
+                   for s in self.kv_layers)
+
     @classmethod
     def from_hf_config(cls, config) -> "ModelSpec":
         n = config.num_hidden_layers

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import torch
 
+from flexgemma.engine.warm import RoundWatch
 from flexgemma.tasks.common import (bandwidth_metrics, bounded, expected_tokens, memory_metrics, request_error_metrics,
                                     round_metrics, token_progress)
 
@@ -31,12 +32,15 @@ def run(engine, workload, cfg, recorder) -> dict:
     if graphs is not None:  # bucket hits and padding of the timed rounds only
         graphs.hits.clear()
         graphs.padded_rows = graphs.real_rows = 0
+    watch = RoundWatch(engine)  # what compiled or was allocated inside a timed round
     for r in range(int(w.rounds)):
         with token_progress(engine, f"round {r + 1}/{w.rounds}", total):
+            watch.start()
             t0 = time.perf_counter()
             outs = engine.generate(workload.prompts, workload.params)
             wall = time.perf_counter() - t0
         m, lat = round_metrics(outs, engine.stats, wall)
+        m.update(watch.stop(f"timed round {r}"))
         m.update(bandwidth_metrics(engine, outs, engine.stats))
         m["round"] = r
         recorder.log_round(m)
@@ -71,6 +75,8 @@ def run(engine, workload, cfg, recorder) -> dict:
     summary["bench/rounds"] = len(rounds)
     summary["bench/generated_tokens_per_round"] = rounds[0]["bench/generated_tokens"]
     summary["bench/round_seconds_median"] = statistics.median(m["bench/round_seconds"] for m in rounds)
+    summary.update(first_round_check([m["bench/round_seconds"] for m in rounds]))
+    summary["bench/compiled_in_rounds"] = sum(m["bench/compiled_in_round"] for m in rounds)
     summary["determinism/run_to_run"] = deterministic
     summary.update(memory_metrics(engine))
     completions = workload.completion_rows(first_outputs, engine.tokenizer)
@@ -78,6 +84,13 @@ def run(engine, workload, cfg, recorder) -> dict:
     summary["samples"] = sample_completions(completions)
     summary.update(request_error_metrics(first_outputs))
     return summary
+
+
+def first_round_check(seconds: list[float], tolerance: float = 0.05) -> dict:
+    """The first timed round's speed over the median's (the same work each round, so the inverse
+    ratio of their times): under 1 - tolerance, something compiled or allocated inside it."""
+    ratio = statistics.median(seconds) / seconds[0]
+    return {"bench/first_round_ratio": ratio, "bench/first_round_within_5pct": ratio >= 1 - tolerance}
 
 
 def sample_completions(rows: list[dict], n: int = 3) -> list[dict]:

@@ -1,0 +1,153 @@
+"""RL-sized batches (issue 21): the auto graph ladder, the warm-up, the first-round check, the
+decode-attention row counts, KV bytes per token and the batch-size benchmark (tiny, on the CPU)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexgemma import SamplingParams, compose
+from flexgemma.engine.cuda_graphs import attention_row_sizes, auto_buckets, resolve_buckets
+from flexgemma.engine.warm import RoundWatch, warm_up
+from flexgemma.model.spec import FULL
+from flexgemma.tasks.bench import first_round_check
+
+from conftest import make_engine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("max_batch, ladder", [
+    (1, [1]),
+    (3, [1, 2, 3]),
+    (8, [1, 2, 4, 8]),
+    (64, [1, 2, 4, 8, 16, 24, 32, 48, 64]),
+    (100, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]),
+    (256, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]),
+    (512, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]),
+    (1000, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1000]),
+])
+def test_auto_ladder_follows_max_batch_size(max_batch, ladder):
+    assert auto_buckets(max_batch) == ladder
+
+
+def test_auto_ladder_pads_at_most_a_third_from_17_rows():
+    ladder = auto_buckets(512)
+    for n in range(17, 513):
+        b = next(x for x in ladder if x >= n)
+        assert (b - n) / b <= 1 / 3, (n, b)
+
+
+def test_auto_is_the_default_and_presets_keep_their_ladders():
+    cfg = compose(["engine.max_batch_size=512"])
+    assert cfg.cudagraph.name == "auto" and cfg.cudagraph.buckets is None
+    assert resolve_buckets(cfg.cudagraph.buckets, 512)[-1] == 512
+    assert list(compose(["cudagraph=ladder8"]).cudagraph.buckets) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert list(compose(["cudagraph=ladder16"]).cudagraph.buckets) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert len(compose(["cudagraph=dense"]).cudagraph.buckets) == 64
+    assert not compose(["cudagraph=off", "engine.max_batch_size=300"]).cudagraph.enabled
+    assert resolve_buckets([1, 4], 4) == [1, 4]  # a given list is kept as it is
+
+
+@pytest.mark.parametrize("model, batch, new", [("e2b", 256, 512), ("e4b", 128, 512), ("26b_a4b", 128, 256),
+                                               ("31b", 64, 256)])
+def test_rl_batch_presets(model, batch, new):
+    cfg = compose([f"+model={model}", f"+experiment=rl_batch_{model}"])
+    w = cfg.workload
+    assert (w.num_prompts, cfg.engine.max_batch_size, w.max_new_tokens) == (batch, batch, new)
+    assert (w.min_prompt_len, w.max_prompt_len, w.ignore_eos, w.rounds) == (64, 512, True, 3)
+    assert cfg.cudagraph.name == "auto" and cfg.engine.max_model_len >= 512 + new
+
+
+def test_attention_row_sizes():
+    assert attention_row_sizes(512) == [32, 128, 512]
+    assert attention_row_sizes(64) == [16, 64]
+    assert attention_row_sizes(8) == [8]
+    assert attention_row_sizes(200) == [50, 200]
+
+
+def test_decode_attention_padded_to_a_row_count_gives_the_same_tokens():
+    """Decode attention padded past the batch (what the flex kernels do, at a few row counts) changes
+    no token or logprob: padding rows see only the sink slot and are cut off."""
+    prompts = [[2] + [5 + (7 * i + j) % 90 for j in range(10 + 9 * i)] for i in range(5)]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    plain = make_engine("engine.max_batch_size=8")
+    want = plain.generate(prompts, params)
+    padded = make_engine("engine.max_batch_size=8")
+    kernels = padded.runner.forward.kernels
+    kernels.decode_rows = [3, 8]  # batches of 1-3 run attention at 3 rows, 4-8 at 8
+    assert kernels.padded_rows(2) == 3 and kernels.padded_rows(5) == 8
+    got = padded.generate(prompts, params)  # 5 rows (padded to 8), then fewer as none finish early: all 5
+    got3 = padded.generate(prompts[:2], params)  # 2 rows padded to 3
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+    assert [o.token_ids for o in got3] == [o.token_ids for o in want[:2]]
+    with pytest.raises(ValueError, match="at most 8"):
+        kernels.padded_rows(9)
+
+
+def test_warm_up_leaves_no_trace():
+    """The build-time warm-up runs generate() but leaves the request ids, counters and pages as they
+    were: the next requests draw the same default seeds and give the same tokens as without it."""
+    prompts = [[2, 17, 33, 41], [2, 8, 9]]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)  # no seed: the request id picks it
+    cold = make_engine()
+    want = [o.token_ids for o in cold.generate(prompts, params)]
+    warm = make_engine()
+    info = warm_up(warm, max_prefill_tokens=64)
+    assert info["warmup_seconds"] > 0 and info["compiled_graphs"] >= 0
+    assert warm.stats.decode_steps == 0 and not warm.has_work
+    assert all(g.in_use == 0 for g in warm.runner.cache.page_groups)  # no page left behind
+    assert [o.token_ids for o in warm.generate(prompts, params)] == want
+
+
+def test_round_watch_counts_compiles_inside_a_round():
+    engine = make_engine()
+    watch = RoundWatch(engine)
+    watch.start()
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    f(torch.ones(3))
+    got = watch.stop()
+    assert got["bench/compiled_in_round"] >= 1
+    watch.start()
+    assert watch.stop()["bench/compiled_in_round"] == 0
+
+
+def test_first_round_check():
+    assert first_round_check([10.0, 10.2, 9.9])["bench/first_round_within_5pct"]
+    slow = first_round_check([18.0, 10.0, 10.1, 9.9])
+    assert not slow["bench/first_round_within_5pct"] and slow["bench/first_round_ratio"] == pytest.approx(10.05 / 18)
+
+
+def test_kv_bytes_per_token_in_the_build_info():
+    """E2B: 15 KV-writing layers (20 share), sliding ones 1 KV head x 256 and full ones 1 x 512;
+    a sliding layer holds at most its window (512)."""
+    from flexgemma.model.load import text_config_from_dict
+    from flexgemma.model.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(text_config_from_dict(dict(compose(["+model=e2b"]).model.hf_config)))
+    writers = spec.kv_layers
+    full = [s for s in writers if s.layer_type == FULL]
+    per_token = sum(2 * s.num_kv_heads * s.head_dim * 2 for s in writers)
+    assert spec.kv_bytes_per_token(2) == per_token
+    assert spec.kv_bytes_per_sequence(100, 2) == 100 * per_token
+    full_bytes = sum(2 * s.num_kv_heads * s.head_dim * 2 for s in full)
+    assert spec.kv_bytes_per_sequence(2000, 2) == 2000 * full_bytes + 512 * (per_token - full_bytes)
+    info = make_engine().info
+    assert info["kv_bytes_per_token"] > info["kv_bytes_per_token_full_layers"] > 0
+    assert "graph_pool_gib" in info and "cudagraph_buckets" in info
+
+
+def test_bench_batches_runs_tiny_on_the_cpu(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_batches", ROOT / "experiments" / "bench_batches.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main(["--model", "tiny", "--device", "cpu", "--batch-sizes", "2,3", "--new-tokens", "3",
+                    "--rounds", "2", "--warmup-rounds", "0", "--out", str(tmp_path), "workload.min_prompt_len=4",
+                    "workload.max_prompt_len=12", "kv.page_size=8"])
+    assert [r["batch"] for r in res["rows"]] == [2, 3] and res["engine"]["device"] == "cpu"
+    assert all(r["tok_s_median"] > 0 and r["limit_tok_s"] > 0 and len(r["tok_s_rounds"]) == 2 for r in res["rows"])
+    table = (tmp_path / "bench_batches_tiny.md").read_text()
+    assert "| batch | tok/s | first/median |" in table and table.count("\n| ") == 3  # header + two rows
+    assert (tmp_path / "bench_batches_tiny.json").is_file()
