@@ -216,13 +216,14 @@ def assemble_engine(cfg: DictConfig, model, tokenizer, info: dict, lora, device:
         runner.fill_decode([], cfg.engine.max_batch_size)
         runner.decode_step(cfg.engine.max_batch_size)  # compile now, not inside a timed round
     info["compile_capture_seconds"] = time.perf_counter() - t1
-    scheduler = Scheduler(cache, cfg.engine.max_batch_size, cfg.engine.max_prefill_tokens)
+    scheduler = Scheduler(cache, cfg.engine.max_batch_size, cfg.engine.max_prefill_tokens,
+                          prefix_cache=bool(cfg.kv.get("prefix_cache", True)))
     info.update(
         compile_glue=use_compile, compiled_graphs=counter.count,
         cudagraphs=runner.graphs is not None,
         capture_seconds=runner.graphs.capture_seconds if runner.graphs else 0.0,
         device=str(device), kv_pages=num_pages, kv_window_pages=window_pages or 0, page_size=cfg.kv.page_size,
-        kv_pool_bytes=cache.nbytes,
+        kv_pool_bytes=cache.nbytes, prefix_cache=scheduler.prefix is not None,
         max_model_len=max_len, attention_backend=backend, async_decode=bool(cfg.engine.async_decode),
     )
     if any(s.moe for s in spec.layers):
