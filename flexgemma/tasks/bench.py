@@ -13,12 +13,14 @@ import time
 import numpy as np
 import torch
 
-from flexgemma.tasks.common import bandwidth_metrics, bounded, memory_metrics, request_error_metrics, round_metrics
+from flexgemma.tasks.common import (bandwidth_metrics, bounded, memory_metrics, prefix_metrics, request_error_metrics,
+                                    round_metrics)
 
 
 def run(engine, workload, cfg, recorder) -> dict:
     w = cfg.workload
     for _ in range(int(w.warmup_rounds)):
+        engine.reset_prefix_cache()  # every round computes its prompts (sharing only within the round)
         engine.generate(workload.prompts, workload.params)
     rounds, latencies, first, first_outputs = [], [], None, []
     deterministic = True
@@ -29,6 +31,7 @@ def run(engine, workload, cfg, recorder) -> dict:
         graphs.hits.clear()
         graphs.padded_rows = graphs.real_rows = 0
     for r in range(int(w.rounds)):
+        engine.reset_prefix_cache()  # no round reuses an earlier round's prompt KV
         t0 = time.perf_counter()
         outs = engine.generate(workload.prompts, workload.params, use_tqdm=True)
         wall = time.perf_counter() - t0
@@ -65,6 +68,7 @@ def run(engine, workload, cfg, recorder) -> dict:
     summary["bench/round_seconds_median"] = statistics.median(m["bench/round_seconds"] for m in rounds)
     summary["determinism/run_to_run"] = deterministic
     summary.update(memory_metrics(engine))
+    summary.update(prefix_metrics(engine.stats))  # the last timed round's
     completions = workload.completion_rows(first_outputs, engine.tokenizer)
     recorder.write_completions(completions)
     summary["samples"] = sample_completions(completions)
