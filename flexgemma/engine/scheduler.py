@@ -122,7 +122,7 @@ class Scheduler:
                     seqs.append(seq)
                     lens.append(n)
                     budget -= n
-        pending = self._pending_pages()
+        pending = self._pending_pages() if self.waiting and len(self.running) < self.max_batch_size else set()
         i = 0
         while i < len(self.waiting) and budget and len(self.running) < self.max_batch_size:
             seq = self.waiting[i]
