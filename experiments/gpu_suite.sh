@@ -74,7 +74,7 @@ export -f grpo_job
 run grpo_e2b 300 bash -c 'grpo_job e2b_flexgemma 12'
 run grpo_e2b_trl 330 bash -c 'grpo_job e2b_trl 12'
 run grpo_26b 450 bash -c 'grpo_job 26b_bnb4_flexgemma 10'
-run grpo_tests 240 python3 -m pytest -q -p no:logging -m gpu -s tests/test_grpo.py tests/test_engine_safety.py
+run grpo_tests 240 python3 -m pytest -q -p no:logging -m gpu -s tests/test_grpo.py tests/test_engine_safety.py tests/test_api.py
 # issue 15's speed check: the same E2B workload at the session's base commit (a copy in .old/, carried)
 # and on this tree, one after the other in one call
 speed_old_new() {

@@ -185,7 +185,8 @@ def assemble_engine(cfg: DictConfig, model, tokenizer, info: dict, lora, device:
     dtype = model.model.embed_tokens.weight.dtype
     max_len = min(int(cfg.engine.max_model_len), spec.max_position)
     num_pages, window_pages = _pool_sizes(cfg, spec, dtype, device, max_len, demand)
-    cache = KVCache(spec, num_pages, cfg.kv.page_size, dtype, device, window_pages)
+    cache = KVCache(spec, num_pages, cfg.kv.page_size, dtype, device, window_pages,
+                    sleep_mode=bool(cfg.engine.get("sleep_mode", False)))
     backend = str(getattr(cfg.attn.backend, "value", cfg.attn.backend))
     if backend == "auto":
         backend = "flex" if device.type == "cuda" else "dense"

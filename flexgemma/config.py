@@ -159,6 +159,10 @@ class EngineConfig:
     # one input as one 4-bit matrix read packed by one kernel, an unmerged LoRA inside it; on a GPU),
     # bnb (bitsandbytes' Linear4bit: dequantise + GEMM per module), or auto (triton on a GPU)
     linear4bit_kernel: str = "auto"
+    # sleep()/wake() between RL rollouts (vLLM: enable_sleep_mode): on a GPU the KV pool is mapped with
+    # CUDA virtual memory so wake() maps it back at the same addresses and keeps the decode graphs
+    # (engine/vmm.py); off, wake() re-captures the graphs when the caching allocator moved the pool
+    sleep_mode: bool = False
 
 
 @dataclass

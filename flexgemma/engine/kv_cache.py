@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
+from flexgemma.engine.vmm import VirtualBuffer
 from flexgemma.model.kv_pools import KVPools
 from flexgemma.model.spec import ModelSpec
 
@@ -186,7 +187,7 @@ class KVCache:
     of their own with that many pages, and keep only the pages inside their window."""
 
     def __init__(self, spec: ModelSpec, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
-                 window_pages: Optional[int] = None):
+                 window_pages: Optional[int] = None, sleep_mode: bool = False):
         self.spec, self.page_size, self.device = spec, page_size, device
         full = PageGroup("all" if window_pages is None else "full", num_pages, page_size, device)
         self.group_for: dict[str, PageGroup] = {t: full for t in spec.layer_types}
@@ -200,7 +201,14 @@ class KVCache:
         # the K/V tensors the forward writes and reads: each layer type's pools have a slot per
         # slot of its page group
         slots = {t: g.num_pages * page_size for t, g in self.group_for.items()}
-        self.pools = KVPools(spec, slots, page_size, dtype, device)
+        # sleep_mode on a GPU: the pools live in one VirtualBuffer, so sleep() can give their memory
+        # back and wake() map it again at the same addresses (the decode graphs stay valid)
+        self.virtual: Optional[VirtualBuffer] = None
+        empty = None
+        if sleep_mode and device.type == "cuda":
+            self.virtual = VirtualBuffer(KVPools.bytes_needed(spec, slots, dtype), device)
+            empty = lambda shape: self.virtual.tensor(shape, dtype)  # noqa: E731
+        self.pools = KVPools(spec, slots, page_size, dtype, device, empty)
 
     @property
     def num_pages(self) -> int:

@@ -8,6 +8,8 @@ the memory meanwhile: the driver hands back the same range). So wake compares ev
 address with the one it had: all equal, the captured decode graphs stay valid and are kept (wake
 costs the allocation and a memset); any moved, the graphs are dropped and captured again (the
 kernels are compiled already, so one capture pass, seconds for E2B). wake() reports which.
+With engine.sleep_mode=true the pool lives in CUDA virtual memory (engine/vmm.py): sleep unmaps
+its physical memory, wake maps new memory at the same addresses, and the graphs always stay.
 Freed by sleep: the KV pool. Kept: the weights, and the decode graphs' private memory pool.
 """
 
@@ -37,9 +39,21 @@ def _reserved(device: torch.device) -> int:
     return torch.cuda.memory_reserved(device)
 
 
+def _driver_free(device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
 def release(runner) -> dict:
     """Frees the KV pool's storage; returns what it measured and the addresses it had."""
     device = runner.device
+    virtual = runner.cache.virtual
+    if virtual is not None:  # sleep_mode: the pool's addresses stay reserved, its memory goes back
+        before = _driver_free(device)
+        virtual.unmap()
+        return {"kv_pool_bytes": runner.cache.pools.nbytes, "freed_bytes": _driver_free(device) - before,
+                "addresses": None}
     before = _reserved(device)
     pool = _pool_tensors(runner.cache)
     nbytes = sum(t.untyped_storage().nbytes() for t in pool)
@@ -57,10 +71,14 @@ def restore(runner, slept: dict) -> dict:
 
     t0 = time.perf_counter()
     pool = _pool_tensors(runner.cache)
+    if runner.cache.virtual is not None:
+        runner.cache.virtual.remap()
+    else:
+        for t in pool:
+            t.untyped_storage().resize_(t.numel() * t.element_size())
     for t in pool:
-        t.untyped_storage().resize_(t.numel() * t.element_size())
         t.zero_()
-    moved = [t.data_ptr() for t in pool] != slept["addresses"]
+    moved = slept["addresses"] is not None and [t.data_ptr() for t in pool] != slept["addresses"]
     recaptured = runner.graphs is not None and moved
     if recaptured:
         buckets = list(runner.graphs.buckets)

@@ -8,6 +8,8 @@ business (engine/kv_cache.py), not the model's.
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 from flexgemma.model.spec import ModelSpec
@@ -18,20 +20,26 @@ class KVPools:
     slots come in blocks of this many (the engine's page), and an attention tile must not span two."""
 
     def __init__(self, spec: ModelSpec, slots: dict[str, int], block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, empty: Optional[Callable[[tuple[int, ...]], torch.Tensor]] = None):
+        """`empty(shape)`: where a K or V tensor's memory comes from (zeroed here); torch's allocator
+        when not given."""
         self.spec, self.block_size = spec, block_size
+        empty = empty or (lambda shape: torch.empty(shape, dtype=dtype, device=device))
         # Separate allocations per layer, not views of one tensor: inductor turns a KV write into a
         # view of a shared base into a copy of the base.
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in spec.kv_layers:
             shape = (1, layer.num_kv_heads, slots[layer.layer_type], layer.head_dim)
-            self._kv[layer.index] = (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
+            self._kv[layer.index] = (empty(shape).zero_(), empty(shape).zero_())
         for layer in spec.layers:
             if not layer.writes_kv:
                 self._kv[layer.index] = self._kv[layer.kv_source]
+
+    @staticmethod
+    def bytes_needed(spec: ModelSpec, slots: dict[str, int], dtype: torch.dtype) -> int:
+        """Bytes of every K and V tensor, with 256-byte alignment between them (an upper bound)."""
+        per = [layer.num_kv_heads * slots[layer.layer_type] * layer.head_dim * dtype.itemsize for layer in spec.kv_layers]
+        return sum(2 * (n + 256) for n in per)
 
     @property
     def nbytes(self) -> int:
