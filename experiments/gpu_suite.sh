@@ -2,7 +2,7 @@
 # Everything that needs the GPU, stage by stage, each under its own time limit (device time is
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
-# Stages (in this order): batches batches_e2b batches_26b kernels_large grpo_e2b grpo_e2b_trl grpo_26b grpo_tests speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): batches batches_e2b batches_26b kernels_large prefix prefix_26b prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -56,6 +56,33 @@ run batches_26b 300 bash -c 'batches_26b; cat "$WORK"/batches/bench_batches_26b_
 run kernels_large 300 bash -c 'python3 experiments/bench_linear4bit.py --batch-sizes 64,128,256,512 \
   --grid-batch-sizes 256 --out "$WORK/linear4bit_large.json" && python3 experiments/bench_moe_kernel.py \
   --batch-sizes 64,128,256,512 --bnb4 --grid-batch-sizes 256 --out "$WORK/moe_kernel_large.json"'
+
+# issue 18, prefix caching: +experiment=grpo_rollout (32 prompts x n=8, 1,024-2,048 + 512 tokens) with
+# kv.prefix_cache=true then false, one job each (~2-4.5 min a pair), and the speed workload (no shared
+# prompts) with and without; each job prints its summary's throughput, prompt-KV peak and prefix metrics
+prefix_job() {  # name overrides...
+  local name=$1; shift
+  python3 -m flexgemma "$@" logger=none hydra.run.dir="$WORK/$name" > "$WORK/$name.job.log" 2>&1 \
+    || { echo "$name failed:"; tail -5 "$WORK/$name.job.log"; return 1; }
+  python3 - "$WORK/$name/summary.json" "$name" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+words = ("tok_s_median", "kv_in_use_peak", "prefill_tokens_computed", "prefix_hit", "shared_pages_peak",
+         "preemptions", "peak_allocated", "run_to_run", "round_seconds_median")
+print(sys.argv[2], {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items() if any(w in k for w in words)})
+PY
+}
+prefix_grpo() {  # model overrides...: sharing on, then off
+  local model=$1; shift
+  prefix_job "prefix_${model}_on" +model="$model" +experiment=grpo_rollout kv.prefix_cache=true "$@"
+  prefix_job "prefix_${model}_off" +model="$model" +experiment=grpo_rollout kv.prefix_cache=false "$@"
+}
+export -f prefix_job prefix_grpo
+run prefix 570 bash -c 'prefix_grpo e2b'
+run prefix_26b 570 bash -c 'prefix_grpo 26b_a4b workload.num_prompts=16 workload.rounds=1'
+run prefix_speed 450 bash -c 'for pc in true false; do prefix_job speed_prefix_$pc +model=e2b +experiment=speed_e2b \
+  workload.rounds=3 kv.prefix_cache=$pc; done'
+run prefix_tests 300 python3 -m pytest -q -p no:logging -m gpu -s tests/test_prefix_cache.py
 
 # GRPO through TRL (issue 17): one job a stage (build + 10-12 steps, 2-5 min each); the table of every
 # finished job is printed after each stage (experiments/grpo_gpu.py --collect)

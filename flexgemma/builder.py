@@ -212,11 +212,12 @@ def assemble_engine(cfg, model, tokenizer, info: dict, lora, r: Resolved,
     sample_fn = compile_fn(sample, counter) if use_compile else sample
     runner = ModelRunner(forward, cache, masks, cfg.engine.max_batch_size, cfg.attn.q_block_size, sample_fn)
     info["compile_capture_seconds"] = _prepare_decode(cfg, runner, r)
-    scheduler = Scheduler(cache, cfg.engine.max_batch_size, cfg.engine.max_prefill_tokens)
+    scheduler = Scheduler(cache, cfg.engine.max_batch_size, cfg.engine.max_prefill_tokens,
+                          prefix_cache=bool(cfg.kv.prefix_cache))
     info.update(_engine_facts(runner, spec, dtype, max_len, counter.count, r))
     info.update(device=str(device), kv_pages=num_pages, kv_window_pages=window_pages or 0,
                 page_size=cfg.kv.page_size, kv_pool_bytes=cache.nbytes, max_model_len=max_len,
-                async_decode=bool(cfg.engine.async_decode))
+                async_decode=bool(cfg.engine.async_decode), prefix_cache=scheduler.prefix is not None)
     if any(s.moe for s in spec.layers):
         info["moe_kernel"] = r.moe_kernel
     engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info)

@@ -186,6 +186,9 @@ class KVConfig:
     cpu_pages: int = 128
     # sliding layers keep only the pages inside their window, in a page group of their own
     reclaim_sliding: bool = True
+    # reuse the KV of cached full prompt pages (same tokens, same prefix, same weights): a GRPO
+    # group's prompt is prefilled once (docs/prefix-caching.md)
+    prefix_cache: bool = True
     # GPU pool no bigger than what can be used at once: engine.max_batch_size sequences of
     # engine.max_model_len tokens, or fewer when the job's workload is known to need less
     fit_demand: bool = True

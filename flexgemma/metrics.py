@@ -29,6 +29,11 @@ ROUND_METRICS: dict[str, str] = {
     "scheduler/decode_steps": "decode steps of the round",
     "scheduler/preemptions": "requests preempted (recomputed) for lack of KV pages",
     "scheduler/decode_batch_mean": "mean decode batch size",
+    "kv/prefix_hit_tokens": "prompt tokens whose KV came from the prefix cache (kv.prefix_cache; a GRPO group's copies)",
+    "kv/prefix_hit_rate": "kv/prefix_hit_tokens / (kv/prefix_hit_tokens + throughput/prefill_tokens_computed)",
+    "throughput/prefill_tokens_computed": "prompt (and recomputed) tokens the prefill steps computed",
+    "kv/shared_pages_peak": "most KV pages held by more than one request at once (prefix cache; counted once in "
+                            "memory/kv_in_use_peak_gib)",
     "determinism/run_to_run": "task=determinism row: two runs of the workload give identical tokens",
     "determinism/batch_invariant": "task=determinism row: seeded requests give the same tokens alone and in any batch",
     "determinism/graphs_vs_eager": "task=determinism row: CUDA-graph decode equals eager decode (GPU only)",
@@ -91,6 +96,11 @@ METRICS: dict[str, str] = {
     "quant/fraction_4bit": "share of the parameters stored in 4 bits (quant=bnb4; 0 for bf16)",
     "memory/kv_pool_gib": "KV cache pool (GiB)",
     "memory/kv_in_use_peak_gib": "KV bytes in use at the busiest moment of the last timed round, every page group (GiB)",
+    "kv/prefix_hit_tokens": "last timed round: prompt tokens whose KV came from the prefix cache (kv.prefix_cache; a GRPO group's copies)",
+    "kv/prefix_hit_rate": "kv/prefix_hit_tokens / (kv/prefix_hit_tokens + throughput/prefill_tokens_computed)",
+    "throughput/prefill_tokens_computed": "last timed round: prompt (and recomputed) tokens the prefill steps computed",
+    "kv/shared_pages_peak": "last timed round: most KV pages held by more than one request at once (prefix cache; counted once in "
+                            "memory/kv_in_use_peak_gib)",
     "memory/graph_pool_gib": "CUDA-graph memory pool (GiB; GPU with cudagraph enabled)",
     "memory/peak_allocated_gib": "peak allocated by torch during the timed rounds (GiB; GPU)",
     "memory/peak_reserved_gib": "peak reserved by torch's allocator during the timed rounds (GiB; GPU)",

@@ -55,7 +55,7 @@ def test_paged_equals_dense(spec, backend):
     for i, (n, pages) in enumerate(zip(lens, page_lists)):
         s = Sequence(seq_id=10 + i, index=i, prompt=list(range(n)), params=SamplingParams(), seed=0)
         s.pages = pages
-        cache.page_groups[0].assign(pages, s.seq_id, 0)
+        cache.page_groups[0].assign(pages, 0)
         seqs.append(s)
     for layer_spec in spec.layers:
         if not layer_spec.writes_kv:

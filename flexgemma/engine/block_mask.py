@@ -1,9 +1,10 @@
 """Logical attention masks (causal, sliding window, document) over physical KV pages.
 
 flex_attention sees the whole pool as one KV sequence of num_pages * page_size slots. A query
-may read a slot when the slot's page belongs to the query's sequence (document mask), the slot's
-logical position is not after the query's (causal) and, on sliding layers, is less than `window`
-positions behind it. The BlockMask lists, per query block, only the pages that can pass, so the
+may read a slot when the slot's page is in the query's sequence's page table at the page's logical
+index (document mask: pages may be shared by sequences with a common prefix, so a page has no
+single owner), the slot's logical position is not after the query's (causal) and, on sliding
+layers, is less than `window` positions behind it. The BlockMask lists, per query block, only the pages that can pass, so the
 kernel never touches the rest; the mask_mod decides inside those pages (and everywhere, in eager
 mode, which ignores the sparsity).
 
@@ -29,21 +30,35 @@ DECODE_Q_BLOCK = 128
 NO_SEQ = -2  # the document id of padding queries: matches no page owner (free pages are -1)
 
 
-def make_mask_mod(group: PageGroup, q_seq: torch.Tensor, q_pos: torch.Tensor, window: Optional[int]):
+def make_mask_mod(group: PageGroup, q_seq: torch.Tensor, q_pos: torch.Tensor, q_row: torch.Tensor,
+                  table: torch.Tensor, window: Optional[int]):
+    """q_row: each query's row of `table` (its sequence's page table in `group`, -1 where it has no page)."""
     page_size = group.page_size
-    owner, base = group.owner, group.pos
+    base = group.pos
 
     def mask_mod(b, h, q_idx, kv_idx):
         page = kv_idx // page_size
-        kv_pos = base[page] + kv_idx % page_size
+        start = base[page]
+        kv_pos = start + kv_idx % page_size
         qp, qs = q_pos[b, q_idx], q_seq[b, q_idx]
-        ok = (owner[page] == qs) & (kv_pos <= qp)
+        ok = (table[q_row[b, q_idx], start // page_size] == page) & (kv_pos <= qp)
         if window is not None:
             ok = ok & (kv_pos > qp - window)
         # a padding query sees the sink slot, so no row is empty (dense softmax would give NaN)
         return ok | ((qs == NO_SEQ) & (kv_idx == 0))
 
     return mask_mod
+
+
+def page_table(group: PageGroup, seqs: list[Sequence], rows: int, width: int) -> np.ndarray:
+    """[rows, width] int32: row i is seqs[i]'s pages in `group` by logical index, -1 where none
+    (rows past len(seqs), pages past its length, sliding pages given back)."""
+    table = np.full((rows, width), -1, dtype=np.int32)
+    for i, s in enumerate(seqs):
+        pages = group.pages_of(s)
+        if pages:
+            table[i, : len(pages)] = [-1 if p is None else p for p in pages]
+    return table
 
 
 def page_span(pages: list, first_pos: int, last_pos: int, window: Optional[int], page_size: int) -> list[int]:
@@ -64,8 +79,9 @@ class MaskBuffers:
     q_pos: torch.Tensor  # [B, 1] int32 logical position of each query
     kv_num_blocks: dict[str, torch.Tensor]  # layer type -> [B, 1, 1] int32
     kv_indices: dict[str, torch.Tensor]  # layer type -> [B, 1, 1, max_pages_per_seq] int32
+    tables: dict[str, torch.Tensor]  # page group name -> [B, max_pages_per_seq] int32 page tables
     mask_mods: dict[str, Callable]  # layer type -> mask_mod over q_seq / q_pos
-    host: dict[str, np.ndarray]  # the same fields on the host: "q_seq", "q_pos", "nb/TYPE", "idx/TYPE"
+    host: dict[str, np.ndarray]  # the same fields on the host: "q_seq", "q_pos", "q_row", "nb/TYPE", "idx/TYPE", "tab/GROUP"
 
 
 class MaskBuilder:
@@ -82,10 +98,13 @@ class MaskBuilder:
     # -- decode: one query per sequence ----------------------------------------------------------
     def decode_buffers(self, batch: int) -> MaskBuffers:
         w = self.max_pages_per_seq
-        shapes = {"q_seq": (batch, 1), "q_pos": (batch, 1)}
+        shapes = {"q_seq": (batch, 1), "q_pos": (batch, 1), "q_row": (batch, 1)}
         for t in self.windows:
             shapes[f"nb/{t}"] = (batch, 1, 1)
             shapes[f"idx/{t}"] = (batch, 1, 1, w)
+        names = sorted({g.name for g in self.groups.values()})
+        for name in names:
+            shapes[f"tab/{name}"] = (batch, w)
         staged = Staged((sum(int(np.prod(s)) for s in shapes.values()),), torch.int32, self.device)
         dev, host, start = {}, {}, 0
         for name, shape in shapes.items():
@@ -94,14 +113,20 @@ class MaskBuilder:
             host[name] = staged.np[start: start + n].reshape(shape)
             start += n
         host["q_seq"][:] = NO_SEQ
+        host["q_row"][:, 0] = np.arange(batch)  # decode row b reads page-table row b
+        for name in names:
+            host[f"tab/{name}"][:] = -1
         staged.upload()
+        tables = {name: dev[f"tab/{name}"] for name in names}
         return MaskBuffers(
             staged=staged,
             q_seq=dev["q_seq"],
             q_pos=dev["q_pos"],
             kv_num_blocks={t: dev[f"nb/{t}"] for t in self.windows},
             kv_indices={t: dev[f"idx/{t}"] for t in self.windows},
-            mask_mods={t: make_mask_mod(self.groups[t], dev["q_seq"], dev["q_pos"], w_) for t, w_ in self.windows.items()},
+            tables=tables,
+            mask_mods={t: make_mask_mod(self.groups[t], dev["q_seq"], dev["q_pos"], dev["q_row"],
+                                        tables[self.groups[t].name], w_) for t, w_ in self.windows.items()},
             host=host,
         )
 
@@ -137,17 +162,14 @@ class MaskBuilder:
         tables = {}
         for t, window in self.windows.items():
             group = self.groups[t]
-            if group.name not in tables:  # one page table per group (reclaimed pages read as 0)
-                table = np.zeros((rows, width), dtype=np.int32)
-                for i, s in enumerate(seqs):
-                    pages = group.pages_of(s)
-                    table[i, : len(pages)] = [p or 0 for p in pages] if group.window is not None else pages
-                tables[group.name] = table
+            if group.name not in tables:  # one page table per group (-1: no page)
+                tables[group.name] = page_table(group, seqs, rows, width)
+                buf.host[f"tab/{group.name}"][:rows] = tables[group.name]
             lo = np.zeros(rows, dtype=np.int64) if window is None else np.maximum(pos - window + 1, 0) // page
             count = np.where(live, hi - lo + 1, 0)
             idx = np.take_along_axis(tables[group.name], np.minimum(lo[:, None] + cols, width - 1), axis=1)
             buf.host[f"nb/{t}"][:rows, 0, 0] = count
-            buf.host[f"idx/{t}"][:rows, 0, 0] = np.where(cols < count[:, None], idx, 0)
+            buf.host[f"idx/{t}"][:rows, 0, 0] = np.where(cols < count[:, None], np.maximum(idx, 0), 0)
         buf.staged.upload()
 
     # -- prefill: every chunk packed into one query sequence ------------------------------------
@@ -156,11 +178,16 @@ class MaskBuilder:
         n_blocks = padded_len // qb
         q_seq = np.full((1, padded_len), NO_SEQ, dtype=np.int32)
         q_pos = np.zeros((1, padded_len), dtype=np.int32)
+        # padding queries read the last page-table row, which lists no page; a power of two of rows
+        # keeps the distinct table shapes (compiled kernels) few
+        table_rows = 1 << len(seqs).bit_length()
+        q_row = np.full((1, padded_len), table_rows - 1, dtype=np.int32)
         segments: list[list[tuple[Sequence, int, int]]] = [[] for _ in range(n_blocks)]
         t0 = 0
-        for s, n in zip(seqs, chunk_lens):
+        for i, (s, n) in enumerate(zip(seqs, chunk_lens)):
             p0 = s.num_computed
             q_seq[0, t0: t0 + n] = s.seq_id
+            q_row[0, t0: t0 + n] = i
             q_pos[0, t0: t0 + n] = np.arange(p0, p0 + n)
             for j in range(t0 // qb, (t0 + n - 1) // qb + 1):
                 a, b = max(t0, j * qb), min(t0 + n, (j + 1) * qb)
@@ -168,6 +195,9 @@ class MaskBuilder:
             t0 += n
         q_seq_t = torch.from_numpy(q_seq).to(self.device)
         q_pos_t = torch.from_numpy(q_pos).to(self.device)
+        q_row_t = torch.from_numpy(q_row).to(self.device)
+        tables = {g.name: torch.from_numpy(page_table(g, seqs, table_rows, self.max_pages_per_seq)).to(self.device)
+                  for g in self.groups.values()}
         masks = {}
         for t, window in self.windows.items():
             group = self.groups[t]
@@ -183,7 +213,7 @@ class MaskBuilder:
                 torch.from_numpy(nb).to(self.device),
                 torch.from_numpy(idx).to(self.device),
                 BLOCK_SIZE=(qb, self.page_size),
-                mask_mod=make_mask_mod(group, q_seq_t, q_pos_t, window),
+                mask_mod=make_mask_mod(group, q_seq_t, q_pos_t, q_row_t, tables[group.name], window),
                 seq_lengths=(padded_len, self.kv_len[t]),
                 compute_q_blocks=False,
             )

@@ -50,6 +50,8 @@ class StepStats:
     preemptions: int = 0
     decode_batch_sizes: list[int] = field(default_factory=list)
     kv_peak_pages: dict[str, int] = field(default_factory=dict)  # page group -> most pages in use at once
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    shared_pages_peak: int = 0  # most pages held by more than one sequence at once (every page group)
     chained_steps: int = 0  # async decode: steps queued before the previous step's tokens were read
 
     def add_decode(self, batch: int, dt: float) -> None:
@@ -147,10 +149,26 @@ class Engine:
         if self.lora is None:
             raise RuntimeError("this engine was built without a LoRA adapter (lora=none): build it with lora=r16 etc.")
         with self._lock:  # never between two steps of a generate() in another thread
-            report = self.lora.update(source, adapter_name)
+            try:
+                report = self.lora.update(source, adapter_name)
+            finally:  # even a failed update may have changed some weights
+                self.weights_changed()
         log.debug("update_lora: %.2f ms (copy %.2f, merge %.2f)", report["refresh_ms"], report["copy_ms"],
                   report["merge_ms"])
         return report
+
+    def weights_changed(self) -> None:
+        """Call after changing the weights the forward reads (update_lora does): the prefix cache
+        forgets every page, and no page computed with the old weights is ever a hit again."""
+        with self._lock:
+            if self.scheduler.prefix is not None:
+                self.scheduler.prefix.bump_version()
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prompt page (e.g. before a timed round that must compute its prompts)."""
+        with self._lock:
+            if self.scheduler.prefix is not None:
+                self.scheduler.prefix.clear()
 
     # -- scoring, sleep / wake ---------------------------------------------------------------------
     def score(self, sequences, prompt_lens, top_k: int = 0) -> list:
@@ -180,6 +198,7 @@ class Engine:
         with self._lock:
             self._require_awake()
             self._require_idle("sleep()")
+            self.reset_prefix_cache()  # the pool's contents are lost
             self._slept = release(self.runner)
             self.asleep = True
             return {k: v for k, v in self._slept.items() if k != "addresses"}
@@ -432,3 +451,5 @@ class Engine:
     def _end_call(self, outputs: list[RequestOutput]) -> None:
         self.stats.preemptions = sum(o.num_preemptions for o in outputs)
         self.stats.kv_peak_pages = self.scheduler.peak_pages()
+        self.stats.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
+        self.stats.shared_pages_peak = self.scheduler.shared_pages_peak

@@ -7,8 +7,9 @@ layer's KV (sliding layers head_dim 256, full-attention layers 512, with their o
 counts). KV-shared layers own nothing: they read their source layer's pool.
 
 Page 0 is never handed out: padded rows (CUDA-graph buckets, prefill padding) write there.
-Two small device tensors describe every page for the attention masks: its owner (a sequence id,
--1 when free) and the logical position of its first slot.
+A small device tensor gives every page the logical position of its first slot, for the attention
+masks; which pages a query may read comes from its sequence's page table (pages may be shared by
+sequences with a common prefix, engine/prefix_cache.py).
 
 Sliding-window layers may keep pages of their own (`kv.reclaim_sliding`): then a sequence holds
 only the pages its window can still see, and 26B-A4B's 25 sliding layers (~90% of its KV bytes
@@ -23,9 +24,9 @@ these layers keep two pools (they are ~9% of 26B-A4B's KV bytes per token: one p
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -34,7 +35,6 @@ from flexgemma.model.kv_pools import KVPools
 from flexgemma.model.spec import ModelSpec
 
 SINK_PAGE = 0
-NO_OWNER = -1
 
 
 @dataclass(frozen=True)
@@ -47,29 +47,84 @@ class PoolDemand:
 
 
 class PageAllocator:
-    """Hands out physical page ids; knows nothing about tensors."""
+    """Hands out physical page ids and counts the sequences holding each; knows nothing about tensors.
+
+    A page the prefix cache holds (`mark_cached`) is not freed when its last holder releases it: it
+    becomes idle, and is handed out again (least recently released first, `on_evict` telling the
+    cache) only when no free page is left. `num_free` counts free and idle pages alike."""
 
     def __init__(self, num_pages: int):
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (got {num_pages})")
         self.num_pages = num_pages
         self._free = deque(range(1, num_pages))
+        self.refs = [0] * num_pages  # sequences holding each page
+        self._cached: set[int] = set()
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached pages no sequence holds, LRU first
+        self.num_shared = 0  # pages held by more than one sequence
+        self.on_evict: Optional[Callable[[int], None]] = None  # the prefix cache forgets a reused page
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._idle)
+
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} KV pages, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} KV pages, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.popleft()
+            else:  # evict the least recently used idle cached page
+                page, _ = self._idle.popitem(last=False)
+                self._cached.discard(page)
+                if self.on_evict is not None:
+                    self.on_evict(page)
+            self.refs[page] = 1
+            out.append(page)
+        return out
+
+    def share(self, pages: list[int]) -> None:
+        """One more sequence holds each of `pages` (cached pages it starts from)."""
+        for page in pages:
+            if self.refs[page] == 0:
+                del self._idle[page]
+            self.refs[page] += 1
+            self.num_shared += self.refs[page] == 2
 
     def release(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        for page in pages:
+            if self.refs[page] <= 0:
+                raise RuntimeError(f"KV page {page} released more often than it was handed out")
+            self.refs[page] -= 1
+            self.num_shared -= self.refs[page] == 1
+            if self.refs[page] == 0:
+                if page in self._cached:
+                    self._idle[page] = None
+                else:
+                    self._free.append(page)
+
+    def mark_cached(self, page: int) -> None:
+        self._cached.add(page)
+
+    def unmark_cached(self, page: int) -> None:
+        """The cache forgets `page`: if nobody holds it, it is free again."""
+        self._cached.discard(page)
+        if page in self._idle:
+            del self._idle[page]
+            self._free.append(page)
 
     def free_all(self) -> None:
         """Every page free again, in id order (after the engine aborted every sequence)."""
         self._free = deque(range(1, self.num_pages))
+        self.refs = [0] * self.num_pages
+        self._cached.clear()
+        self._idle.clear()
+        self.num_shared = 0
 
     def reset_order(self) -> None:
         """With every page free: hand them out in id order again. The same requests on an idle
@@ -80,8 +135,9 @@ class PageAllocator:
 
 
 class PageGroup:
-    """Pages of one kind: ids from an allocator, and per page its owner (a sequence id, -1 when
-    free) and the logical position of its first slot, on the device, for the masks.
+    """Pages of one kind: ids from an allocator, and per page the logical position of its first
+    slot, on the device, for the masks (which page belongs to which sequence is in the sequences'
+    page tables, which the masks read too: a page may be shared by several).
 
     With `window` set the group serves sliding layers only: a sequence keeps just the pages its
     next queries can see, and older entries of its list are None (freed)."""
@@ -89,7 +145,6 @@ class PageGroup:
     def __init__(self, name: str, num_pages: int, page_size: int, device: torch.device, window: Optional[int] = None):
         self.name, self.num_pages, self.page_size, self.window = name, num_pages, page_size, window
         self.allocator = PageAllocator(num_pages)
-        self.owner = torch.full((num_pages,), NO_OWNER, dtype=torch.int32, device=device)
         self.pos = torch.zeros(num_pages, dtype=torch.int32, device=device)
         self.peak_in_use = 0
 
@@ -98,30 +153,30 @@ class PageGroup:
 
     @property
     def in_use(self) -> int:
+        """Pages some sequence holds (a shared page counts once; idle cached pages do not count)."""
         return self.num_pages - 1 - self.allocator.num_free
 
-    def assign(self, pages: list[int], owner: int, first_logical_page: int) -> None:
-        """Record ownership and logical positions of freshly allocated pages (masks read these)."""
+    def assign(self, pages: list[int], first_logical_page: int) -> None:
+        """Record the logical positions of freshly allocated pages (masks read these)."""
         if not pages:
             return
-        idx = torch.tensor(pages, dtype=torch.long).to(self.owner.device)
+        idx = torch.tensor(pages, dtype=torch.long).to(self.pos.device)
         pos = (torch.arange(len(pages), dtype=torch.int32) + first_logical_page) * self.page_size
-        self.owner[idx] = owner
         self.pos[idx] = pos.to(self.pos.device)
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+
+    def share(self, pages: list[int]) -> None:
+        """A sequence starts from these cached pages (their positions are already recorded)."""
+        self.allocator.share(pages)
         self.peak_in_use = max(self.peak_in_use, self.in_use)
 
     def release(self, pages: list) -> None:
         pages = [p for p in pages if p is not None]
-        if not pages:
-            return
-        # a freed page must stop matching its old owner: eager flex_attention evaluates the mask
-        # over every slot, and a preempted sequence comes back under the same id.
-        self.owner[torch.tensor(pages, dtype=torch.long).to(self.owner.device)] = NO_OWNER
-        self.allocator.release(pages)
+        if pages:
+            self.allocator.release(pages)
 
     def free_all(self) -> None:
-        """Every page free and owned by no one: the engine holds no sequence any more (an abort)."""
-        self.owner.fill_(NO_OWNER)
+        """Every page free: the engine holds no sequence any more (an abort)."""
         self.allocator.free_all()
 
 

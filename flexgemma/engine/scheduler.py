@@ -8,6 +8,12 @@ preempted: its pages are freed and it waits at the head of the queue to be recom
 prompt + generated tokens, which it keeps. After every step, sliding-window pages that no later
 query of a request can see go back to the free list (`reclaim`).
 
+With a prefix cache (engine/prefix_cache.py), a request is admitted on top of the cached pages of
+its prompt's leading full pages (their references taken, `num_computed` past them), and every full
+prompt page a prefill computes is registered as soon as it is written. A request whose next page
+is being computed right now by another request's prefill (a GRPO group: the same prompt n times)
+waits for it instead of computing it again.
+
 Sequence state (tokens, num_computed, reclaim, finish, abort) changes only here: `postprocess`
 applies a step's sampled tokens; with asynchronous decode, `launched` gives the sequences of a
 queued step placeholder tokens and `postprocess_launched` fills them in once read.
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from flexgemma.engine.kv_cache import KVCache
+from flexgemma.engine.prefix_cache import PrefixCache
 from flexgemma.engine.sequence import PENDING, Sequence, Status, StopRule
 
 
@@ -40,8 +47,11 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, max_batch_size: int, max_prefill_tokens: int):
+    def __init__(self, cache: KVCache, max_batch_size: int, max_prefill_tokens: int, prefix_cache: bool = False):
         self.cache = cache
+        self.prefix: Optional[PrefixCache] = PrefixCache(cache.page_groups, cache.page_size) if prefix_cache else None
+        self.prefix_hit_tokens = 0  # prompt tokens whose KV came from the cache, since reset_peaks()
+        self.shared_pages_peak = 0  # most pages held by more than one sequence at once, since reset_peaks()
         self.page_size = cache.page_size
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
@@ -56,6 +66,11 @@ class Scheduler:
         for g in self.cache.page_groups:
             g.peak_in_use = g.in_use
             g.allocator.reset_order()
+        self.prefix_hit_tokens = 0
+        self.shared_pages_peak = self._shared_pages()
+
+    def _shared_pages(self) -> int:
+        return sum(g.allocator.num_shared for g in self.cache.page_groups)
 
     def peak_pages(self) -> dict[str, int]:
         """Page group -> the most pages in use at once since reset_peaks()."""
@@ -76,7 +91,7 @@ class Scheduler:
         for g, n in need:
             if n:
                 pages = g.allocator.allocate(n)
-                g.assign(pages, seq.seq_id, len(g.pages_of(seq)))
+                g.assign(pages, len(g.pages_of(seq)))
                 g.pages_of(seq).extend(pages)
         return True
 
@@ -108,12 +123,23 @@ class Scheduler:
                     seqs.append(seq)
                     lens.append(n)
                     budget -= n
-        while self.waiting and budget and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
+        pending = self._pending_pages() if self.waiting and len(self.running) < self.max_batch_size else set()
+        i = 0
+        while i < len(self.waiting) and budget and len(self.running) < self.max_batch_size:
+            seq = self.waiting[i]
+            if self._waits_for_pending(seq, pending):
+                i += 1
+                continue
+            hit = self._reuse_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.grow(seq, seq.num_computed + n):
+                if hit:  # it waits holding nothing
+                    self._release_all(seq)
+                    seq.num_computed = 0
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            self.prefix_hit_tokens += hit
+            pending.update(self._pages_to_register(seq))
             seq.status = Status.RUNNING
             self.running.append(seq)
             seqs.append(seq)
@@ -133,6 +159,70 @@ class Scheduler:
                 f"running: the pool is too small for it (raise kv.max_pages or lower engine.max_prefill_tokens)"
             )
         return StepPlan("decode", batch)
+
+    # -- prefix cache -------------------------------------------------------------------------------
+    def _prompt_hashes(self, seq: Sequence) -> list[bytes]:
+        """The hashes of seq's full prompt pages under the current weights (memoised on seq)."""
+        if seq.block_hashes is None or seq.block_hashes[0] != self.prefix.version:
+            seq.block_hashes = (self.prefix.version, self.prefix.hashes(seq.prompt))
+        return seq.block_hashes[1]
+
+    def _usable_hashes(self, seq: Sequence) -> list[bytes]:
+        """The full pages seq may start from: never the page of its last token, which it computes
+        (to sample from) and so writes; a cached page is never written."""
+        if self.prefix is None or not seq.prefix_cacheable or seq.num_computed or seq.pages:
+            return []
+        return self._prompt_hashes(seq)[: (seq.num_tokens - 1) // self.page_size]
+
+    def _reuse_prefix(self, seq: Sequence) -> int:
+        """Gives a sequence being admitted the cached pages of its longest cached prefix (one reference
+        each) and counts them as computed. Returns the tokens reused."""
+        hashes = self._usable_hashes(seq)
+        entries = self.prefix.lookup(hashes) if hashes else []
+        k = len(entries)
+        if not k:
+            return 0
+        seq.kv_version = self.prefix.version
+        for g in self.cache.page_groups:
+            lo = self.prefix.window_start(g, k)
+            pages = [entries[j][g.name] for j in range(lo, k)]
+            g.share(pages)
+            g.pages_of(seq)[:] = [None] * lo + pages
+        seq.num_computed = k * self.page_size
+        self.shared_pages_peak = max(self.shared_pages_peak, self._shared_pages())
+        return seq.num_computed
+
+    def _pages_to_register(self, seq: Sequence) -> set:
+        """Hashes of the full prompt pages seq's prefill has still to compute (and will register)."""
+        if self.prefix is None or not seq.prefix_cacheable:
+            return set()
+        return set(self._prompt_hashes(seq)[seq.num_computed // self.page_size:])
+
+    def _pending_pages(self) -> set:
+        """Hashes of full prompt pages that running prefills are computing now."""
+        out = set()
+        for s in self.running:
+            if s.needs_prefill:
+                out |= self._pages_to_register(s)
+        return out
+
+    def _waits_for_pending(self, seq: Sequence, pending: set) -> bool:
+        """The next page seq would compute is being computed by another request: wait for it."""
+        if not pending:
+            return False
+        hashes = self._usable_hashes(seq)
+        if not hashes:
+            return False
+        k = len(self.prefix.lookup(hashes))
+        return k < len(hashes) and hashes[k] in pending
+
+    def _register(self, seq: Sequence, before: int) -> None:
+        """Registers the full prompt pages seq's last prefill chunk completed (tokens before..num_computed)."""
+        if self.prefix is None or not seq.prefix_cacheable or seq.kv_version != self.prefix.version:
+            return  # computed with older weights: never a hit
+        hashes = self._prompt_hashes(seq)
+        for j in range(before // self.page_size, min(seq.num_computed // self.page_size, len(hashes))):
+            self.prefix.insert(hashes[j], {g.name: g.pages_of(seq)[j] for g in self.cache.page_groups})
 
     def _decode_batch(self) -> list[Sequence]:
         batch = []
@@ -171,7 +261,11 @@ class Scheduler:
         for i, s in enumerate(list(plan.seqs)):
             if prefill:
                 samples = plan.samples(i)  # before num_computed moves
+                if s.num_computed == 0 and self.prefix is not None:
+                    s.kv_version = self.prefix.version  # the weights its KV is computed with
+                before = s.num_computed
                 s.num_computed += plan.chunk_lens[i]
+                self._register(s, before)  # before reclaim: its sliding pages are registered too
                 self.reclaim(s)
                 if not samples:
                     continue  # a chunk of a longer prompt
@@ -260,6 +354,8 @@ class Scheduler:
             self._mark_aborted(s)
         self.waiting.clear()
         self.running.clear()
+        if self.prefix is not None:
+            self.prefix.clear()
         for g in self.cache.page_groups:
             g.free_all()
 

@@ -60,7 +60,8 @@ def score_problems(engine, sequences, prompt_lens) -> tuple[list[list[int]], lis
 def run_score(engine, token_lists: list[list[int]], prompt_lens: list[int], top_k: int) -> list[ScoreOutput]:
     """Scores on an idle engine (the caller holds its lock); frees every page it took, even on failure."""
     sch = engine.scheduler
-    seqs = [Sequence(SCORE_ID_BASE + i, i, toks, SamplingParams(max_new_tokens=1), seed=0)
+    # no prefix cache: every row whose logits it needs must be computed
+    seqs = [Sequence(SCORE_ID_BASE + i, i, toks, SamplingParams(max_new_tokens=1), seed=0, prefix_cacheable=False)
             for i, toks in enumerate(token_lists)]
     outs = [ScoreOutput(i, toks[p:], [0.0] * (len(toks) - p), [[] for _ in toks[p:]] if top_k else None)
             for i, (toks, p) in enumerate(zip(token_lists, prompt_lens))]

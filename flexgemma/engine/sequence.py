@@ -223,6 +223,9 @@ class Sequence:
     sample_index: int = 0  # which of the request's n completions
     stop_matcher: object = None  # a text.StopMatcher when params.stop is set
     prompt_text: Optional[str] = None  # the prompt as text, when it was given as text or chat messages
+    prefix_cacheable: bool = True  # may start from / register cached prompt pages (not engine.score's)
+    block_hashes: Optional[tuple] = None  # (weight version, hashes of its full prompt pages), memoised
+    kv_version: Optional[int] = None  # the weight version its prompt KV was computed with
 
     @property
     def tokens(self) -> list[int]:

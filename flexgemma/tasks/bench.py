@@ -14,18 +14,38 @@ import numpy as np
 import torch
 
 from flexgemma.engine.warm import RoundWatch
-from flexgemma.tasks.common import (bandwidth_metrics, bounded, expected_tokens, memory_metrics, request_error_metrics,
-                                    round_metrics, token_progress)
+from flexgemma.tasks.common import (bandwidth_metrics, bounded, expected_tokens, memory_metrics, prefix_metrics,
+                                    request_error_metrics, round_metrics, token_progress)
+
+THROUGHPUTS = ("throughput/output_tok_s", "throughput/total_tok_s", "throughput/requests_s",
+               "throughput/decode_tok_s", "throughput/prefill_tok_s")
 
 
 def run(engine, workload, cfg, recorder) -> dict:
     w = cfg.workload
     total = expected_tokens(workload.prompts, workload.params)
     for i in range(int(w.warmup_rounds)):
+        engine.reset_prefix_cache()  # every round computes its prompts (sharing only within the round)
         with token_progress(engine, f"warm-up {i + 1}/{w.warmup_rounds}", total):
             engine.generate(workload.prompts, workload.params)
-    rounds, latencies, first, first_outputs = [], [], None, []
-    deterministic = True
+    rounds, latencies, outputs = timed_rounds(engine, workload, int(w.rounds), recorder, total)
+    first = [o.token_ids for o in outputs[0]]
+    summary = round_summary(rounds, latencies)
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is not None:
+        summary.update(graphs.metrics())
+    summary["determinism/run_to_run"] = all([o.token_ids for o in outs] == first for outs in outputs)
+    summary.update(memory_metrics(engine))
+    summary.update(prefix_metrics(engine.stats))  # the last timed round's
+    completions = workload.completion_rows(outputs[0], engine.tokenizer)
+    recorder.write_completions(completions)
+    summary["samples"] = sample_completions(completions)
+    summary.update(request_error_metrics(outputs[0]))
+    return summary
+
+
+def timed_rounds(engine, workload, n: int, recorder, total: int):
+    """`n` timed rounds of the workload, each logged; returns (round metrics, latencies, outputs)."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     graphs = getattr(engine.runner, "graphs", None)
@@ -33,8 +53,10 @@ def run(engine, workload, cfg, recorder) -> dict:
         graphs.hits.clear()
         graphs.padded_rows = graphs.real_rows = 0
     watch = RoundWatch(engine)  # what compiled or was allocated inside a timed round
-    for r in range(int(w.rounds)):
-        with token_progress(engine, f"round {r + 1}/{w.rounds}", total):
+    rounds, latencies, outputs = [], [], []
+    for r in range(n):
+        engine.reset_prefix_cache()  # no round reuses an earlier round's prompt KV
+        with token_progress(engine, f"round {r + 1}/{n}", total):
             watch.start()
             t0 = time.perf_counter()
             outs = engine.generate(workload.prompts, workload.params)
@@ -46,14 +68,14 @@ def run(engine, workload, cfg, recorder) -> dict:
         recorder.log_round(m)
         rounds.append(m)
         latencies.append(lat)
-        tokens = [o.token_ids for o in outs]
-        if first is None:
-            first, first_outputs = tokens, outs
-        elif tokens != first:
-            deterministic = False
+        outputs.append(outs)
+    return rounds, latencies, outputs
+
+
+def round_summary(rounds: list[dict], latencies: list[dict]) -> dict:
+    """Medians and bests over the timed rounds; latency means and percentiles over every request."""
     summary = {}
-    for key in ("throughput/output_tok_s", "throughput/total_tok_s", "throughput/requests_s",
-                "throughput/decode_tok_s", "throughput/prefill_tok_s"):
+    for key in THROUGHPUTS:
         vals = [m[key] for m in rounds]
         summary[key + "_median"] = statistics.median(vals)
         summary[key + "_best"] = max(vals)
@@ -70,19 +92,11 @@ def run(engine, workload, cfg, recorder) -> dict:
             summary[key + "_median"] = statistics.median(m[key] for m in rounds)
     if "bandwidth/gpu_peak_gb_s" in rounds[0]:
         summary["bandwidth/gpu_peak_gb_s"] = rounds[0]["bandwidth/gpu_peak_gb_s"]
-    if graphs is not None:
-        summary.update(graphs.metrics())
-    summary["bench/rounds"] = len(rounds)
-    summary["bench/generated_tokens_per_round"] = rounds[0]["bench/generated_tokens"]
-    summary["bench/round_seconds_median"] = statistics.median(m["bench/round_seconds"] for m in rounds)
-    summary.update(first_round_check([m["bench/round_seconds"] for m in rounds]))
-    summary["bench/compiled_in_rounds"] = sum(m["bench/compiled_in_round"] for m in rounds)
-    summary["determinism/run_to_run"] = deterministic
-    summary.update(memory_metrics(engine))
-    completions = workload.completion_rows(first_outputs, engine.tokenizer)
-    recorder.write_completions(completions)
-    summary["samples"] = sample_completions(completions)
-    summary.update(request_error_metrics(first_outputs))
+    seconds = [m["bench/round_seconds"] for m in rounds]
+    summary.update({"bench/rounds": len(rounds), "bench/generated_tokens_per_round": rounds[0]["bench/generated_tokens"],
+                    "bench/round_seconds_median": statistics.median(seconds),
+                    "bench/compiled_in_rounds": sum(m["bench/compiled_in_round"] for m in rounds)})
+    summary.update(first_round_check(seconds))
     return summary
 
 

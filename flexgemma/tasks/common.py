@@ -128,10 +128,12 @@ def timed_rounds(engine, prompts, params, warmup: int, rounds: int) -> list[Time
     """`warmup` untimed rounds, then `rounds` timed ones (the benchmark scripts' shared loop)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
+        engine.reset_prefix_cache()  # every round computes its prompts (sharing only within the round)
         engine.generate(prompts, params)
     sync()
     out = []
     for _ in range(rounds):
+        engine.reset_prefix_cache()
         t0 = time.perf_counter()
         outs = engine.generate(prompts, params)
         sync()
@@ -170,7 +172,19 @@ def round_metrics(outputs, stats, wall: float) -> tuple[dict, dict]:
         "scheduler/decode_steps": stats.decode_steps,
         "scheduler/preemptions": stats.preemptions,
         "scheduler/decode_batch_mean": float(np.mean(bs)) if bs else 0.0,
+        **prefix_metrics(stats),
     }, {"latency/ttft_ms": ttft, "latency/tpot_ms": tpot}
+
+
+def prefix_metrics(stats) -> dict:
+    """Prefix caching of one round: prompt tokens reused, prompt tokens computed, pages shared."""
+    hit, computed = stats.prefix_hit_tokens, stats.prefill_tokens
+    return {
+        "kv/prefix_hit_tokens": hit,
+        "kv/prefix_hit_rate": hit / (hit + computed) if hit + computed else 0.0,
+        "throughput/prefill_tokens_computed": computed,
+        "kv/shared_pages_peak": stats.shared_pages_peak,
+    }
 
 
 def memory_metrics(engine) -> dict:

@@ -1,0 +1,262 @@
+"""Prefix caching (kv.prefix_cache): shared prompt pages give the tokens and logprobs of computing
+every prompt, GRPO groups are prefilled once, nothing is written where another request reads, a
+weight change is never a hit, and no page leaks."""
+
+import random
+
+import pytest
+import torch
+
+from flexgemma import SamplingParams
+from flexgemma.engine.kv_cache import PageAllocator
+from flexgemma.tasks.common import prefix_metrics
+from flexgemma.tasks.drift import perturbed
+
+from conftest import make_engine
+
+PAGE = 8  # conftest SMALL: kv.page_size=8; tiny and tiny_moe slide over 16 tokens
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+SAMPLED = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=50, seed=5, ignore_eos=True)
+
+
+def rand_prompt(rng, n):
+    return [2] + [rng.randrange(3, 500) for _ in range(n - 1)]
+
+
+def workload():
+    """n copies, prompts sharing only a prefix, prompts longer than the sliding window, a short one."""
+    rng = random.Random(0)
+    base = rand_prompt(rng, 45)
+    return ([base] * 4
+            + [base[:27] + rand_prompt(rng, 14)[1:], base[:16] + rand_prompt(rng, 30)[1:]]
+            + [rand_prompt(rng, 60), [2, 9, 4]] + [base[:40]] * 2)
+
+
+def run(engine, prompts, params):
+    outs = engine.generate(prompts, params)
+    return [o.token_ids for o in outs], [o.logprobs for o in outs]
+
+
+def assert_same(a, b):
+    (ta, la), (tb, lb) = a, b
+    assert ta == tb
+    for x, y in zip(la, lb):
+        assert max((abs(p - q) for p, q in zip(x, y)), default=0.0) <= 1e-5
+
+
+def free_pages(engine):
+    return [g.allocator.num_free for g in engine.runner.cache.page_groups]
+
+
+def no_references(engine):
+    return all(not any(g.allocator.refs) for g in engine.runner.cache.page_groups)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+def test_same_tokens_and_logprobs_with_and_without_the_cache(model, params):
+    prompts = workload()
+    off = make_engine("kv.prefix_cache=false", model=model)
+    on = make_engine(model=model)
+    want = run(off, prompts, params)
+    assert off.stats.prefix_hit_tokens == 0
+    assert_same(run(on, prompts, params), want)
+    first = on.stats
+    assert first.prefix_hit_tokens > 0 and first.shared_pages_peak > 0
+    assert first.prefill_tokens < off.stats.prefill_tokens
+    assert first.prefix_hit_tokens + first.prefill_tokens == off.stats.prefill_tokens
+    # across calls: the second call finds every prompt's full pages cached
+    assert_same(run(on, prompts, params), want)
+    assert on.stats.prefix_hit_tokens > first.prefix_hit_tokens
+    # SamplingParams(n=...) copies share as separate copies do
+    sp = SamplingParams(n=4, max_new_tokens=12, temperature=1.0, seed=9, ignore_eos=True)
+    on.reset_prefix_cache()
+    a = on.generate([prompts[0]], sp)[0]
+    b = off.generate([prompts[0]], sp)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert on.stats.prefix_hit_tokens == 3 * 40  # 45 tokens: 5 full pages, the last computed by each copy
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+def test_preemption_in_a_tiny_pool_gives_the_same_tokens(model):
+    prompts = workload()
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=1, ignore_eos=True)
+    small = ("kv.cpu_pages=24", "engine.max_model_len=128", "engine.max_batch_size=8")
+    off = make_engine("kv.prefix_cache=false", *small, model=model)
+    on = make_engine(*small, model=model)
+    want = run(off, prompts, params)
+    start = free_pages(on)
+    assert_same(run(on, prompts, params), want)
+    assert on.stats.preemptions > 0 and on.stats.prefix_hit_tokens > 0
+    assert off.stats.preemptions > 0
+    assert free_pages(on) == start and no_references(on)
+
+
+def test_a_grpo_group_is_prefilled_once():
+    engine = make_engine()
+    prompt = rand_prompt(random.Random(3), 45)
+    engine.generate([prompt] * 8, SAMPLED)
+    st = engine.stats
+    # the first copy computes 45 tokens; each other copy only its last page's 5 (40 reused)
+    assert st.prefill_tokens == 45 + 7 * 5
+    assert st.prefix_hit_tokens == 7 * 40
+    m = prefix_metrics(st)
+    assert m["kv/prefix_hit_rate"] == pytest.approx(280 / (280 + 80))
+    assert m["throughput/prefill_tokens_computed"] == 80 and m["kv/shared_pages_peak"] >= 5
+    # the prompt's full-attention pages are held once: 5 shared + each copy's own tail
+    off = make_engine("kv.prefix_cache=false")
+    off.generate([prompt] * 8, SAMPLED)
+    assert st.kv_peak_pages["full"] < off.stats.kv_peak_pages["full"] - 6 * 5
+
+
+def test_a_repeated_prompt_after_update_lora_is_not_a_hit():
+    prompts = workload()[:5]
+    engine = make_engine("lora=r16")
+    run(engine, prompts, GREEDY)
+    run(engine, prompts, GREEDY)
+    assert engine.stats.prefill_tokens < sum(len(p) for p in prompts)  # hits before the update
+    new = perturbed(engine.lora.state_dict(), 0.5, seed=3)
+    engine.update_lora(new)
+    got = run(engine, prompts, GREEDY)
+    # the copies of prompt 0 share within the call, but nothing from before the update is reused
+    fresh = make_engine("lora=r16", "kv.prefix_cache=false")
+    fresh.update_lora(new)
+    assert_same(got, run(fresh, prompts, GREEDY))
+    assert engine.stats.prefix_hit_tokens + engine.stats.prefill_tokens == fresh.stats.prefill_tokens
+    # only what this call computed: the 3 later copies of prompt 0, and prompt 4's 27 tokens of it
+    assert engine.stats.prefix_hit_tokens == 3 * 40 + 3 * PAGE
+
+
+def test_weights_changed_forgets_every_page_and_hashes_differ():
+    engine = make_engine()
+    prefix = engine.scheduler.prefix
+    tokens = list(range(3, 3 + 4 * PAGE))
+    before = prefix.hashes(tokens)
+    engine.generate([tokens], GREEDY)
+    assert len(prefix) == 4
+    engine.weights_changed()
+    assert len(prefix) == 0 and prefix.hashes(tokens)[0] != before[0]
+    assert engine.runner.cache.page_groups[0].allocator.num_idle == 0
+
+
+def test_no_write_lands_in_a_page_another_request_reads(monkeypatch):
+    """Copy-on-write by construction: every KV slot a step writes (sink page aside) is in a page only
+    the writing request holds, and not a cached page (whose KV later requests read)."""
+    engine = make_engine()
+    cache = engine.runner.cache
+    pools = cache.pools
+    layer_group = {s.index: cache.group_for[s.layer_type] for s in engine.spec.kv_layers}
+    seen = []
+    real_write = pools.write
+
+    def checked_write(layer_index, k, v, slots):
+        group = layer_group[layer_index]
+        for page in set((slots // PAGE).tolist()) - {0}:
+            seen.append(page)
+            assert group.allocator.refs[page] == 1, f"{group.name} page {page} written while shared"
+            assert page not in group.allocator._cached, f"{group.name} page {page} written while cached"
+        return real_write(layer_index, k, v, slots)
+
+    monkeypatch.setattr(pools, "write", checked_write)
+    prompts = workload()
+    engine.generate(prompts, SAMPLED)
+    engine.generate(prompts + prompts[:3], SAMPLED)  # hits across calls too
+    assert seen and engine.stats.shared_pages_peak > 0
+
+
+def test_idle_cached_pages_are_evicted_before_anyone_is_preempted():
+    engine = make_engine("kv.cpu_pages=40", "engine.max_batch_size=4")
+    rng = random.Random(7)
+    engine.generate([rand_prompt(rng, 60) for _ in range(2)], GREEDY)  # leaves 14 cached pages idle
+    full = engine.runner.cache.page_groups[0].allocator
+    assert full.num_idle == 14
+    engine.generate([rand_prompt(rng, 60) for _ in range(4)], GREEDY)  # needs most of the pool
+    assert engine.stats.preemptions == 0
+    assert full.num_idle < 14 + 4 * 7
+
+
+def test_allocator_counts_references_and_evicts_least_recently_released():
+    a = PageAllocator(5)
+    evicted = []
+    a.on_evict = evicted.append
+    p = a.allocate(3)  # pages 1, 2, 3
+    a.share([p[0], p[1]])
+    assert a.num_shared == 2 and a.num_free == 1
+    for page in p:
+        a.mark_cached(page)
+    a.release(p)  # page 3 idle; 1 and 2 still held once
+    a.release([p[1]])  # page 2 idle after page 3
+    assert a.num_shared == 0 and a.num_free == 3 and a.num_idle == 2
+    assert a.allocate(2) == [4, 3] and evicted == [3]  # the free page first, then the oldest idle one
+    a.share([2])  # a hit takes an idle page back
+    assert a.num_idle == 0 and a.refs[2] == 1
+    with pytest.raises(RuntimeError, match="released more often"):
+        a.release([4, 4])
+
+
+@pytest.mark.parametrize("how", ["abort", "exception"])
+def test_no_page_leaks_after_abort_or_exception(monkeypatch, how):
+    engine = make_engine()
+    start = free_pages(engine)
+    prompts = workload()
+    engine.generate(prompts, SAMPLED)  # fills the cache
+    assert free_pages(engine) == start and no_references(engine)
+    if how == "abort":
+        ids = [engine.add_request(p, SAMPLED) for p in prompts]
+        for _ in range(3):
+            engine.step()
+        for rid in ids:
+            engine.abort(rid)
+        while engine.has_work:  # a queued decode step (async decode) is read, in vain
+            engine.step()
+    else:
+        calls = []
+
+        def failing(real):
+            def call(*a, **k):
+                calls.append(a)
+                if len(calls) == 3:  # mid-call: a decode step, with shared pages held
+                    raise RuntimeError("injected")
+                return real(*a, **k)
+            return call
+
+        monkeypatch.setattr(engine.runner, "run", failing(engine.runner.run))
+        monkeypatch.setattr(engine.runner, "launch_decode", failing(engine.runner.launch_decode))
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.generate(prompts, SAMPLED)
+        monkeypatch.undo()
+    assert free_pages(engine) == start and no_references(engine) and not engine.has_work
+    assert_same(run(engine, prompts, SAMPLED), run(make_engine("kv.prefix_cache=false"), prompts, SAMPLED))
+
+
+def test_score_never_starts_from_cached_pages():
+    engine = make_engine()
+    prompt = rand_prompt(random.Random(2), 33)
+    engine.generate([prompt], GREEDY)
+    got = engine.score([prompt], [1])[0].logprobs
+    want = make_engine("kv.prefix_cache=false").score([prompt], [1])[0].logprobs
+    assert len(got) == 32 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+def test_gpu_cuda_graphs_and_flex_kernels_with_the_cache_equal_without(model):
+    """On the GPU: compiled flex prefill/decode and CUDA-graph decode read shared pages (64-token pages)."""
+    from flexgemma import build_engine, compose
+
+    def engine_for(*overrides):
+        return build_engine(compose([f"+model={model}", "device=cuda", "kv.max_pages=160", "model.dtype=float32",
+                                     "engine.max_model_len=1024", "engine.max_batch_size=8",
+                                     "cudagraph.buckets=[1,2,4,8]", *overrides]))
+
+    rng = random.Random(0)
+    base = rand_prompt(rng, 200)
+    prompts = [base] * 5 + [base[:130] + rand_prompt(rng, 90)[1:], rand_prompt(rng, 300), [2, 7, 9]]
+    sp = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    off, on = engine_for("kv.prefix_cache=false"), engine_for()
+    assert on.runner.graphs is not None
+    want = run(off, prompts, sp)
+    assert_same(run(on, prompts, sp), want)
+    assert on.stats.prefix_hit_tokens >= 4 * 192 and sum(on.runner.graphs.hits.values()) > 0
+    assert_same(run(on, prompts, sp), want)  # every full page from the last call's cache
