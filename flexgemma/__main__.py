@@ -13,6 +13,7 @@ import hydra
 
 from flexgemma.compose import _check_model_override, conf_dir
 from flexgemma.config import ConfigError, register_configs
+from flexgemma.rl.ranks import world
 from flexgemma.run import hydra_task
 
 _main = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(hydra_task)
@@ -26,6 +27,10 @@ def main() -> None:
     except ConfigError as e:
         print(f"flexgemma: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if world().size > 1 and not world().is_main:
+        # torchrun/accelerate: each rank composes its own Hydra run dir (a timestamp, maybe a second
+        # apart); only rank 0 writes the run's records, so the others make no dir, .hydra or log file
+        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
     _main()
 
 
