@@ -121,3 +121,15 @@ def test_other_tasks_refuse_to_run_across_ranks(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="only task=grpo runs across ranks"):
         run_job(compose(["+model=tiny", "device=cpu", "logger=none"]), tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_submitit_slurm_task_finds_its_rank(monkeypatch):
+    pytest.importorskip("submitit")
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # export() writes variables: into a copy, dropped after
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(k, None)
+    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "77", "SLURM_NTASKS": "16", "SLURM_PROCID": "11",
+             "SLURM_LOCALID": "3", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[01-02]"}
+    os.environ.update(slurm)
+    assert ranks.world() == ranks.World(rank=11, local_rank=3, size=16)
+    assert os.environ["MASTER_ADDR"] == "gpu01"

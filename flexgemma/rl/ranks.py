@@ -40,8 +40,15 @@ class World:
 
 
 def world() -> World:
-    """This process's place, from the variables torchrun and accelerate launch set (one process: 0/0/1)."""
+    """This process's place, from the variables torchrun and accelerate launch set (one process: 0/0/1);
+    in a SLURM job of several tasks started by submitit (hydra/launcher=flexgemma_slurm with
+    tasks_per_node=GPUs), submitit's own TorchDistributedEnvironment sets them first."""
     env = os.environ
+    if "WORLD_SIZE" not in env and "SUBMITIT_EXECUTOR" in env and int(env.get("SLURM_NTASKS", "1") or 1) > 1:
+        from submitit.helpers import TorchDistributedEnvironment
+
+        # every task sees the node's GPUs and takes cuda:LOCAL_RANK (use_rank_device)
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     try:
         size = int(env.get("WORLD_SIZE", "1"))
         rank = int(env.get("RANK", "0"))
