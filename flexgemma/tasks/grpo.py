@@ -260,6 +260,8 @@ def run(engine, workload, cfg, recorder) -> dict:
     ref: list = []
     logger = make_step_logger(ref, reward, recorder, rows)
     w = ranks.world()
+    if w.size > 1 and w.is_main:
+        (recorder.dir / "ranks.jsonl").write_text("")  # a re-run starts its lines afresh, as metrics.jsonl does
     trainer, shared, _ = grpo_trainer(
         engine, grpo_args(cfg, recorder.dir, device, w.size), [reward], dataset, tokenizer, ids_of, generator,
         bool(t.is_correction), callbacks=[logger], rank=w.rank, world_size=w.size)
