@@ -6,6 +6,9 @@ trainer computes its own logprobs of the sampled tokens (the importance-sampling
 mismatch metrics), and takes one optimizer step. `task.generator=trl` lets TRL generate with
 transformers instead (the same model, config and reward), for the side-by-side.
 
+Under torchrun / accelerate launch each rank runs this with its own engine and its share of the
+step's prompts (flexgemma/rl/ranks.py); rank 0 writes the records, its rows reducing every rank's.
+
 Rows of metrics.jsonl: one per step (grpo/*); summary: grpo/* aggregates (flexgemma/metrics.py).
 The trained adapter is saved to <job dir>/adapter (a peft directory: lora.path=... loads it).
 """
