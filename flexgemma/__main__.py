@@ -27,6 +27,11 @@ def main() -> None:
     except ConfigError as e:
         print(f"flexgemma: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if world().size > 1 and {"-m", "--multirun"} & set(sys.argv[1:]):
+        print("flexgemma: a multirun under torchrun/accelerate would start every sweep job once per rank: run one "
+              "job per torchrun (or a sweep of multi-GPU jobs through hydra/launcher=flexgemma_slurm, docs/grpo.md)",
+              file=sys.stderr)
+        raise SystemExit(2)
     if world().size > 1 and not world().is_main:
         # torchrun/accelerate: each rank composes its own Hydra run dir (a timestamp, maybe a second
         # apart); only rank 0 writes the run's records, so the others make no dir, .hydra or log file

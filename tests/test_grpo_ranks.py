@@ -133,3 +133,11 @@ def test_a_submitit_slurm_task_finds_its_rank(monkeypatch):
     os.environ.update(slurm)
     assert ranks.world() == ranks.World(rank=11, local_rank=3, size=16)
     assert os.environ["MASTER_ADDR"] == "gpu01"
+
+
+def test_a_multirun_under_torchrun_is_refused(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    p = subprocess.run([sys.executable, "-m", "flexgemma", "-m", "+model=tiny", *LEARN], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "multirun under torchrun" in p.stderr
+    assert not any(tmp_path.iterdir())
