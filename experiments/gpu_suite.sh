@@ -2,7 +2,7 @@
 # Everything that needs the GPU, stage by stage, each under its own time limit (device time is
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
-# Stages (in this order): batches batches_e2b batches_26b kernels_large prefix prefix_26b prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): batches batches_e2b batches_26b kernels_large prefix prefix_26b prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -96,6 +96,31 @@ run grpo_e2b 300 bash -c 'grpo_job e2b_flexgemma 12'
 run grpo_e2b_trl 330 bash -c 'grpo_job e2b_trl 12'
 run grpo_26b 450 bash -c 'grpo_job 26b_bnb4_flexgemma 10'
 run grpo_tests 240 python3 -m pytest -q -p no:logging -m gpu -s tests/test_grpo.py tests/test_engine_safety.py tests/test_api.py
+# issue 22: E2B + LoRA r32 GRPO on 2 GPUs (torchrun, one engine per rank) vs 1, the same per-GPU batch
+# (8 prompts x 8 a GPU): step time, rollout tok/s (target >= 1.8x), adapters equal on both ranks every
+# step (ranks.jsonl). Needs a machine with 2 GPUs (nvidia-h200-x2).
+grpo_2gpu() {
+  local common="+model=e2b lora=r32 task=grpo logger=none task.steps=6 task.num_generations=8 task.max_new_tokens=256
+    task.learning_rate=1e-5 task.micro_batch=16 task.reward.high=32771 workload.num_prompts=64"
+  CUDA_VISIBLE_DEVICES=0 python3 -m flexgemma $common task.prompts_per_step=8 hydra.run.dir="$WORK/grpo_1gpu" \
+    > "$WORK/grpo_1gpu.log" 2>&1 || { tail -30 "$WORK/grpo_1gpu.log"; return 1; }
+  CUDA_VISIBLE_DEVICES=0,1 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m flexgemma $common \
+    task.prompts_per_step=16 hydra.run.dir="$WORK/grpo_2gpu" > "$WORK/grpo_2gpu_run.log" 2>&1 \
+    || { tail -30 "$WORK/grpo_2gpu_run.log"; return 1; }
+  python3 - "$WORK" <<'PY'
+import json, sys
+w = sys.argv[1]
+one, two = (json.load(open(f"{w}/{d}/summary.json")) for d in ("grpo_1gpu", "grpo_2gpu"))
+steps = [json.loads(l) for l in open(f"{w}/grpo_2gpu/ranks.jsonl")]
+equal = all(len(set(s["adapter_sha256"])) == 1 for s in steps)
+for k in ("grpo/step_s_median", "grpo/rollout_s_median", "grpo/rollout_tok_s_median", "grpo/logprob_absdiff_mean"):
+    print(f"GRPO 2gpu {k}: 1 GPU {one[k]:.4g}  2 GPUs {two[k]:.4g}  ratio {two[k] / one[k]:.3f}")
+print(f"GRPO 2gpu adapters equal on both ranks after all {len(steps)} steps: {equal}; status {one['status']}/{two['status']}")
+sys.exit(0 if equal else 1)
+PY
+}
+export -f grpo_2gpu
+run grpo_2gpu 570 bash -c grpo_2gpu
 # issue 15's speed check: the same E2B workload at the session's base commit (a copy in .old/, carried)
 # and on this tree, one after the other in one call
 speed_old_new() {

@@ -19,6 +19,7 @@ import hydra  # noqa: E402
 
 from flexgemma.compose import _check_model_override, check_extras, conf_dir, normalise_overrides  # noqa: E402
 from flexgemma.config import ConfigError, register_configs  # noqa: E402
+from flexgemma.rl.ranks import world  # noqa: E402
 from flexgemma.run import hydra_task  # noqa: E402
 
 _main = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(hydra_task)
@@ -35,6 +36,15 @@ def main() -> None:
     except ConfigError as e:
         print(f"flexgemma: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if world().size > 1 and {"-m", "--multirun"} & set(sys.argv[1:]):
+        print("flexgemma: a multirun under torchrun/accelerate would start every sweep job once per rank: run one "
+              "job per torchrun (or a sweep of multi-GPU jobs through hydra/launcher=flexgemma_slurm, docs/grpo.md)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    if world().size > 1 and not world().is_main:
+        # torchrun/accelerate: each rank composes its own Hydra run dir (a timestamp, maybe a second
+        # apart); only rank 0 writes the run's records, so the others make no dir, .hydra or log file
+        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
     _main()
 
 

@@ -157,6 +157,7 @@ METRICS: dict[str, str] = {
     "grpo/kl_k3": "mean over steps of the k3 KL(engine || trainer) per token",
     "grpo/is_ratio_max": "largest token importance ratio of the run (before clipping)",
     "grpo/generator": "flexgemma (the engine generates) | trl (TRL's transformers generate)",
+    "grpo/ranks": "processes that trained (torchrun/accelerate world size): one engine and one shard of prompts each",
     "grpo/wall_s": "wall time of trainer.train() (s)",
     "grpo/shared_base_bytes": "bytes of the weights trainer and engine share (one copy: base, norms, embeddings, "
                               "pristine copies of the adapted weights)",

@@ -28,6 +28,7 @@ from flexgemma.config import ConfigError, validate
 from flexgemma.tasks import bench, determinism, drift, grpo, parity
 from flexgemma.tasks.common import bounded
 from flexgemma.joblock import JobLock, JobLockedError
+from flexgemma.rl import ranks
 from flexgemma.tracking import RunRecorder, environment, format_table, read_summary, unwritable
 from flexgemma.wandb_logger import WandbRun
 from flexgemma.workload import build_workload, check_workload, pool_demand
@@ -54,6 +55,12 @@ def run_job(cfg: DictConfig, out_dir: str | Path, identity: Optional[dict] = Non
     nothing, when another live process runs a job in out_dir."""
     cfg = ensure_model(cfg)
     out_dir = Path(out_dir)
+    w = ranks.world()
+    if w.size > 1:  # torchrun / accelerate launch: rank 0 alone writes the records (docs/grpo.md)
+        ranks.check_task(task_name(cfg), w)
+        ranks.use_rank_device(w)
+        if not w.is_main:
+            return _run_locked(cfg, out_dir, identity, raise_errors, ranks.NullRecorder(cfg))
     lock = JobLock(out_dir)
     try:
         lock.acquire()
@@ -65,13 +72,14 @@ def run_job(cfg: DictConfig, out_dir: str | Path, identity: Optional[dict] = Non
         lock.release()
 
 
-def _run_locked(cfg: DictConfig, out_dir: Path, identity: Optional[dict], raise_errors: bool) -> dict:
+def _run_locked(cfg: DictConfig, out_dir: Path, identity: Optional[dict], raise_errors: bool,
+                recorder=None) -> dict:
     identity = identity or job_identity(cfg)
     task = task_name(cfg)
     env = environment()
     summary: dict[str, Any] = {"model": cfg.model.name, "task": task, "status": "running", **env,
                                "choices": identity["choices"], "overrides": identity["overrides"]}
-    recorder = RunRecorder(out_dir, cfg, WandbRun.start(cfg, out_dir, identity, env))
+    recorder = recorder or RunRecorder(out_dir, cfg, WandbRun.start(cfg, out_dir, identity, env))
     error: Optional[BaseException] = None
     try:
         recorder.write_config()
@@ -104,8 +112,9 @@ def _run_locked(cfg: DictConfig, out_dir: Path, identity: Optional[dict], raise_
         path = recorder.write_summary(summary)
         # the table before W&B finishes the run: its closing lines come after, not in front
         wandb_line = f"\n  W&B run: {recorder.wandb_run.where}" if recorder.wandb_run is not None else ""
-        print(f"\nflexgemma {task} on {cfg.model.name}:\n{format_table(summary)}\n  summary: {path}{wandb_line}",
-              flush=True)
+        if path is not None:  # a rank other than 0 under torchrun writes and prints nothing
+            print(f"\nflexgemma {task} on {cfg.model.name}:\n{format_table(summary)}\n  summary: {path}{wandb_line}",
+                  flush=True)
         recorder.close(summary["status"])
     if error is not None and raise_errors:
         raise error

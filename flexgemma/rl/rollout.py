@@ -38,16 +38,18 @@ class EngineRollout:
     """
 
     def __init__(self, engine, shared, prompt_ids_of: Callable[[str], list[int]], max_new_tokens: int,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0):
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 rank: int = 0, world_size: int = 1):
         self.engine, self.shared, self.prompt_ids_of = engine, shared, prompt_ids_of
         self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
-        self.seed = seed
+        self.seed, self.rank, self.world_size = seed, rank, world_size
         self.calls = 0
         self.last: dict[str, float] = {}
 
     def __call__(self, prompts: list, trainer) -> dict:
         ids = [list(self.prompt_ids_of(p)) for p in prompts]
-        base = (self.seed * 1_000_003 + self.calls * len(ids)) & 0x3FFFFFFF
+        # every row of every rank and step its own seed (ranks hold equal-sized shards of a step)
+        base = (self.seed * 1_000_003 + (self.calls * self.world_size + self.rank) * len(ids)) & 0x3FFFFFFF
         params = [SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
                                  top_p=self.top_p, seed=base + i) for i in range(len(ids))]
         self.calls += 1
@@ -59,7 +61,8 @@ class EngineRollout:
             _sync()
             gen_s = time.perf_counter() - t0
         tokens = sum(len(o.token_ids) for o in outs)
-        self.last = {"refresh_ms": refresh["refresh_ms"], "generate_s": gen_s, "tokens": float(tokens)}
+        self.last = {"refresh_ms": refresh["refresh_ms"], "generate_s": gen_s, "tokens": float(tokens),
+                     "prompts": list(prompts)}
         return {"prompt_ids": ids, "completion_ids": [o.token_ids for o in outs],
                 "logprobs": [o.logprobs for o in outs]}
 
@@ -136,12 +139,15 @@ def make_trainer_class():
 
 
 def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=None, prompt_ids_of=None,
-                 generator: str = "flexgemma", is_correction: bool = True, callbacks=None):
+                 generator: str = "flexgemma", is_correction: bool = True, callbacks=None, rank: int = 0,
+                 world_size: int = 1):
     """A FlexGemmaGRPOTrainer training `engine`'s LoRA adapter (one model: see shared.SharedModel),
     generating through the engine (generator="flexgemma") or with TRL's transformers generate ("trl").
 
     args: a trl.GRPOConfig (its temperature and max_completion_length drive the engine too).
     prompt_ids_of: prompt (text or chat messages) -> token ids; default: as TRL tokenises them.
+    rank, world_size: this process's place under torchrun/accelerate (flexgemma/rl/ranks.py); they only
+    keep the rollout seeds of the ranks apart.
     Returns (trainer, shared, rollout or None)."""
     from flexgemma.rl.shared import SharedModel
     from flexgemma.rl.tokenizer import tiny_tokenizer
@@ -158,7 +164,7 @@ def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=Non
     if generator == "flexgemma":
         rollout = EngineRollout(engine, shared, prompt_ids_of, int(args.max_completion_length),
                                 float(args.temperature), top_k=int(args.top_k or 0), top_p=float(args.top_p),
-                                seed=int(args.seed))
+                                seed=int(args.seed), rank=rank, world_size=world_size)
     trainer = make_trainer_class()(
         model=shared.peft_model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
         processing_class=tokenizer, rollout_func=rollout, callbacks=callbacks,

@@ -6,12 +6,16 @@ trainer computes its own logprobs of the sampled tokens (the importance-sampling
 mismatch metrics), and takes one optimizer step. `task.generator=trl` lets TRL generate with
 transformers instead (the same model, config and reward), for the side-by-side.
 
+Under torchrun / accelerate launch each rank runs this with its own engine and its share of the
+step's prompts (flexgemma/rl/ranks.py); rank 0 writes the records, its rows reducing every rank's.
+
 Rows of metrics.jsonl: one per step (grpo/*); summary: grpo/* aggregates (flexgemma/metrics.py).
 The trained adapter is saved to <job dir>/adapter (a peft directory: lora.path=... loads it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import statistics
@@ -101,16 +105,20 @@ def pool_demand(cfg):
     return PoolDemand(int(t.prompts_per_step) * int(t.num_generations), tokens)
 
 
-def grpo_args(cfg, out_dir: Path, device: torch.device):
+def grpo_args(cfg, out_dir: Path, device: torch.device, world_size: int = 1):
     from trl import GRPOConfig
 
     t = cfg.task
-    batch = int(t.prompts_per_step) * int(t.num_generations)
+    if int(t.prompts_per_step) % world_size:
+        raise ConfigError(f"task.prompts_per_step={t.prompts_per_step} must be a multiple of the {world_size} ranks "
+                          "(each rank generates whole groups for its share of the step's prompts)")
+    # per rank: TRL's per-device batch; accelerate gives each rank a consecutive block of the step's rows
+    batch = int(t.prompts_per_step) // world_size * int(t.num_generations)
     micro = int(t.micro_batch) if t.micro_batch else batch
     if micro < 1 or batch % micro:
-        raise ConfigError(f"task.micro_batch={t.micro_batch} must divide the step's {batch} completions "
-                          "(prompts_per_step x num_generations)")
-    # one rollout of `batch` completions per optimizer step, trained in batch / micro backward passes
+        raise ConfigError(f"task.micro_batch={t.micro_batch} must divide a rank's {batch} completions "
+                          f"(prompts_per_step / ranks x num_generations, {world_size} rank(s))")
+    # one rollout of `batch` completions per rank per optimizer step, trained in batch / micro backward passes
     return GRPOConfig(
         output_dir=str(out_dir / "trainer"), max_steps=int(t.steps), learning_rate=float(t.learning_rate),
         per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
@@ -130,9 +138,24 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _shard(prompts: list) -> list:
+    """A rank's rollout rows as runs [prompt digest, rows in a row]: whole groups read [[a, G], [b, G], ...]."""
+    runs: list = []
+    for p in prompts:
+        key = hashlib.sha256(repr(p).encode()).hexdigest()[:12]
+        if runs and runs[-1][0] == key:
+            runs[-1][1] += 1
+        else:
+            runs.append([key, 1])
+    return runs
+
+
 def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: list):
-    """A TrainerCallback writing one metrics.jsonl row per optimizer step."""
+    """A TrainerCallback writing one metrics.jsonl row per optimizer step (rank 0; the row reduces every
+    rank's part) and checking the ranks' adapters equal after the step (ranks.jsonl: shards, digests)."""
     from transformers import TrainerCallback
+
+    from flexgemma.rl import ranks
 
     class StepLogger(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -144,22 +167,38 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
             step_s = time.perf_counter() - self.t0
             trainer = trainer_ref[0]
             stats, rollout = trainer.step_stats, trainer.rollout_func
-            vals = reward.values
-            rollout_s = stats.get("rollout_s", float("nan"))
+            w = ranks.world()
+            # one process: nothing to compare, and hashing a large adapter would only cost time
+            digest = ranks.adapter_digest(trainer_ref[1].lora.slots) if w.size > 1 else ""
+            if w.size > 1:
+                log.info("grpo step %d rank %d/%d: adapter sha256 %s", state.global_step, w.rank, w.size,
+                         digest[:16])
+            mine = {**stats, "rewards": reward.values, "step_s": step_s, "digest": digest,
+                    "refresh_ms": rollout.last.get("refresh_ms", float("nan")) if rollout else float("nan"),
+                    "shard": _shard(rollout.last.get("prompts", [])) if rollout else []}
+            parts = ranks.gather(mine)
+            digests = [p["digest"] for p in parts]
+            ranks.check_equal(state.global_step, digests)
+            red = ranks.reduce_step(parts)
+            vals, rollout_s, step_s = red["rewards"], red["rollout_s"], red["step_s"]
             row = {
                 "grpo/step": state.global_step,
                 "grpo/reward_mean": statistics.fmean(vals) if vals else float("nan"),
                 "grpo/reward_std": statistics.pstdev(vals) if len(vals) > 1 else 0.0,
                 "grpo/rollout_s": rollout_s, "grpo/train_s": step_s - rollout_s, "grpo/step_s": step_s,
-                "grpo/rollout_tok_s": stats.get("rollout_tokens", 0.0) / rollout_s if rollout_s > 0 else float("nan"),
-                "grpo/refresh_ms": rollout.last.get("refresh_ms", float("nan")) if rollout else float("nan"),
+                "grpo/rollout_tok_s": red["rollout_tokens"] / rollout_s if rollout_s > 0 else float("nan"),
+                "grpo/refresh_ms": red["refresh_ms"],
             }
             for k in ("logprob_absdiff_mean", "logprob_absdiff_max", "kl_k3", "is_ratio_p99", "is_ratio_max"):
-                row[f"grpo/{k}"] = stats.get(k, float("nan"))
+                row[f"grpo/{k}"] = red[k]
             if torch.cuda.is_available():
                 row["memory/allocated_gib"] = torch.cuda.memory_allocated() / 2**30
             rows.append(row)
             recorder.log_round(row)
+            if w.size > 1 and w.is_main:  # who generated what, and the adapter every rank ended the step with
+                with open(recorder.dir / "ranks.jsonl", "a") as f:
+                    f.write(json.dumps({"step": state.global_step, "adapter_sha256": digests,
+                                        "shards": [p["shard"] for p in parts]}) + "\n")
             log.info("grpo step %d/%d: reward %.3f, step %.2f s (rollout %.2f s, refresh %.1f ms), |dlogp| %.2g",
                      state.global_step, state.max_steps, row["grpo/reward_mean"], step_s, rollout_s,
                      row["grpo/refresh_ms"], row["grpo/logprob_absdiff_mean"])
@@ -203,6 +242,7 @@ def run(engine, workload, cfg, recorder) -> dict:
     require("datasets", "rl", "task=grpo")
     from transformers import PrinterCallback
 
+    from flexgemma.rl import ranks
     from flexgemma.rl.rollout import grpo_trainer
     from flexgemma.rl.tokenizer import tiny_tokenizer
 
@@ -222,10 +262,13 @@ def run(engine, workload, cfg, recorder) -> dict:
     rows: list[dict] = []
     ref: list = []
     logger = make_step_logger(ref, reward, recorder, rows)
+    w = ranks.world()
+    if w.size > 1 and w.is_main:
+        (recorder.dir / "ranks.jsonl").write_text("")  # a re-run starts its lines afresh, as metrics.jsonl does
     trainer, shared, _ = grpo_trainer(
-        engine, grpo_args(cfg, recorder.dir, device), [reward], dataset, tokenizer, ids_of, generator,
-        bool(t.is_correction), callbacks=[logger])
-    ref.append(trainer)
+        engine, grpo_args(cfg, recorder.dir, device, w.size), [reward], dataset, tokenizer, ids_of, generator,
+        bool(t.is_correction), callbacks=[logger], rank=w.rank, world_size=w.size)
+    ref.extend([trainer, shared])
     trainer.remove_callback(PrinterCallback)  # TRL's per-step dict print; the rows go to metrics.jsonl
     t0 = time.perf_counter()
     trainer.train()
@@ -234,14 +277,16 @@ def run(engine, workload, cfg, recorder) -> dict:
     opt_bytes = sum(v.numel() * v.element_size() for st in trainer.optimizer.state.values()
                     for v in st.values() if torch.is_tensor(v))
     summary.update({"grpo/generator": generator, "grpo/wall_s": train_wall, "grpo/optimizer_state_bytes": opt_bytes,
+                    "grpo/ranks": w.size,
                     **{f"grpo/{k}": v for k, v in shared.base_bytes().items()}})
     # the engine ends with the trained adapter: what the saved directory reloads to
     shared.engine_view()
     engine.update_lora(shared.peft_model)
     adapter_dir = recorder.dir / "adapter"
-    engine.lora.save(adapter_dir)
+    if w.is_main:  # the ranks' adapters are equal (checked every step): one copy
+        engine.lora.save(adapter_dir)
     summary["grpo/adapter_path"] = str(adapter_dir)
     log.info("grpo: reward %.3f (first 5 steps) -> %.3f (last 5); step %.2f s median, rollout share %.2f; "
-             "adapter saved to %s", summary["grpo/reward_first5"], summary["grpo/reward_last5"],
+             "adapter saved to %s" + ("" if w.is_main else " by rank 0"), summary["grpo/reward_first5"], summary["grpo/reward_last5"],
              summary["grpo/step_s_median"], summary["grpo/rollout_share"], adapter_dir)
     return summary
