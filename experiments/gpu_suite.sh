@@ -2,7 +2,8 @@
 # Everything that needs the GPU, stage by stage, each under its own time limit (device time is
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
-# Stages (in this order): batches batches_e2b batches_26b kernels_large prefix prefix_26b prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+#   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
+# Stages (in this order): sampler_tests batches batches_e2b batches_e2b_quick batches_26b kernels_large prefix prefix_26b prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -36,6 +37,8 @@ bench=experiments/bench_vs_hf.py
 # 26B-A4B cut to its first six layers (five sliding, one full) so that float32 fits beside the tests
 L6="model.hf_config.num_hidden_layers=6 model.hf_config.layer_types=[sliding_attention,sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]"
 
+run sampler_tests 120 python3 -m pytest -q -p no:logging -m gpu -s tests/test_sampling.py
+
 # RL-sized batches (issue 21): one build per variant at the largest batch (cudagraph=auto), every batch
 # size in that process, no per-size warm-up round (the build's warm-up must make the first timed round
 # as fast as the median); tables and JSON in $WORK/batches. E2B ~3.5 min, 26B-A4B ~3 min.
@@ -50,6 +53,9 @@ batches_26b() {
 export -f batches_e2b batches_26b
 run batches 570 bash -c 'batches_e2b; batches_26b; cat "$WORK"/batches/*.md'
 run batches_e2b 300 bash -c 'batches_e2b; cat "$WORK"/batches/bench_batches_e2b.md'
+# two batch sizes of the E2B set in one short build (a call that has other stages to run)
+run batches_e2b_quick 300 bash -c 'python3 experiments/bench_batches.py --model e2b --batch-sizes 64,256 --new-tokens 512 \
+  --rounds 3 --warmup-rounds 0 --out "$WORK/batches"; cat "$WORK"/batches/bench_batches_e2b.md'
 run batches_26b 300 bash -c 'batches_26b; cat "$WORK"/batches/bench_batches_26b_a4b.md'
 # the kernels past the sizes they were tuned at: 4-bit projections up to 512 rows (programs of 64 rows)
 # against bitsandbytes' dequantise + GEMM, routed experts past 1,024 entries (sorted) against torch's path

@@ -50,9 +50,9 @@ MUTATIONS = [
              "if b and r and r[2] >= b[0]:", "if b and r and r[2] < b[0]:", ("tests/test_report_verdicts.py",)),
     # a few more of the same kind
     Mutation("top-k keeps k+1 candidates", "flexgemma/engine/sampler.py",
-             "drop = rank >= k", "drop = rank > k", ("tests/test_sampling_exact.py",)),
+             "drop = (rank >= k) |", "drop = (rank > k) |", ("tests/test_sampling_exact.py",)),
     Mutation("top-p drops the candidate that crosses p", "flexgemma/engine/sampler.py",
-             "before = probs.cumsum(dim=-1) - probs", "before = probs.cumsum(dim=-1)",
+             "(mass - sorted_probs > top_p", "(mass > top_p",
              ("tests/test_sampling_exact.py",)),
     Mutation("top-k/top-p on the untempered logits", "flexgemma/engine/sampler.py",
              "scaled = _filter_top_k_top_p(scaled, p.top_k, p.top_p)",

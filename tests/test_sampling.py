@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from flexgemma import SamplingParams
@@ -85,3 +86,26 @@ def test_chunked_row_reductions_equal_torch():
     odd = torch.randn(3, 1001)  # a vocabulary that does not split into chunks
     assert torch.equal(argmax_rows(odd), odd.argmax(-1))
     torch.testing.assert_close(logsumexp_rows(odd), torch.logsumexp(odd, -1))
+
+
+@pytest.mark.gpu
+def test_compiled_top_k_top_p_sampler_on_the_gpu():
+    """The sorted filter path through torch.compile (dynamic shapes) on a 262k vocabulary: torch
+    2.11's split scan crashed on a per-row operand inside the cumulative sum (pytorch#180221). The
+    compiled sampler draws what the eager one draws."""
+    from flexgemma.compiled import CompileCounter, compile_fn
+    from flexgemma.engine.sampler import SamplingBatch, sample
+
+    compiled = compile_fn(sample, CompileCounter())
+    for rows in (5, 7, 64):
+        g = torch.Generator(device="cuda").manual_seed(rows)
+        logits = torch.randn(rows, 262144, device="cuda", generator=g) * 4
+        ar = torch.arange(rows, device="cuda")
+        batch = SamplingBatch(temperature=torch.ones(rows, device="cuda"), top_k=torch.where(ar % 2 == 0, 50, 0),
+                              top_p=torch.where(ar % 3 == 0, 0.9, 1.0).float(), seed=ar, position=ar + 10,
+                              needs_filter=True)
+        tokens, logprobs = compiled(logits, batch)
+        ref_tokens, ref_logprobs = sample(logits, batch)
+        same = tokens == ref_tokens
+        assert same.float().mean() >= 0.9
+        assert torch.allclose(logprobs[same], ref_logprobs[same], atol=1e-4)

@@ -92,13 +92,15 @@ def sample(logits: torch.Tensor, p: SamplingBatch) -> tuple[torch.Tensor, torch.
 
 
 def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k, then top-p on the top-k renormalised: -inf outside. The probabilities are sorted, not
+    the logits, so the cumulative sum reads a sorted (materialised) tensor and nothing broadcast per
+    row: inductor's split scan (a scan over > 128 columns) crashes on a per-row operand in torch
+    2.11 (pytorch#180221). Top-p on the renormalised top-k is then (mass before) > top_p * (top-k mass)."""
     vocab = scaled.shape[-1]
-    sorted_vals, order = scaled.sort(dim=-1, descending=True)
+    sorted_probs, order = torch.softmax(scaled, dim=-1).sort(dim=-1, descending=True)
+    mass = sorted_probs.cumsum(dim=-1)
+    k = torch.where(top_k > 0, top_k, vocab).clamp_max(vocab)[:, None]
     rank = torch.arange(vocab, device=scaled.device)[None, :]
-    k = torch.where(top_k > 0, top_k, vocab)[:, None]
-    drop = rank >= k
-    probs = torch.softmax(sorted_vals.masked_fill(drop, float("-inf")), dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly before each candidate
-    drop = drop | (before > top_p[:, None])  # the first candidate always stays
-    sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
-    return torch.empty_like(scaled).scatter_(-1, order, sorted_vals)
+    kept_mass = mass.gather(-1, k - 1)  # [B, 1]: the top-k's mass
+    drop = (rank >= k) | (mass - sorted_probs > top_p[:, None] * kept_mass)  # the first candidate always stays
+    return scaled.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
