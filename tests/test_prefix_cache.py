@@ -260,3 +260,31 @@ def test_gpu_cuda_graphs_and_flex_kernels_with_the_cache_equal_without(model):
     assert_same(run(on, prompts, sp), want)
     assert on.stats.prefix_hit_tokens >= 4 * 192 and sum(on.runner.graphs.hits.values()) > 0
     assert_same(run(on, prompts, sp), want)  # every full page from the last call's cache
+
+
+def test_a_prefill_block_lists_a_shared_page_once(monkeypatch):
+    """Copies of a prompt prefill their last pages in one packed step and read the same cached pages:
+    a query block must list each page once (flex visits a listed block as often as it is listed, and
+    the scores of a page listed twice would count twice in the softmax; the dense CPU path ignores
+    the lists, the GPU's flex kernels do not)."""
+    from flexgemma.engine.block_mask import MaskBuilder
+
+    seen = []
+    build = MaskBuilder.prefill
+
+    def spy(self, seqs, chunk_lens, padded_len):
+        masks = build(self, seqs, chunk_lens, padded_len)
+        for m in masks.values():
+            for j in range(m.kv_num_blocks.shape[-1]):
+                listed = m.kv_indices[0, 0, j, : int(m.kv_num_blocks[0, 0, j])].tolist()
+                seen.append((len(seqs), listed))
+        return masks
+
+    monkeypatch.setattr(MaskBuilder, "prefill", spy)
+    engine = make_engine()
+    prompt = rand_prompt(random.Random(3), 45)
+    engine.generate([prompt] * 4, GREEDY)
+    assert engine.stats.prefix_hit_tokens >= 3 * 40
+    shared_steps = [listed for n, listed in seen if n > 1]
+    assert shared_steps, "no packed prefill step of several copies"
+    assert all(len(listed) == len(set(listed)) for _, listed in seen)

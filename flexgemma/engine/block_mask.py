@@ -201,7 +201,10 @@ class MaskBuilder:
         masks = {}
         for t, window in self.windows.items():
             group = self.groups[t]
-            lists = [[p for s, a, b in seg for p in page_span(group.pages_of(s), a, b, window, self.page_size)]
+            # once per query block: sequences sharing prefix pages list the same page, and flex would
+            # visit a listed block twice (its scores counted twice in the softmax)
+            lists = [list(dict.fromkeys(p for s, a, b in seg for p in page_span(group.pages_of(s), a, b, window,
+                                                                                 self.page_size)))
                      for seg in segments]
             width = 1 << max(1, max(len(x) for x in lists) - 1).bit_length()  # few distinct widths: few recompiles
             nb = np.zeros((1, 1, n_blocks), dtype=np.int32)
