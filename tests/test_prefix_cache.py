@@ -12,7 +12,13 @@ from flexgemma.engine.kv_cache import PageAllocator
 from flexgemma.tasks.common import prefix_metrics
 from flexgemma.tasks.drift import perturbed
 
-from conftest import make_engine
+from conftest import make_engine as _make_engine
+
+
+def make_engine(*overrides: str, model: str = "tiny"):
+    """An engine with the prefix cache on (kv.prefix_cache is off by default) unless told otherwise."""
+    on = [] if any(o.startswith("kv.prefix_cache=") for o in overrides) else ["kv.prefix_cache=true"]
+    return _make_engine(*on, *overrides, model=model)
 
 PAGE = 8  # conftest SMALL: kv.page_size=8; tiny and tiny_moe slide over 16 tokens
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -254,7 +260,7 @@ def test_gpu_cuda_graphs_and_flex_kernels_with_the_cache_equal_without(model):
     base = rand_prompt(rng, 200)
     prompts = [base] * 5 + [base[:130] + rand_prompt(rng, 90)[1:], rand_prompt(rng, 300), [2, 7, 9]]
     sp = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
-    off, on = engine_for("kv.prefix_cache=false"), engine_for()
+    off, on = engine_for("kv.prefix_cache=false"), engine_for("kv.prefix_cache=true")
     assert on.runner.graphs is not None
     want = run(off, prompts, sp)
     assert_same(run(on, prompts, sp), want)
