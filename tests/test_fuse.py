@@ -47,7 +47,9 @@ def test_projection_uses_a_fused_weight_only_when_it_holds_exactly_those_project
     want = [getattr(owner, n)(x) for n in names]
     whole = projection(owner, names, fused="fused_qkv")
     assert isinstance(whole, FusedLinear) and whole.weight is owner.fused_qkv
-    assert all(torch.equal(a, b) for a, b in zip(whole(x), want))
+    # one GEMM over the stacked rows rounds like the three only up to the BLAS kernel's blocking
+    # (exact on some CPUs, not on others): equal to float32 rounding, each output its own projection's
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(whole(x), want))
     part = projection(owner, names[:2], fused="fused_qkv")  # the fused rows hold v too: modules run
     assert not isinstance(part, FusedLinear) and all(torch.equal(a, b) for a, b in zip(part(x), want[:2]))
     owner.k_proj = type("Wrapped", (nn.Linear,), {})(8, 2, bias=False)  # no longer a plain Linear: modules run
