@@ -135,7 +135,7 @@ def main(argv=None) -> dict:
     args, extra = ap.parse_known_args(argv)
     overrides = overrides_for(args, extra)
     cfg = compose(overrides)
-    device = str(cfg.device)
+    device = str(getattr(cfg.device, "value", cfg.device))  # an enum in the typed config ("Device.cuda" as str)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
