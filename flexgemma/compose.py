@@ -82,6 +82,18 @@ def normalise_overrides(overrides: Sequence[str]) -> list[str]:
         # else first: after the flags, `--info` would take it as its value
         first = next((i for i, o in enumerate(out) if "=" in o and not o.startswith("-")), 0)
         out.insert(first, f"+model={name}")
+    return _model_before_experiment(out)
+
+
+def _model_before_experiment(out: list[str]) -> list[str]:
+    """Hydra merges appended groups in the order given: a preset's own `model.*` keys (such as
+    grpo_tiny's initializer_range) must come after the model's config, whichever was typed first."""
+    def index(group: str) -> Optional[int]:
+        return next((i for i, o in enumerate(out) if o.startswith(f"+{group}=")), None)
+
+    m, e = index("model"), index("experiment")
+    if m is not None and e is not None and e < m:
+        out.insert(e, out.pop(m))
     return out
 
 
