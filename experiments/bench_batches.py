@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -29,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma import build_engine, compose  # noqa: E402
 from flexgemma.compose import conf_dir  # noqa: E402
-from flexgemma.engine.warm import RoundWatch  # noqa: E402
-from flexgemma.tasks.common import decode_kv_bytes, weight_bytes_per_decode_step  # noqa: E402
+from flexgemma.tasks.common import decode_kv_bytes, timed_rounds, weight_bytes_per_decode_step  # noqa: E402
 from flexgemma.tracking import environment  # noqa: E402
 from flexgemma.workload import pool_demand, synthetic  # noqa: E402
 
@@ -50,38 +50,21 @@ def overrides_for(args, extra: list[str]) -> list[str]:
     return out + extra  # the caller's overrides last: they win
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def measure(engine, prompts, params, warmup: int, rounds: int, peak_tb_s: float, device: str) -> dict:
     """Warm-up rounds, then timed rounds of one batch; the row of the table (and more) as a dict."""
     cuda = device.startswith("cuda")
-    for _ in range(warmup):
-        engine.generate(prompts, params)
-    sync(device)
     if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    watch = RoundWatch(engine)
-    walls, tok_s, steps, compiled, outs = [], [], [], 0, None
-    for r in range(rounds):
-        watch.start()
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        sync(device)
-        wall = time.perf_counter() - t0
-        compiled += watch.stop(f"batch {len(prompts)}, timed round {r}")["bench/compiled_in_round"]
-        st = engine.stats
-        walls.append(wall)
-        tok_s.append(sum(len(o.token_ids) for o in outs) / wall)
-        steps.append((st.decode_time, st.decode_steps))
-    st = engine.stats
+        torch.cuda.reset_peak_memory_stats()  # this batch size's own rounds (its warm-up has the same peak)
+    timed = timed_rounds(engine, prompts, params, warmup, rounds)
+    walls, tok_s = [r.wall for r in timed], [r.tok_s for r in timed]
+    steps, compiled = [(r.decode_time, r.decode_steps) for r in timed], sum(r.compiled for r in timed)
+    # the last round's requests, as decode_kv_bytes reads them
+    outs = [SimpleNamespace(prompt_token_ids=p, token_ids=t) for p, t in zip(prompts, timed[-1].token_ids)]
     bs = len(prompts)
     step_s = statistics.median(t / max(n, 1) for t, n in steps)
     elem = engine.model.model.embed_tokens.weight.element_size()
     w_bytes = weight_bytes_per_decode_step(engine.model, bs)  # MoE: the experts this batch routes to
-    kv_bytes = decode_kv_bytes(engine.spec, outs, elem) / max(st.decode_steps, 1)  # per step, the round's mean
+    kv_bytes = decode_kv_bytes(engine.spec, outs, elem) / max(timed[-1].decode_steps, 1)  # per step, the round's mean
     step_bytes = w_bytes + kv_bytes
     limit = bs * peak_tb_s * 1e12 / step_bytes  # tok/s if a decode step only read its bytes at peak bandwidth
     med = statistics.median(tok_s)

@@ -17,7 +17,7 @@ from flexgemma.engine.kv_cache import KVCache, PoolDemand
 from flexgemma.engine.cuda_graphs import DecodeGraphs, attention_row_sizes, resolve_buckets
 from flexgemma.engine.runner import ModelRunner
 from flexgemma.engine.sampler import sample
-from flexgemma.engine.warm import warm_up
+from flexgemma.engine.warm import eager_decode_steps, warm_up
 from flexgemma.engine.scheduler import Scheduler
 from flexgemma.model.attention import AttentionKernels
 from flexgemma.model.forward import GemmaForward
@@ -169,9 +169,7 @@ def _prepare_decode(cfg, runner: ModelRunner, r: Resolved) -> float:
         runner.graphs = DecodeGraphs(runner, resolve_buckets(cfg.cudagraph.buckets, cfg.engine.max_batch_size))
         runner.graphs.capture()  # compiles the kernels on its warm-up steps
     elif r.compile or r.attention_backend == "flex":
-        for rows in runner.forward.kernels.decode_rows or [cfg.engine.max_batch_size]:
-            runner.fill_decode([], rows)
-            runner.decode_step(rows)
+        eager_decode_steps(runner)
     return time.perf_counter() - t1
 
 

@@ -63,6 +63,15 @@ def warm_params(n: int) -> list[SamplingParams]:
 
 
 @torch.inference_mode()
+def eager_decode_steps(runner) -> None:
+    """An empty eager decode step at every row count decode attention runs at (flex: its compiled
+    shapes), or at the runner's largest batch where attention takes any count (the compiled glue)."""
+    for rows in runner.forward.kernels.decode_rows or [runner.max_batch]:
+        runner.fill_decode([], rows)
+        runner.decode_step(rows)
+
+
+@torch.inference_mode()
 def _warm_decode(runner) -> None:
     if runner.graphs is not None:
         g = runner.graphs
@@ -73,9 +82,7 @@ def _warm_decode(runner) -> None:
         g.hits.clear()
         g.padded_rows = g.real_rows = 0
     else:
-        for rows in runner.forward.kernels.decode_rows or []:
-            runner.fill_decode([], rows)
-            runner.decode_step(rows)
+        eager_decode_steps(runner)
 
 
 def warm_up(engine, demand: PoolDemand = PoolDemand(), max_prefill_tokens: int = 8192, seed: int = 0) -> dict:

@@ -28,7 +28,7 @@ def run(engine, workload, cfg, recorder) -> dict:
         engine.reset_prefix_cache()  # every round computes its prompts (sharing only within the round)
         with token_progress(engine, f"warm-up {i + 1}/{w.warmup_rounds}", total):
             engine.generate(workload.prompts, workload.params)
-    rounds, latencies, outputs = timed_rounds(engine, workload, int(w.rounds), recorder, total)
+    rounds, latencies, outputs = logged_rounds(engine, workload, int(w.rounds), recorder, total)
     first = [o.token_ids for o in outputs[0]]
     summary = round_summary(rounds, latencies)
     graphs = getattr(engine.runner, "graphs", None)
@@ -44,8 +44,9 @@ def run(engine, workload, cfg, recorder) -> dict:
     return summary
 
 
-def timed_rounds(engine, workload, n: int, recorder, total: int):
-    """`n` timed rounds of the workload, each logged; returns (round metrics, latencies, outputs)."""
+def logged_rounds(engine, workload, n: int, recorder, total: int):
+    """`n` timed rounds of the workload, each with its metrics logged (unlike tasks.common.timed_rounds, the
+    scripts' loop, it keeps every output for the latencies); returns (round metrics, latencies, outputs)."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     graphs = getattr(engine.runner, "graphs", None)

@@ -28,6 +28,7 @@ class TimedRound:
     decode_tokens: int
     prefill_time: float
     prefill_tokens: int
+    compiled: int = 0  # graphs torch.compile built inside the round (engine/warm.py RoundWatch)
 
     @property
     def tok_s(self) -> float:
@@ -125,22 +126,28 @@ def token_progress(engine, desc: str, total: Optional[int] = None, interval: flo
 
 
 def timed_rounds(engine, prompts, params, warmup: int, rounds: int) -> list[TimedRound]:
-    """`warmup` untimed rounds, then `rounds` timed ones (the benchmark scripts' shared loop)."""
+    """`warmup` untimed rounds, then `rounds` timed ones (the benchmark scripts' shared loop), each
+    watched for graphs compiled inside it."""
+    from flexgemma.engine.warm import RoundWatch
+
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         engine.reset_prefix_cache()  # every round computes its prompts (sharing only within the round)
         engine.generate(prompts, params)
     sync()
-    out = []
-    for _ in range(rounds):
+    out, watch = [], RoundWatch(engine)
+    for r in range(rounds):
         engine.reset_prefix_cache()
+        watch.start()
         t0 = time.perf_counter()
         outs = engine.generate(prompts, params)
         sync()
         wall = time.perf_counter() - t0
+        compiled = watch.stop(f"batch {len(prompts)}, timed round {r}")["bench/compiled_in_round"]
         st = engine.stats
         out.append(TimedRound(wall, sum(len(o.token_ids) for o in outs), [o.token_ids for o in outs],
-                              st.decode_steps, st.decode_time, st.decode_tokens, st.prefill_time, st.prefill_tokens))
+                              st.decode_steps, st.decode_time, st.decode_tokens, st.prefill_time, st.prefill_tokens,
+                              compiled))
     return out
 
 
