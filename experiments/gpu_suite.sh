@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests batches batches_e2b batches_e2b_quick batches_26b kernels_large prefix prefix_26b prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests batches batches_e2b batches_e2b_quick batches_26b kernels_large prefix prefix_26b prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -74,7 +74,7 @@ prefix_job() {  # name overrides...
 import json, sys
 s = json.load(open(sys.argv[1]))
 words = ("tok_s_median", "kv_in_use_peak", "prefill_tokens_computed", "prefix_hit", "shared_pages_peak",
-         "preemptions", "peak_allocated", "run_to_run", "round_seconds_median")
+         "preemptions", "kv_prompt_peak", "peak_allocated", "run_to_run", "round_seconds_median")
 print(sys.argv[2], {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items() if any(w in k for w in words)})
 PY
 }
@@ -85,10 +85,10 @@ prefix_grpo() {  # model overrides...: sharing on, then off
 }
 export -f prefix_job prefix_grpo
 run prefix 570 bash -c 'prefix_grpo e2b'
-run prefix_26b 570 bash -c 'prefix_grpo 26b_a4b workload.num_prompts=16 workload.rounds=1'
+run prefix_26b 570 bash -c 'prefix_grpo 26b_a4b workload.num_prompts=16 engine.max_batch_size=128 workload.rounds=1'
 run prefix_speed 450 bash -c 'for pc in true false; do prefix_job speed_prefix_$pc +model=e2b +experiment=speed_e2b \
   workload.rounds=3 kv.prefix_cache=$pc; done'
-run prefix_tests 300 python3 -m pytest -q -p no:logging -m gpu -s tests/test_prefix_cache.py
+run prefix_tests 360 python3 -m pytest -q -p no:logging -m gpu -s tests/test_prefix_cache.py
 
 # GRPO through TRL (issue 17): one job a stage (build + 10-12 steps, 2-5 min each); the table of every
 # finished job is printed after each stage (experiments/grpo_gpu.py --collect)
@@ -196,6 +196,11 @@ run sweep 300 bash -c 'python3 -m flexgemma -m +model=e2b +experiment=block_swee
   hydra.sweep.dir="$WORK/sweep" && python3 -m flexgemma.report "$WORK/sweep"'
 run profile 120 python3 experiments/profile_decode.py +model=e2b +experiment=speed_e2b cudagraph.buckets=[64] \
   --batch 64 --context 544 --out "$WORK/profile.json"
+# issue 21: where an RL-sized decode step goes (graph replay at the preset's batch, greedy as the preset)
+run profile_e2b_256 150 python3 experiments/profile_decode.py +model=e2b +experiment=rl_batch_e2b \
+  cudagraph.buckets=[256] --batch 256 --context 544 --out "$WORK/profile_e2b_256.json"
+run profile_26b_128 200 python3 experiments/profile_decode.py +model=26b_a4b +experiment=rl_batch_26b_a4b \
+  cudagraph.buckets=[128] --batch 128 --context 500 --out "$WORK/profile_26b_128.json"
 run profile_moe 150 python3 experiments/profile_decode.py +model=26b_a4b +experiment=speed_26b_a4b \
   workload.num_prompts=8 engine.max_batch_size=8 cudagraph.buckets=[8] --batch 8 --context 384 --out "$WORK/profile_moe.json"
 run profile_moe_grouped 150 python3 experiments/profile_decode.py +model=26b_a4b +experiment=speed_26b_a4b \

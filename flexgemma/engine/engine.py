@@ -50,6 +50,7 @@ class StepStats:
     preemptions: int = 0
     decode_batch_sizes: list[int] = field(default_factory=list)
     kv_peak_pages: dict[str, int] = field(default_factory=dict)  # page group -> most pages in use at once
+    kv_prompt_peak_pages: dict[str, int] = field(default_factory=dict)  # ... of them holding prompt tokens
     prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     shared_pages_peak: int = 0  # most pages held by more than one sequence at once (every page group)
     chained_steps: int = 0  # async decode: steps queued before the previous step's tokens were read
@@ -451,5 +452,6 @@ class Engine:
     def _end_call(self, outputs: list[RequestOutput]) -> None:
         self.stats.preemptions = sum(o.num_preemptions for o in outputs)
         self.stats.kv_peak_pages = self.scheduler.peak_pages()
+        self.stats.kv_prompt_peak_pages = dict(self.scheduler.prompt_pages_peak)
         self.stats.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
         self.stats.shared_pages_peak = self.scheduler.shared_pages_peak

@@ -52,6 +52,7 @@ class Scheduler:
         self.prefix: Optional[PrefixCache] = PrefixCache(cache.page_groups, cache.page_size) if prefix_cache else None
         self.prefix_hit_tokens = 0  # prompt tokens whose KV came from the cache, since reset_peaks()
         self.shared_pages_peak = 0  # most pages held by more than one sequence at once, since reset_peaks()
+        self.prompt_pages_peak: dict[str, int] = {}  # page group -> most pages holding prompt KV at once
         self.page_size = cache.page_size
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
@@ -68,6 +69,18 @@ class Scheduler:
             g.allocator.reset_order()
         self.prefix_hit_tokens = 0
         self.shared_pages_peak = self._shared_pages()
+        self.prompt_pages_peak = self._prompt_pages()
+
+    def _prompt_pages(self) -> dict[str, int]:
+        """Page group -> distinct pages holding prompt tokens of running sequences (a shared page once)."""
+        out = {}
+        for g in self.cache.page_groups:
+            pages = set()
+            for s in self.running:
+                pages.update(g.pages_of(s)[: -(-len(s.prompt) // self.page_size)])
+            pages.discard(None)
+            out[g.name] = len(pages)
+        return out
 
     def _shared_pages(self) -> int:
         return sum(g.allocator.num_shared for g in self.cache.page_groups)
@@ -145,7 +158,9 @@ class Scheduler:
             seqs.append(seq)
             lens.append(n)
             budget -= n
-        if seqs:
+        if seqs:  # prompt pages only grow at a prefill step: their peak is counted here alone
+            now = self._prompt_pages()
+            self.prompt_pages_peak = {k: max(n, self.prompt_pages_peak.get(k, 0)) for k, n in now.items()}
             return StepPlan("prefill", seqs, lens)
         batch = self._decode_batch()
         if not batch and len(self.running) > 1:
