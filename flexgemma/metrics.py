@@ -96,8 +96,9 @@ METRICS: dict[str, str] = {
     "quant/fraction_4bit": "share of the parameters stored in 4 bits (quant=bnb4; 0 for bf16)",
     "memory/kv_pool_gib": "KV cache pool (GiB)",
     "memory/kv_in_use_peak_gib": "KV bytes in use at the busiest moment of the last timed round, every page group (GiB)",
-    "memory/kv_prompt_peak_gib": "the most KV bytes holding prompt tokens at once in the last timed round (GiB; a page "
-                                 "shared by a GRPO group's copies counted once; measured at prefill steps)",
+    "memory/kv_prompt_peak_gib": "the most KV of prompt tokens held at once in the last timed round (GiB; a page shared "
+                                 "by a GRPO group's copies counted once, a last partial page by its prompt tokens; "
+                                 "measured at prefill steps)",
     "kv/prefix_hit_tokens": "last timed round: prompt tokens whose KV came from the prefix cache (kv.prefix_cache; a GRPO group's copies)",
     "kv/prefix_hit_rate": "kv/prefix_hit_tokens / (kv/prefix_hit_tokens + throughput/prefill_tokens_computed)",
     "throughput/prefill_tokens_computed": "last timed round: prompt (and recomputed) tokens the prefill steps computed",

@@ -50,7 +50,7 @@ class StepStats:
     preemptions: int = 0
     decode_batch_sizes: list[int] = field(default_factory=list)
     kv_peak_pages: dict[str, int] = field(default_factory=dict)  # page group -> most pages in use at once
-    kv_prompt_peak_pages: dict[str, int] = field(default_factory=dict)  # ... of them holding prompt tokens
+    kv_prompt_peak_pages: dict[str, float] = field(default_factory=dict)  # prompt tokens' KV, in pages
     prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     shared_pages_peak: int = 0  # most pages held by more than one sequence at once (every page group)
     chained_steps: int = 0  # async decode: steps queued before the previous step's tokens were read

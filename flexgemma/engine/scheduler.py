@@ -52,7 +52,7 @@ class Scheduler:
         self.prefix: Optional[PrefixCache] = PrefixCache(cache.page_groups, cache.page_size) if prefix_cache else None
         self.prefix_hit_tokens = 0  # prompt tokens whose KV came from the cache, since reset_peaks()
         self.shared_pages_peak = 0  # most pages held by more than one sequence at once, since reset_peaks()
-        self.prompt_pages_peak: dict[str, int] = {}  # page group -> most pages holding prompt KV at once
+        self.prompt_pages_peak: dict[str, float] = {}  # page group -> most pages holding prompt KV at once
         self.page_size = cache.page_size
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
@@ -71,15 +71,18 @@ class Scheduler:
         self.shared_pages_peak = self._shared_pages()
         self.prompt_pages_peak = self._prompt_pages()
 
-    def _prompt_pages(self) -> dict[str, int]:
-        """Page group -> distinct pages holding prompt tokens of running sequences (a shared page once)."""
+    def _prompt_pages(self) -> dict[str, float]:
+        """Page group -> the KV of prompt tokens that running sequences hold, in pages (a page shared by
+        several sequences once; a sequence's last, partial prompt page by its prompt tokens alone, as
+        its other slots hold what it generates)."""
         out = {}
         for g in self.cache.page_groups:
-            pages = set()
+            slots = {}
             for s in self.running:
-                pages.update(g.pages_of(s)[: -(-len(s.prompt) // self.page_size)])
-            pages.discard(None)
-            out[g.name] = len(pages)
+                for j, p in enumerate(g.pages_of(s)[: -(-len(s.prompt) // self.page_size)]):
+                    if p is not None:
+                        slots[p] = min(self.page_size, len(s.prompt) - j * self.page_size)
+            out[g.name] = sum(slots.values()) / self.page_size
         return out
 
     def _shared_pages(self) -> int:
