@@ -239,6 +239,14 @@ def test_gpu_group_equals_bitsandbytes_inside_a_graph(double_quant):
             assert rel(y, ref()) < 1e-2, (k, outs, t)
 
 
+def agree(x, y, n: int) -> int:
+    """How many of the first n tokens of two outputs are equal before they first differ."""
+    k = 0
+    while k < n and x.token_ids[k] == y.token_ids[k]:
+        k += 1
+    return k
+
+
 @pytest.mark.gpu
 def test_gpu_engine_4bit_groups_agree_with_bitsandbytes_in_graphs():
     """tiny bf16 bnb4 + LoRA r16 through CUDA graphs: the Triton groups' engine and bitsandbytes'
@@ -259,7 +267,8 @@ def test_gpu_engine_4bit_groups_agree_with_bitsandbytes_in_graphs():
     for step in range(2):
         a, b = tri.generate(ps, sp), ref.generate(ps, sp)
         assert sum(tri.runner.graphs.hits.values()) > 0
-        gap = max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.logprobs[:4], y.logprobs[:4]))
+        # logprobs compared while the tokens agree: past a near-tie flip they are of other tokens
+        gap = max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.logprobs[:agree(x, y, 4)], y.logprobs))
         same = sum(x.token_ids[:4] == y.token_ids[:4] for x, y in zip(a, b))
         print(f"step {step}: logprob gap (first 4 tokens) {gap:.2e}, first 4 tokens equal in {same}/{len(ps)}")
         assert gap < 3e-2 and same >= len(ps) - 1
