@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests batches batches_e2b batches_e2b_quick batches_26b kernels_large prefix prefix_26b prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests batches batches_e2b batches_e2b_quick batches_26b kernels_large prefix prefix_26b prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -78,14 +78,23 @@ words = ("tok_s_median", "kv_in_use_peak", "prefill_tokens_computed", "prefix_hi
 print(sys.argv[2], {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items() if any(w in k for w in words)})
 PY
 }
-prefix_grpo() {  # model overrides...: sharing on, then off
+prefix_grpo() {  # model overrides...: sharing on, then off, then their tokens side by side
   local model=$1; shift
   prefix_job "prefix_${model}_on" +model="$model" +experiment=grpo_rollout kv.prefix_cache=true "$@"
   prefix_job "prefix_${model}_off" +model="$model" +experiment=grpo_rollout kv.prefix_cache=false "$@"
+  python3 - "$WORK/prefix_${model}_on" "$WORK/prefix_${model}_off" <<'PY'
+import json, sys
+on, off = ([json.loads(l) for l in open(f"{d}/completions.jsonl")] for d in sys.argv[1:])
+diff = [(a["prompt_index"], a["sample"], next(i for i, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y))
+        for a, b in zip(on, off) if a["token_ids"] != b["token_ids"]]
+print(f"prefix tokens on vs off: {len(on) - len(diff)}/{len(on)} identical; differ (prompt, sample, first token): {diff[:20]}")
+PY
 }
 export -f prefix_job prefix_grpo
 run prefix 570 bash -c 'prefix_grpo e2b'
 run prefix_26b 570 bash -c 'prefix_grpo 26b_a4b workload.num_prompts=16 engine.max_batch_size=128 workload.rounds=1'
+# the 26B copies that differed (sampled) in the first run: greedy, logprobs in the summaries
+run prefix_26b_greedy 570 bash -c 'prefix_grpo 26b_a4b workload.num_prompts=16 engine.max_batch_size=128 workload.rounds=1 workload.temperature=0'
 run prefix_speed 450 bash -c 'for pc in true false; do prefix_job speed_prefix_$pc +model=e2b +experiment=speed_e2b \
   workload.rounds=3 kv.prefix_cache=$pc; done'
 run prefix_tests 360 python3 -m pytest -q -p no:logging -m gpu -s tests/test_prefix_cache.py

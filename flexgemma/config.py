@@ -188,7 +188,7 @@ class KVConfig:
     reclaim_sliding: bool = True
     # reuse the KV of cached full prompt pages (same tokens, same prefix, same weights): a GRPO
     # group's prompt is prefilled once (docs/prefix-caching.md)
-    prefix_cache: bool = False  # conf/kv/default.yaml says why it is off by default
+    prefix_cache: bool = True  # a GRPO group's prompt prefilled once (docs/prefix-caching.md)
     # GPU pool no bigger than what can be used at once: engine.max_batch_size sequences of
     # engine.max_model_len tokens, or fewer when the job's workload is known to need less
     fit_demand: bool = True

@@ -12,13 +12,7 @@ from flexgemma.engine.kv_cache import PageAllocator
 from flexgemma.tasks.common import prefix_metrics
 from flexgemma.tasks.drift import perturbed
 
-from conftest import make_engine as _make_engine
-
-
-def make_engine(*overrides: str, model: str = "tiny"):
-    """An engine with the prefix cache on (kv.prefix_cache is off by default) unless told otherwise."""
-    on = [] if any(o.startswith("kv.prefix_cache=") for o in overrides) else ["kv.prefix_cache=true"]
-    return _make_engine(*on, *overrides, model=model)
+from conftest import make_engine  # kv.prefix_cache is on by default
 
 PAGE = 8  # conftest SMALL: kv.page_size=8; tiny and tiny_moe slide over 16 tokens
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -296,3 +290,51 @@ def test_a_prefill_block_lists_a_shared_page_once(monkeypatch):
     shared_steps = [listed for n, listed in seen if n > 1]
     assert shared_steps, "no packed prefill step of several copies"
     assert all(len(listed) == len(set(listed)) for _, listed in seen)
+
+
+def coverage_errors(mask, q_rows: int, kv_len: int, q_block: int, page: int, batch: int = 1) -> int:
+    """Slots the GPU's block-sparse flex kernel would get wrong: a slot the mask_mod allows in a page
+    its query block does not list (missed), or in a page listed twice (counted twice)."""
+    kv = torch.arange(kv_len)[None, :]
+    errors = 0
+    for b in range(batch):
+        allowed = mask.mask_mod(torch.tensor(b), torch.tensor(0), torch.arange(q_rows)[:, None], kv).expand(q_rows, kv_len)
+        visits = torch.zeros(q_rows, kv_len, dtype=torch.long)
+        for j in range(-(-q_rows // q_block)):
+            for p in mask.kv_indices[b, 0, j, : int(mask.kv_num_blocks[b, 0, j])].tolist():
+                visits[j * q_block:(j + 1) * q_block, p * page:(p + 1) * page] += 1
+        errors += int((allowed & (visits != 1)).sum())
+    return errors
+
+
+def test_block_lists_cover_the_mask_once_in_a_chunked_grpo_rollout(monkeypatch):
+    """What the GPU's flex kernels read, checked on the CPU (whose dense path ignores the block lists):
+    at every prefill and decode step of GRPO groups whose prompts are prefilled in chunks, copies
+    admitted as their pages are written and windows sliding over shared pages, each query's block
+    lists hold every slot its mask allows exactly once."""
+    from flexgemma.engine.block_mask import MaskBuilder
+
+    errors, steps = [], {"prefill": 0, "decode": 0}
+    prefill, fill_decode = MaskBuilder.prefill, MaskBuilder.fill_decode
+
+    def check_prefill(self, seqs, chunk_lens, padded_len):
+        masks = prefill(self, seqs, chunk_lens, padded_len)
+        steps["prefill"] += 1
+        errors.extend(coverage_errors(m, sum(chunk_lens), self.kv_len[t], self.q_block, self.page_size)
+                      for t, m in masks.items())
+        return masks
+
+    def check_decode(self, buf, seqs, rows):
+        fill_decode(self, buf, seqs, rows)
+        steps["decode"] += 1
+        errors.extend(coverage_errors(m, 1, self.kv_len[t], 1, self.page_size, batch=len(seqs))
+                      for t, m in self.block_masks(buf, rows).items())
+
+    monkeypatch.setattr(MaskBuilder, "prefill", check_prefill)
+    monkeypatch.setattr(MaskBuilder, "fill_decode", check_decode)
+    engine = make_engine("engine.max_prefill_tokens=96", "engine.max_batch_size=32", "kv.cpu_pages=300")
+    rng = random.Random(0)
+    prompts = [p for _ in range(4) for p in [rand_prompt(rng, rng.randrange(40, 90))] * 4]
+    engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.0, seed=3, ignore_eos=True))
+    assert engine.stats.prefix_hit_tokens > 0 and steps["prefill"] > 2 and steps["decode"] >= 9
+    assert sum(errors) == 0
