@@ -25,6 +25,8 @@ def prompts(vocab, lengths=(3, 20, 45, 70, 9), seed=0):
 
 
 def tokens(engine, ps):
+    # every call computes its prompts: these tests compare modes and weights, not prefix-cache hits
+    engine.reset_prefix_cache()
     return [o.token_ids for o in engine.generate(ps, GREEDY)]
 
 

@@ -143,10 +143,11 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget and len(self.running) < self.max_batch_size:
             seq = self.waiting[i]
-            if self._waits_for_pending(seq, pending):
-                i += 1
+            hashes, cached = self._cached_prefix(seq)
+            if pending and len(cached) < len(hashes) and hashes[len(cached)] in pending:
+                i += 1  # the next page it would compute is being computed by another request: wait
                 continue
-            hit = self._reuse_prefix(seq)
+            hit = self._reuse_prefix(seq, cached)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.grow(seq, seq.num_computed + n):
                 if hit:  # it waits holding nothing
@@ -192,11 +193,15 @@ class Scheduler:
             return []
         return self._prompt_hashes(seq)[: (seq.num_tokens - 1) // self.page_size]
 
-    def _reuse_prefix(self, seq: Sequence) -> int:
-        """Gives a sequence being admitted the cached pages of its longest cached prefix (one reference
-        each) and counts them as computed. Returns the tokens reused."""
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[bytes], list]:
+        """The hashes of the full pages seq may start from, and the cache entries of the longest
+        cached prefix of them (both empty without a prefix cache)."""
         hashes = self._usable_hashes(seq)
-        entries = self.prefix.lookup(hashes) if hashes else []
+        return hashes, (self.prefix.lookup(hashes) if hashes else [])
+
+    def _reuse_prefix(self, seq: Sequence, entries: list) -> int:
+        """Gives a sequence being admitted the cached pages `entries` (its longest cached prefix; one
+        reference each) and counts them as computed. Returns the tokens reused."""
         k = len(entries)
         if not k:
             return 0
@@ -223,16 +228,6 @@ class Scheduler:
             if s.needs_prefill:
                 out |= self._pages_to_register(s)
         return out
-
-    def _waits_for_pending(self, seq: Sequence, pending: set) -> bool:
-        """The next page seq would compute is being computed by another request: wait for it."""
-        if not pending:
-            return False
-        hashes = self._usable_hashes(seq)
-        if not hashes:
-            return False
-        k = len(self.prefix.lookup(hashes))
-        return k < len(hashes) and hashes[k] in pending
 
     def _register(self, seq: Sequence, before: int) -> None:
         """Registers the full prompt pages seq's last prefill chunk completed (tokens before..num_computed)."""
