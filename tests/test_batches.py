@@ -2,6 +2,7 @@
 decode-attention row counts, KV bytes per token and the batch-size benchmark (tiny, on the CPU)."""
 
 import importlib.util
+import random
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,19 @@ def test_bench_batches_runs_tiny_on_the_cpu(tmp_path):
     table = (tmp_path / "bench_batches_tiny.md").read_text()
     assert "| batch | tok/s | first/median |" in table and table.count("\n| ") == 3  # header + two rows
     assert (tmp_path / "bench_batches_tiny.json").is_file()
+
+
+def test_after_the_warm_up_rounds_of_other_sizes_compile_nothing():
+    """engine.warmup with the compiled glue and sampler (on the CPU here; the GPU's decode graphs are
+    captured at build anyway): rounds of one row, a few rows, all-greedy or sampled rows after a
+    warm-up shaped for the largest batch build no graph inside the round (issue 21: a greedy batch-64
+    round compiled the sampler's greedy-only variant; a one-row round compiled 11 graphs)."""
+    engine = make_engine("engine.compile=true", "engine.warmup=true", "engine.max_batch_size=6",
+                         "engine.max_prefill_tokens=256", "kv.cpu_pages=200")
+    assert engine.info["warmup_compiled_graphs"] > 0
+    watch, rng = RoundWatch(engine), random.Random(0)
+    for bs, temperature in ((6, 0.0), (1, 0.0), (3, 1.0), (1, 1.0), (2, 0.0)):
+        prompts = [[2] + [rng.randrange(3, 500) for _ in range(rng.randrange(20, 120))] for _ in range(bs)]
+        watch.start()
+        engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=temperature, seed=1, ignore_eos=True))
+        assert watch.stop()["bench/compiled_in_round"] == 0, (bs, temperature)

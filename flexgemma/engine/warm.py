@@ -4,7 +4,8 @@
 replayed once (or an eager decode step per attention row count), then one generate() over prompts
 shaped like the workload's (as many sequences as it runs at once, lengths up to its longest, so
 prefill steps of engine.max_prefill_tokens and a partial one; greedy, sampled and top-k rows, so
-every sampler variant compiles). The engine's request ids and counters are left as they were.
+every sampler variant compiles), then one-row and all-greedy generate() calls (the shapes a round of
+another size adds). The engine's request ids, counters and prefix cache are left as they were.
 
 `RoundWatch` brackets each timed round: compiled graphs (the engine's counter and dynamo's) and the
 allocator's reserved bytes before and after; a round in which either grew is reported and warned
@@ -99,6 +100,13 @@ def warm_up(engine, demand: PoolDemand = PoolDemand(), max_prefill_tokens: int =
     longest = max(1, min(engine.max_model_len - 1 - WARM_NEW_TOKENS, demand.tokens or max_prefill_tokens))
     first_id = engine._next_id
     engine.generate(warm_prompts(n, longest, engine.spec.vocab_size, seed), warm_params(n), strict=True)
+    # what a round of another size or sampling adds: steps that sample one row (size-1
+    # specialisations) and steps whose rows are all greedy (the sampler's greedy-only variant)
+    for k, temperature in ((1, 0.0), (1, 1.0), (min(n, 3), 0.0), (min(n, 3), 1.0)):
+        engine.generate(warm_prompts(k, min(longest, 64), engine.spec.vocab_size, seed + 1),
+                        SamplingParams(max_new_tokens=WARM_NEW_TOKENS, temperature=temperature, seed=seed,
+                                       ignore_eos=True), strict=True)
+    engine.reset_prefix_cache()  # the warm-up's prompts are nobody's prefix
     engine._next_id = first_id  # later requests draw the default seeds they would have drawn without warm-up
     engine.stats = StepStats()
     if runner.device.type == "cuda":
