@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests batches batches_e2b batches_e2b_quick batches_26b kernels_large prefix prefix_26b prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 kernels_large prefix prefix_26b prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -57,6 +57,15 @@ run batches_e2b 300 bash -c 'batches_e2b; cat "$WORK"/batches/bench_batches_e2b.
 run batches_e2b_quick 300 bash -c 'python3 experiments/bench_batches.py --model e2b --batch-sizes 64,256 --new-tokens 512 \
   --rounds 3 --warmup-rounds 0 --out "$WORK/batches"; cat "$WORK"/batches/bench_batches_e2b.md'
 run batches_26b 300 bash -c 'batches_26b; cat "$WORK"/batches/bench_batches_26b_a4b.md'
+# issue 21's other rows of the targets table, one build each (E4B ~3 min, 31B and the bnb4 builds ~3-4 min)
+run batches_e4b 300 bash -c 'python3 experiments/bench_batches.py --model e4b --batch-sizes 64,128 --new-tokens 512 \
+  --rounds 3 --warmup-rounds 0 --out "$WORK/batches"; cat "$WORK"/batches/bench_batches_e4b.md'
+run batches_26b_bnb4 330 bash -c 'python3 experiments/bench_batches.py --model 26b_a4b --batch-sizes 8,128 --new-tokens 256 \
+  --rounds 3 --warmup-rounds 0 --out "$WORK/batches_bnb4" quant=bnb4; cat "$WORK"/batches_bnb4/*.md'
+run batches_31b 330 bash -c 'python3 experiments/bench_batches.py --model 31b --batch-sizes 32,64 --new-tokens 256 \
+  --rounds 3 --warmup-rounds 0 --out "$WORK/batches"; cat "$WORK"/batches/bench_batches_31b.md'
+run batches_31b_bnb4 330 bash -c 'python3 experiments/bench_batches.py --model 31b --batch-sizes 64,128 --new-tokens 256 \
+  --rounds 3 --warmup-rounds 0 --out "$WORK/batches_bnb4" quant=bnb4; cat "$WORK"/batches_bnb4/*31b*.md'
 # the kernels past the sizes they were tuned at: 4-bit projections up to 512 rows (programs of 64 rows)
 # against bitsandbytes' dequantise + GEMM, routed experts past 1,024 entries (sorted) against torch's path
 run kernels_large 300 bash -c 'python3 experiments/bench_linear4bit.py --batch-sizes 64,128,256,512 \
