@@ -18,8 +18,8 @@ ROUND_METRICS: dict[str, str] = {
     "throughput/output_tok_s": "output (generated) tokens / round wall time (vLLM's output token throughput)",
     "throughput/total_tok_s": "(prompt + output) tokens / round wall time (vLLM's total token throughput)",
     "throughput/requests_s": "requests finished / round wall time",
-    "latency/itl_mean_ms": "inter-token latency: mean gap between consecutive tokens of a request, over all the "
-                           "round's gaps (ms; the engine keeps no per-token times, hence no percentiles)",
+    "latency/itl_mean_ms": "inter-token latency: mean gap between consecutive tokens of a completion, over all the "
+                           "round's gaps (ms; percentiles in the summary)",
     "throughput/decode_tok_s": "decode tokens / time in decode steps",
     "throughput/prefill_tok_s": "prompt tokens / time in prefill steps",
     "bandwidth/decode_gb_s": "achieved memory bandwidth of decode (GB/s; estimate: weights + the KV each step reads)",
@@ -89,8 +89,11 @@ METRICS: dict[str, str] = {
     "latency/tpot_p50_ms": "time per output token, median over requests (ms)",
     "latency/tpot_p90_ms": "time per output token, 90th percentile (ms)",
     "latency/tpot_p99_ms": "time per output token, 99th percentile (ms)",
-    "latency/itl_mean_ms": "inter-token latency: mean gap between consecutive tokens, over every gap of a round; "
-                           "median over rounds (ms)",
+    "latency/itl_mean_ms": "inter-token latency: gap between consecutive tokens of a completion, mean over every "
+                           "gap of every timed round (ms)",
+    "latency/itl_p50_ms": "inter-token latency, median (ms)",
+    "latency/itl_p90_ms": "inter-token latency, 90th percentile (ms)",
+    "latency/itl_p99_ms": "inter-token latency, 99th percentile (ms; a decode step that waited for a prefill step shows here)",
     # memory
     "memory/weights_gib": "weight memory, 4-bit packing and quant states included (GiB)",
     "quant/fraction_4bit": "share of the parameters stored in 4 bits (quant=bnb4; 0 for bf16)",

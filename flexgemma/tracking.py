@@ -186,7 +186,7 @@ def format_table(summary: dict[str, Any]) -> str:
         ("prefill tok/s (median)", summary.get("throughput/prefill_tok_s_median")),
         ("TTFT p50 / p99 ms", _pair(summary, "latency/ttft_p50_ms", "latency/ttft_p99_ms")),
         ("TPOT p50 / p99 ms", _pair(summary, "latency/tpot_p50_ms", "latency/tpot_p99_ms")),
-        ("ITL mean ms", summary.get("latency/itl_mean_ms")),
+        ("ITL p50 / p99 ms", _pair(summary, "latency/itl_p50_ms", "latency/itl_p99_ms")),
         ("peak memory GiB", summary.get("memory/peak_allocated_gib")),
         ("KV pool GiB", summary.get("memory/kv_pool_gib")),
         ("decode bandwidth GB/s", summary.get("bandwidth/decode_gb_s_median")),

@@ -308,3 +308,42 @@ def test_sleep_frees_the_kv_pool_on_the_gpu(sleep_mode):
             assert woke["recaptured"] is False
         after = eng.generate(prompts, params)
         assert [o.token_ids for o in after] == [o.token_ids for o in before]
+
+
+def test_token_times_give_itl_percentiles(tiny_engine):
+    """Each completion carries one arrival time per token, non-decreasing and after its first
+    token's; the round's ITL is every completion's gaps (the n of a request included), and the
+    summary gives its mean, p50, p90 and p99 as for TTFT and TPOT."""
+    import numpy as np
+
+    from flexgemma.tasks.bench import round_summary
+    from flexgemma.tasks.common import round_metrics
+
+    prompts = [[2, 5, 9, 14], [2, 77, 31, 8, 8, 9]]
+    outs = tiny_engine.generate(prompts, SamplingParams(max_new_tokens=7, temperature=1.0, seed=3, n=2,
+                                                        ignore_eos=True))
+    for o in outs:
+        assert len(o.outputs) == 2
+        for c in o.outputs:
+            t = c.token_times
+            assert len(t) == len(c.token_ids) == 7 and all(b >= a for a, b in zip(t, t[1:]))
+        assert o.first_token_time == pytest.approx(min(c.token_times[0] for c in o.outputs))
+    m, lat = round_metrics(outs, tiny_engine.stats, wall=1.0)
+    gaps = np.concatenate([np.diff(c.token_times) * 1e3 for o in outs for c in o.outputs])
+    assert lat["latency/itl_ms"].size == 4 * 6 and m["latency/itl_mean_ms"] == pytest.approx(gaps.mean())
+    m["bench/compiled_in_round"] = 0
+    summary = round_summary([m], [lat])
+    assert summary["latency/itl_p99_ms"] == pytest.approx(np.percentile(gaps, 99))
+    assert summary["latency/itl_p50_ms"] <= summary["latency/itl_p90_ms"] <= summary["latency/itl_p99_ms"]
+
+
+def test_token_times_survive_preemption():
+    """A request preempted and recomputed keeps the times its tokens first arrived: one a token."""
+    engine = build_engine(compose(["+model=tiny", *SMALL, "kv.cpu_pages=12", "engine.max_model_len=48",
+                                 "engine.max_batch_size=4"]))
+    outs = engine.generate([[2] + list(range(10 + 40 * i, 30 + 40 * i)) for i in range(3)], SamplingParams(max_new_tokens=20, temperature=0.0,
+                                                                        ignore_eos=True))
+    assert sum(o.num_preemptions for o in outs) > 0
+    for o in outs:
+        t = o.outputs[0].token_times
+        assert len(t) == len(o.token_ids) == 20 and all(b >= a for a, b in zip(t, t[1:]))

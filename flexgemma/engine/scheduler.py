@@ -324,6 +324,8 @@ class Scheduler:
         placeholder behind it). Returns whether s finished."""
         if s.first_token_time is None:
             s.first_token_time = now - s.arrival
+        if len(s.token_times) == i:  # token i's first arrival (a recomputed one after preemption keeps it)
+            s.token_times.append(now - s.arrival)
         reason = self.stop_rule.reason(s, s.generated[i], count=i + 1)
         if not reason:
             return False

@@ -152,6 +152,7 @@ class CompletionOutput:
     finish_reason: str
     text: Optional[str] = None  # the decoded tokens, when the engine has a tokenizer
     stop_reason: Optional[str] = None  # the stop string that ended it, if one did
+    token_times: list[float] = field(default_factory=list)  # seconds after the request was added, a token each
 
     @property
     def cumulative_logprob(self) -> float:
@@ -219,6 +220,7 @@ class Sequence:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     arrival: float = 0.0  # time.perf_counter() when it was added; the times above count from it
+    token_times: list[float] = field(default_factory=list)  # when each generated token arrived (from arrival)
     request_id: Optional[int] = None  # the request it is a completion of (None: its own seq_id)
     sample_index: int = 0  # which of the request's n completions
     stop_matcher: object = None  # a text.StopMatcher when params.stop is set
@@ -249,7 +251,7 @@ class Sequence:
 
     def to_completion(self) -> CompletionOutput:
         return CompletionOutput(self.sample_index, list(self.generated), list(self.logprobs),
-                                self.finish_reason or "length")
+                                self.finish_reason or "length", token_times=list(self.token_times))
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(

@@ -80,14 +80,12 @@ def round_summary(rounds: list[dict], latencies: list[dict]) -> dict:
         vals = [m[key] for m in rounds]
         summary[key + "_median"] = statistics.median(vals)
         summary[key + "_best"] = max(vals)
-    for key in ("latency/ttft_ms", "latency/tpot_ms"):
+    for key in ("latency/ttft_ms", "latency/tpot_ms", "latency/itl_ms"):
         vals = np.concatenate([lat[key] for lat in latencies])
         name = key.removesuffix("_ms")
         summary[name + "_mean_ms"] = float(vals.mean()) if vals.size else None
         for q in (50, 90, 99):
             summary[f"{name}_p{q}_ms"] = float(np.percentile(vals, q)) if vals.size else None
-    itl = [m["latency/itl_mean_ms"] for m in rounds if m["latency/itl_mean_ms"] is not None]
-    summary["latency/itl_mean_ms"] = statistics.median(itl) if itl else None
     for key in ("bandwidth/decode_gb_s", "bandwidth/decode_pct_of_peak"):
         if key in rounds[0]:
             summary[key + "_median"] = statistics.median(m[key] for m in rounds)

@@ -160,10 +160,10 @@ def round_metrics(outputs, stats, wall: float) -> tuple[dict, dict]:
     decoding = [o for o in outputs if o.finish_time is not None and o.first_token_time is not None
                 and len(o.token_ids) > 1]
     tpot = np.array([(o.finish_time - o.first_token_time) * 1e3 / (len(o.token_ids) - 1) for o in decoding])
-    # inter-token latency, vLLM's meaning: the gaps between consecutive tokens of a request, over all
-    # requests (a token-weighted mean; the engine keeps no per-token times, so no percentiles)
-    gaps = sum(len(o.token_ids) - 1 for o in decoding)
-    itl_mean = sum((o.finish_time - o.first_token_time) * 1e3 for o in decoding) / gaps if gaps else None
+    # inter-token latency, vLLM's meaning: the gaps between consecutive tokens of a completion, over
+    # every completion of every request (n > 1: each of the n)
+    itl = np.concatenate([np.diff(c.token_times) * 1e3 for o in ok for c in o.outputs] or [np.zeros(0)])
+    itl_mean = float(itl.mean()) if itl.size else None
     bs = stats.decode_batch_sizes
     return {
         "bench/round_seconds": wall,
@@ -180,7 +180,7 @@ def round_metrics(outputs, stats, wall: float) -> tuple[dict, dict]:
         "scheduler/preemptions": stats.preemptions,
         "scheduler/decode_batch_mean": float(np.mean(bs)) if bs else 0.0,
         **prefix_metrics(stats),
-    }, {"latency/ttft_ms": ttft, "latency/tpot_ms": tpot}
+    }, {"latency/ttft_ms": ttft, "latency/tpot_ms": tpot, "latency/itl_ms": itl}
 
 
 def prefix_metrics(stats) -> dict:
