@@ -74,15 +74,17 @@ class Scheduler:
     def _prompt_pages(self) -> dict[str, float]:
         """Page group -> the KV of prompt tokens that running sequences hold, in pages (a page shared by
         several sequences once; a sequence's last, partial prompt page by its prompt tokens alone, as
-        its other slots hold what it generates)."""
-        out = {}
+        its other slots hold what it generates). Sets, not a loop a page: it runs at every prefill step."""
+        out, size = {}, self.page_size
         for g in self.cache.page_groups:
-            slots = {}
+            full, partial = set(), 0  # a partial page is its sequence's own: never shared, counted once
             for s in self.running:
-                for j, p in enumerate(g.pages_of(s)[: -(-len(s.prompt) // self.page_size)]):
-                    if p is not None:
-                        slots[p] = min(self.page_size, len(s.prompt) - j * self.page_size)
-            out[g.name] = sum(slots.values()) / self.page_size
+                pages, n = g.pages_of(s), len(s.prompt)
+                full.update(pages[: n // size])
+                if n % size and n // size < len(pages) and pages[n // size] is not None:
+                    partial += n % size
+            full.discard(None)
+            out[g.name] = len(full) + partial / size
         return out
 
     def _shared_pages(self) -> int:
