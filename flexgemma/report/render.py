@@ -75,6 +75,7 @@ h1 { font-size: 1.6em; } h2 { margin-top: 1.8em; border-bottom: 1px solid #ddd; 
 .verdict { background: #eef6ee; border-left: 5px solid #2ca02c; padding: .7em 1em; font-size: 1.08em; }
 .verdict.none { background: #fbeaea; border-left-color: #d62728; }
 pre { background: #f5f5f5; padding: .7em 1em; overflow-x: auto; }
+.table-scroll { overflow-x: auto; max-width: 100%; }  /* a sweep's wide table scrolls, the page does not */
 table { border-collapse: collapse; font-size: .9em; margin: .6em 0; }
 th, td { border: 1px solid #ddd; padding: .3em .6em; white-space: nowrap; }
 th { background: #f0f0f0; position: sticky; top: 0; }
@@ -103,7 +104,8 @@ def html_table(table: Table, wrap_columns: tuple[str, ...] = ()) -> str:
             cls = "num" if numeric else ("wrap" if header in wrap_columns else "")
             tds.append(f'<td class="{cls}">{_e(cell)}</td>' if cls else f"<td>{_e(cell)}</td>")
         body.append(f'<tr class="{" ".join(classes)}">{"".join(tds)}</tr>')
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    return (f'<div class="table-scroll"><table><thead><tr>{head}</tr></thead>'
+            f"<tbody>{''.join(body)}</tbody></table></div>")
 
 
 def write_html(path: Path, coll: Collection, verdict: Verdict, tables: list[Table], plots: list[Plot],
