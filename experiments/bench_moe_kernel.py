@@ -46,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers.activations import GELUTanh
 
-    from flexgemma.model.moe_kernel import DOWN_TILES, UP_TILES, decode_experts
+    from flexgemma.model.moe_kernel import DOWN_TILES, ROUTED_MAX_ENTRIES, UP_TILES, decode_experts
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     e, h, i, k = args.experts, args.hidden, args.intermediate, args.top_k
@@ -82,6 +82,10 @@ def main() -> None:
             row = {"batch": bs, "quant": quant, "experts_used": used, "bytes": nbytes,
                    "torch_us": time_us(lambda: experts_grouped(x, idx, w, gate_up, down, act))}
             row["default_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down))
+            # the two ways a program finds its expert's entries (the default switches above ROUTED_MAX_ENTRIES)
+            row["sorted_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, sort_entries=True))
+            if bs * k <= ROUTED_MAX_ENTRIES:
+                row["matched_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, sort_entries=False))
             if quant == "bnb4":  # the default is the fused 4-bit GEMMs; the other mode dequantises into slots
                 row["slots_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, packed_mode="slots"))
                 row["select_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, code_lookup="select"))
@@ -109,6 +113,7 @@ def main() -> None:
                   f"({nbytes / row['torch_us'] / 1e6:.2f} TB/s), triton default {row['default_us']:7.1f} us "
                   f"({nbytes / row['default_us'] / 1e6:.2f} TB/s), best {best['us']:7.1f} us "
                   f"({nbytes / best['us'] / 1e6:.2f} TB/s) up {best['up']} down {best['down']['BLOCK_N']}, "
+                  f"entries sorted {row['sorted_us']:7.1f} us / matched {row.get('matched_us', float('nan')):7.1f} us, "
                   + (f"lookup {best.get('code_lookup')}, slots {row['slots_us']:7.1f} us, select "
                      f"{row['select_us']:7.1f} us, " if "slots_us" in row else "") +
                   f"rel err {best['rel_err']:.1e}", flush=True)

@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 kernels_large prefix prefix_26b prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 kernels_large moe_sort_vs_match prefix prefix_26b prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -71,6 +71,11 @@ run batches_31b_bnb4 330 bash -c 'python3 experiments/bench_batches.py --model 3
 run kernels_large 300 bash -c 'python3 experiments/bench_linear4bit.py --batch-sizes 64,128,256,512 \
   --grid-batch-sizes 256 --out "$WORK/linear4bit_large.json" && python3 experiments/bench_moe_kernel.py \
   --batch-sizes 64,128,256,512 --bnb4 --grid-batch-sizes 256 --out "$WORK/moe_kernel_large.json"'
+
+# issue 21, 26B-A4B at 128 rows (1,024 entries: the matched path, each program scanning the whole
+# routing): each expert program finding its entries by a sort outside vs by matching, bf16 and 4-bit
+run moe_sort_vs_match 200 python3 experiments/bench_moe_kernel.py --batch-sizes 8,32,64,128,256 --bnb4 \
+  --grid-batch-sizes 0 --out "$WORK/moe_sort_vs_match.json"
 
 # issue 18, prefix caching: +experiment=grpo_rollout (32 prompts x n=8, 1,024-2,048 + 512 tokens) with
 # kv.prefix_cache=true then false, one job each (~2-4.5 min a pair), and the speed workload (no shared
