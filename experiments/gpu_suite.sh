@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 kernels_large moe_sort_vs_match prefix prefix_26b prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 kernels_large moe_sort_vs_match prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -107,6 +107,8 @@ PY
 export -f prefix_job prefix_grpo
 run prefix 570 bash -c 'prefix_grpo e2b'
 run prefix_26b 570 bash -c 'prefix_grpo 26b_a4b workload.num_prompts=16 engine.max_batch_size=128 workload.rounds=1'
+# the preset's own size on 26B-A4B: 32 prompts x 8 = 256 sequences at once (unshared, their KV is ~65 GB)
+run prefix_26b_full 570 bash -c 'prefix_grpo 26b_a4b workload.rounds=1'
 # the 26B copies that differed (sampled) in the first run: greedy, logprobs in the summaries
 run prefix_26b_greedy 570 bash -c 'prefix_grpo 26b_a4b workload.num_prompts=16 engine.max_batch_size=128 workload.rounds=1 workload.temperature=0'
 run prefix_speed 450 bash -c 'for pc in true false; do prefix_job speed_prefix_$pc +model=e2b +experiment=speed_e2b \
