@@ -338,3 +338,24 @@ def test_block_lists_cover_the_mask_once_in_a_chunked_grpo_rollout(monkeypatch):
     engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.0, seed=3, ignore_eos=True))
     assert engine.stats.prefix_hit_tokens > 0 and steps["prefill"] > 2 and steps["decode"] >= 9
     assert sum(errors) == 0
+
+
+def test_an_in_place_weight_change_is_noticed_without_being_told():
+    """An optimizer step (or any in-place change of a parameter) between calls forgets the cached
+    pages although nobody called weights_changed(): the repeated prompt is computed again, and its
+    logprobs are those of computing it with the new weights."""
+    engine = make_engine()
+    prompt = rand_prompt(random.Random(4), 45)
+    engine.generate([prompt], GREEDY)
+    engine.generate([prompt], GREEDY)
+    assert engine.stats.prefix_hit_tokens == 40  # unchanged weights: a hit
+    weight = engine.model.model.layers[0].self_attn.q_proj.weight
+    with torch.no_grad():
+        weight.mul_(1.5)  # what optimizer.step() does: an in-place update
+    got = engine.generate([prompt], GREEDY)[0]
+    assert engine.stats.prefix_hit_tokens == 0
+    engine.reset_prefix_cache()
+    want = engine.generate([prompt], GREEDY)[0]
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    engine.generate([prompt], GREEDY)
+    assert engine.stats.prefix_hit_tokens == 40  # and the new weights' pages are hits again

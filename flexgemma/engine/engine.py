@@ -37,6 +37,16 @@ class RequestError(ValueError):
     """An invalid request: raised by add_request(), and by generate(strict=True) listing every bad one."""
 
 
+def parameter_versions(params: list) -> Optional[tuple]:
+    """Each parameter's identity and in-place change counter (views of a fused weight share theirs):
+    it differs once a parameter is changed in place or replaced. None where tensors keep no counter
+    (created under inference mode)."""
+    try:
+        return tuple((id(p), p._version) for p in params)
+    except RuntimeError:
+        return None
+
+
 @dataclass
 class StepStats:
     """Counters of the last generate() call (reset at each call; step() adds to them)."""
@@ -138,6 +148,8 @@ class Engine:
         self.asleep = False  # sleep() released the KV pool; wake() restores it
         self._inflight = InflightDecode(runner, scheduler)
         self._lock = threading.RLock()
+        self._params = list(model.parameters()) if model is not None else []
+        self._weights_seen = parameter_versions(self._params)  # see _notice_weight_changes
 
     # Engine.from_model(hf_model, tokenizer=None, **overrides) is flexgemma.api.engine_from_model,
     # attached in flexgemma/__init__.py: the engine imports nothing that builds engines (no cycle).
@@ -159,11 +171,25 @@ class Engine:
         return report
 
     def weights_changed(self) -> None:
-        """Call after changing the weights the forward reads (update_lora does): the prefix cache
-        forgets every page, and no page computed with the old weights is ever a hit again."""
+        """Call after changing the weights the forward reads (update_lora does; an in-place change of
+        a parameter is noticed by itself): the prefix cache forgets every page, and no page computed
+        with the old weights is ever a hit again."""
         with self._lock:
             if self.scheduler.prefix is not None:
                 self.scheduler.prefix.bump_version()
+
+    def _notice_weight_changes(self, relist: bool) -> None:
+        """Before admitting requests: a parameter changed in place since the last look (an optimizer
+        step, load_state_dict, copy_) counts as weights_changed(), so a cached prefix is never served
+        across it even when the caller forgets to say so. Changes through `.data` are not seen.
+        relist: walk the model for its parameters again (generate(): ~2 ms; add_request() reuses
+        the last list, ~0.1 ms)."""
+        if relist and self.model is not None:
+            self._params = list(self.model.parameters())
+        seen = parameter_versions(self._params)
+        if seen != self._weights_seen:
+            self._weights_seen = seen
+            self.weights_changed()
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prompt page (e.g. before a timed round that must compute its prompts)."""
@@ -280,6 +306,7 @@ class Engine:
             tokens, params, errs = self._check(prompt, params)
             if errs:
                 raise RequestError("invalid request (nothing was queued): " + "; ".join(errs))
+            self._notice_weight_changes(relist=False)
             return self._add(tokens, params, text=prompt_text(self.tokenizer, prompt))
 
     def _add(self, tokens: list[int], params: SamplingParams, index: Optional[int] = None,
@@ -385,6 +412,7 @@ class Engine:
             self._require_awake()
             outputs, accepted = self._validate_call(prompts, params, strict)
             first_id = self._begin_call()
+            self._notice_weight_changes(relist=True)
             bar = tqdm(total=len(accepted), desc="generate", unit="req", disable=not use_tqdm, leave=False)
             try:
                 for i, tokens, sp, text in accepted:
