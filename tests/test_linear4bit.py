@@ -206,8 +206,9 @@ def test_groups_refuse_what_the_kernel_cannot_read():
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_gpu_group_equals_bitsandbytes_inside_a_graph(double_quant):
     """E2B's shapes in bf16 (q/k/v of a sliding layer, gate/up and down of a double-wide MLP), at
-    the decode buckets' row counts, eagerly and replayed from a CUDA graph with new rows and a new
-    LoRA B copied in: within bf16 rounding of bitsandbytes' modules (+ the explicit LoRA product)."""
+    the decode buckets' row counts (RL batches up to 512: several programs of 64 rows), eagerly and
+    replayed from a CUDA graph with new rows and a new LoRA B copied in: within bf16 rounding of
+    bitsandbytes' modules (+ the explicit LoRA product)."""
     from flexgemma.model.linear4bit import Linear4bitGroup
     from flexgemma.model.quant import Bnb4Settings, linear4bit_from
 
@@ -221,7 +222,7 @@ def test_gpu_group_equals_bitsandbytes_inside_a_graph(double_quant):
     for k, outs in [(1536, (2048, 256, 256)), (1536, (12288, 12288)), (12288, (1536,))]:
         mods = [linear4bit_from(torch.nn.Linear(k, n, bias=False).bfloat16(), s, dev) for n in outs]
         g = Linear4bitGroup(mods)
-        for t in (1, 8, 64):
+        for t in (1, 8, 64, 200, 512):
             x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
             xa = torch.randn(t, 32 * len(outs), device=dev, dtype=torch.bfloat16)
             b = torch.randn(sum(outs), 32 * len(outs), device=dev, dtype=torch.bfloat16) * 0.01
