@@ -18,9 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma import SamplingParams, build_engine, compose  # noqa: E402
+from flexgemma.model.moe_kernel import KERNEL_MAX_ENTRIES  # noqa: E402
 
 
-def main() -> None:
+def main(argv=None) -> list:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", required=True, help="comma-separated prompt lengths")
     ap.add_argument("--n", type=int, default=8)
@@ -29,7 +30,7 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=None, help="default: every sequence at once")
     ap.add_argument("--prefix-cache", default="true")
     ap.add_argument("--top-k", type=int, default=8, help="experts a token routes to (26B-A4B: 8)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     lens = [int(x) for x in args.lengths.split(",")]
     longest, seqs = max(lens) + 2, len(lens) * args.n
     engine = build_engine(compose([
@@ -54,8 +55,10 @@ def main() -> None:
         tokens = sum(k for *_, k in step)
         firsts = [(p, k) for p, c, k in step if c == 0]
         copies = sorted({p for p, c, _ in step if c})
-        print(f"prefill step {i}: {tokens} tokens ({tokens * args.top_k} routed entries); "
+        path = "Triton expert kernels" if tokens * args.top_k <= KERNEL_MAX_ENTRIES else "torch's grouped GEMM"
+        print(f"prefill step {i}: {tokens} tokens ({tokens * args.top_k} routed entries: {path}); "
               f"first copies (prompt, tokens) {firsts}; other copies of prompts {copies}")
+    return steps
 
 
 if __name__ == "__main__":

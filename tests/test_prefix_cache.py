@@ -359,3 +359,22 @@ def test_an_in_place_weight_change_is_noticed_without_being_told():
     assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
     engine.generate([prompt], GREEDY)
     assert engine.stats.prefix_hit_tokens == 40  # and the new weights' pages are hits again
+
+
+def test_replay_schedule_shows_copies_prefilled_after_their_first():
+    """experiments/replay_schedule.py (the scheduler alone): a group's first copy is prefilled (in
+    chunks when long), its other copies in a later step, each only its last partial page."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "replay_schedule.py"
+    spec = importlib.util.spec_from_file_location("replay_schedule", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    steps = mod.main(["--lengths", "150,90", "--n", "3", "--page-size", "16", "--max-prefill-tokens", "128"])
+    firsts = [(p, k) for step in steps for p, c, k in step if c == 0]
+    copies = [(i, p, k) for i, step in enumerate(steps) for p, c, k in step if c]
+    assert sum(k for p, k in firsts if p == 0) == 150 and sum(k for p, k in firsts if p == 1) == 90
+    assert sorted(k for _, p, k in copies if p == 0) == [6, 6] and sorted(k for _, p, k in copies if p == 1) == [10, 10]
+    last_first = {p: max(i for i, step in enumerate(steps) for q, c, _ in step if q == p and c == 0) for p in (0, 1)}
+    assert all(i > last_first[p] for i, p, _ in copies)
