@@ -74,7 +74,9 @@ def test_same_tokens_and_logprobs_with_and_without_the_cache(model, params):
     a = on.generate([prompts[0]], sp)[0]
     b = off.generate([prompts[0]], sp)[0]
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
-    assert on.stats.prefix_hit_tokens == 3 * 40  # 45 tokens: 5 full pages, the last computed by each copy
+    assert max(abs(x - y) for c, d in zip(a.outputs, b.outputs) for x, y in zip(c.logprobs, d.logprobs)) <= 1e-5
+    # 45 tokens: 5 full pages shared, the last page's 4 tokens copied; each copy computes its last token
+    assert on.stats.prefix_hit_tokens == 3 * 44 and on.stats.prefill_tokens == 45 + 3
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
@@ -97,12 +99,12 @@ def test_a_grpo_group_is_prefilled_once():
     prompt = rand_prompt(random.Random(3), 45)
     engine.generate([prompt] * 8, SAMPLED)
     st = engine.stats
-    # the first copy computes 45 tokens; each other copy only its last page's 5 (40 reused)
-    assert st.prefill_tokens == 45 + 7 * 5
-    assert st.prefix_hit_tokens == 7 * 40
+    # the first copy computes 45 tokens; each other copy only its last token (40 shared, 4 copied)
+    assert st.prefill_tokens == 45 + 7 * 1
+    assert st.prefix_hit_tokens == 7 * 44
     m = prefix_metrics(st)
-    assert m["kv/prefix_hit_rate"] == pytest.approx(280 / (280 + 80))
-    assert m["throughput/prefill_tokens_computed"] == 80 and m["kv/shared_pages_peak"] >= 5
+    assert m["kv/prefix_hit_rate"] == pytest.approx(308 / (308 + 52))
+    assert m["throughput/prefill_tokens_computed"] == 52 and m["kv/shared_pages_peak"] >= 5
     # the prompt's full-attention pages are held once: 5 shared + each copy's own tail
     off = make_engine("kv.prefix_cache=false")
     off.generate([prompt] * 8, SAMPLED)
@@ -125,8 +127,9 @@ def test_a_repeated_prompt_after_update_lora_is_not_a_hit():
     fresh.update_lora(new)
     assert_same(got, run(fresh, prompts, GREEDY))
     assert engine.stats.prefix_hit_tokens + engine.stats.prefill_tokens == fresh.stats.prefill_tokens
-    # only what this call computed: the 3 later copies of prompt 0, and prompt 4's 27 tokens of it
-    assert engine.stats.prefix_hit_tokens == 3 * 40 + 3 * PAGE
+    # only what this call computed: the 3 later copies of prompt 0 (5 full pages and 4 tokens of its
+    # last page, copied), and prompt 4's 27 tokens of it (3 full pages)
+    assert engine.stats.prefix_hit_tokens == 3 * 44 + 3 * PAGE
 
 
 def test_weights_changed_forgets_every_page_and_hashes_differ():
@@ -363,7 +366,8 @@ def test_an_in_place_weight_change_is_noticed_without_being_told():
 
 def test_replay_schedule_shows_copies_prefilled_after_their_first():
     """experiments/replay_schedule.py (the scheduler alone): a group's first copy is prefilled (in
-    chunks when long), its other copies in a later step, each only its last partial page."""
+    chunks when long), its other copies in a later step, each only its last token (its last page
+    copied from the first's)."""
     import importlib.util
     from pathlib import Path
 
@@ -375,6 +379,26 @@ def test_replay_schedule_shows_copies_prefilled_after_their_first():
     firsts = [(p, k) for step in steps for p, c, k in step if c == 0]
     copies = [(i, p, k) for i, step in enumerate(steps) for p, c, k in step if c]
     assert sum(k for p, k in firsts if p == 0) == 150 and sum(k for p, k in firsts if p == 1) == 90
-    assert sorted(k for _, p, k in copies if p == 0) == [6, 6] and sorted(k for _, p, k in copies if p == 1) == [10, 10]
+    assert sorted(k for _, p, k in copies if p == 0) == [1, 1] and sorted(k for _, p, k in copies if p == 1) == [1, 1]
     last_first = {p: max(i for i, step in enumerate(steps) for q, c, _ in step if q == p and c == 0) for p in (0, 1)}
     assert all(i > last_first[p] for i, p, _ in copies)
+
+
+def test_a_copy_gets_its_own_copy_of_the_last_page():
+    """Copy-on-write of a prompt's last, partial page: each later copy of a GRPO group gets a page
+    of its own holding a copy of the first copy's (which keeps writing its own), in every group."""
+    engine = make_engine()
+    cache = engine.runner.cache
+    seen, copy_pages = [], cache.copy_pages
+
+    def spy(copies):
+        seen.extend(copies)
+        copy_pages(copies)
+
+    cache.copy_pages = spy
+    engine.generate([rand_prompt(random.Random(3), 45)] * 3, GREEDY)
+    for g in cache.page_groups:
+        pairs = [(src, dst) for name, src, dst in seen if name == g.name]
+        sources, dests = {s for s, _ in pairs}, {d for _, d in pairs}
+        assert len(pairs) == 2 and len(sources) == 1 and len(dests) == 2 and not sources & dests
+    assert engine.stats.prefill_tokens == 45 + 2

@@ -240,5 +240,20 @@ class KVCache:
     def write(self, layer_index: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         self.pools.write(layer_index, k, v, slots)
 
+    def copy_pages(self, copies: list[tuple[str, int, int]]) -> None:
+        """(page group name, source page, destination page): every slot of each source page copied
+        to its destination in every KV-writing layer the group serves (a prefill's copy-on-write)."""
+        p = self.page_size
+        for g in self.page_groups:
+            pairs = [(src, dst) for name, src, dst in copies if name == g.name]
+            if not pairs:
+                continue
+            offs = torch.arange(p)
+            src = torch.cat([s * p + offs for s, _ in pairs]).to(self.device)
+            dst = torch.cat([d * p + offs for _, d in pairs]).to(self.device)
+            for s in self.spec.kv_layers:
+                if self.group_for[s.layer_type] is g:
+                    self.pools.copy_slots(s.index, src, dst)
+
     def slot(self, group: PageGroup, seq, pos: int) -> int:
         return group.pages_of(seq)[pos // self.page_size] * self.page_size + pos % self.page_size

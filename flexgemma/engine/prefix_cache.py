@@ -14,8 +14,14 @@ is left, before the scheduler preempts anyone. A sequence never writes a page it
 allocate itself (a hit stops short of the page holding the prompt's last token), so no write
 ever lands in a page another sequence reads.
 
+A prompt's last, partial page is copied on write: a request that computed its whole prompt
+registers that page under a tail name (the previous full page's hash and the page's tokens but
+the last); while it runs and holds the page, a request whose prompt has the same name gets a page
+of its own with a copy of it, and computes only its last token (whose logits it samples from).
+
     lookup(hashes) -> entries       the longest usable cached prefix (its pages, per group)
     insert(hash, pages)             register a freshly computed full page
+    tail_key / add_tail / tail      name, register, find a computed last partial page (its request)
     release / evict                 through the allocator: refcount down; evict drops an idle page
     clear() / bump_version()        forget everything (weights changed, pool freed)
 """
@@ -38,6 +44,7 @@ class PrefixCache:
         self.version = 0  # the weights' version: part of every hash
         self._entries: dict[bytes, Entry] = {}
         self._key_of: dict[tuple[str, int], bytes] = {}  # (group, page) -> the hash it is cached under
+        self._tails: dict[bytes, object] = {}  # tail name -> the Sequence that computed that last page
         for g in groups:
             g.allocator.on_evict = lambda page, name=g.name: self._evicted(name, page)
 
@@ -53,7 +60,27 @@ class PrefixCache:
             out.append(prev)
         return out
 
+    def tail_key(self, tokens: list[int], full_hashes: list[bytes]) -> Optional[bytes]:
+        """The name of a prompt's last page up to, not including, its last token (None when that
+        is no token: the last token opens its page). full_hashes: the prompt's full-page hashes."""
+        p, k = self.page_size, (len(tokens) - 1) // self.page_size
+        if len(tokens) - 1 == k * p:
+            return None
+        prev = full_hashes[k - 1] if k else self.version.to_bytes(8, "little", signed=False)
+        return hashlib.sha256(b"tail" + prev + np.asarray(tokens[k * p: len(tokens) - 1], dtype=np.int64).tobytes()).digest()
+
     # -- the API ----------------------------------------------------------------------------------
+    def add_tail(self, key: bytes, seq) -> None:
+        """seq computed its whole prompt, whose last page is named `key` (the first to register wins)."""
+        self._tails.setdefault(key, seq)
+
+    def tail(self, key: bytes):
+        """The sequence registered under tail name `key`, or None."""
+        return self._tails.get(key)
+
+    def drop_tail(self, key: bytes) -> None:
+        self._tails.pop(key, None)
+
     def lookup(self, hashes: list[bytes]) -> list[Entry]:
         """The entries of the longest cached prefix of `hashes` that a sequence can start from: every
         full-attention page present, and each sliding group's pages inside the window of the first
@@ -117,6 +144,7 @@ class PrefixCache:
                 g.allocator.unmark_cached(page)
         self._entries.clear()
         self._key_of.clear()
+        self._tails.clear()
 
     def bump_version(self) -> None:
         """The weights changed: no page computed before may ever be a hit."""

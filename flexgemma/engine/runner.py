@@ -94,6 +94,8 @@ class ModelRunner:
         if plan.kind == "decode":
             tokens, logprobs = self._decode(plan.seqs)
             return tokens.tolist(), logprobs.tolist()
+        if plan.copies:  # last prompt pages copied from the request that computed them, before reads
+            self.cache.copy_pages(plan.copies)
         logits, sampled, positions = self._prefill(plan)
         seqs = [s for s, smp in zip(plan.seqs, sampled) if smp]
         if not seqs:

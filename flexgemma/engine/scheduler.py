@@ -35,6 +35,8 @@ class StepPlan:
     kind: str  # "prefill" | "decode"
     seqs: list[Sequence]
     chunk_lens: list[int] = field(default_factory=list)  # prefill: tokens computed per sequence
+    # prefill: (page group, source page, destination page) to copy before the step (a copy's last page)
+    copies: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -142,20 +144,31 @@ class Scheduler:
                     lens.append(n)
                     budget -= n
         pending = self._pending_pages() if self.waiting and len(self.running) < self.max_batch_size else set()
+        copies: list[tuple[str, int, int]] = []
         i = 0
         while i < len(self.waiting) and budget and len(self.running) < self.max_batch_size:
             seq = self.waiting[i]
             hashes, cached = self._cached_prefix(seq)
-            if pending and len(cached) < len(hashes) and hashes[len(cached)] in pending:
+            # its last page can be copied when every full page before it is a hit
+            tail = self._tail_key(seq) if len(cached) == len(hashes) and self._fresh(seq) else None
+            source = self._tail_source(seq, tail)
+            if pending and ((len(cached) < len(hashes) and hashes[len(cached)] in pending)
+                            or (source is None and tail in pending)):
                 i += 1  # the next page it would compute is being computed by another request: wait
                 continue
             hit = self._reuse_prefix(seq, cached)
+            if source is not None:  # computes only its last token, on a copy of source's last page
+                seq.num_computed, seq.kv_version = len(seq.prompt) - 1, self.prefix.version
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.grow(seq, seq.num_computed + n):
-                if hit:  # it waits holding nothing
+                if seq.num_computed:  # it waits holding nothing
                     self._release_all(seq)
                     seq.num_computed = 0
                 break
+            if source is not None:
+                last = (len(seq.prompt) - 1) // self.page_size
+                copies += [(g.name, g.pages_of(source)[last], g.pages_of(seq)[last]) for g in self.cache.page_groups]
+                hit = seq.num_computed
             del self.waiting[i]
             self.prefix_hit_tokens += hit
             pending.update(self._pages_to_register(seq))
@@ -167,7 +180,7 @@ class Scheduler:
         if seqs:  # prompt pages only grow at a prefill step: their peak is counted here alone
             now = self._prompt_pages()
             self.prompt_pages_peak = {k: max(n, self.prompt_pages_peak.get(k, 0)) for k, n in now.items()}
-            return StepPlan("prefill", seqs, lens)
+            return StepPlan("prefill", seqs, lens, copies)
         batch = self._decode_batch()
         if not batch and len(self.running) > 1:
             # every running request is a stalled chunked prefill: free the newest one's pages
@@ -188,12 +201,41 @@ class Scheduler:
             seq.block_hashes = (self.prefix.version, self.prefix.hashes(seq.prompt))
         return seq.block_hashes[1]
 
+    def _fresh(self, seq: Sequence) -> bool:
+        """seq may start from cached pages: the cache is on, it is not engine.score's, holds nothing."""
+        return self.prefix is not None and seq.prefix_cacheable and not seq.num_computed and not seq.pages
+
     def _usable_hashes(self, seq: Sequence) -> list[bytes]:
         """The full pages seq may start from: never the page of its last token, which it computes
         (to sample from) and so writes; a cached page is never written."""
-        if self.prefix is None or not seq.prefix_cacheable or seq.num_computed or seq.pages:
+        if not self._fresh(seq):
             return []
         return self._prompt_hashes(seq)[: (seq.num_tokens - 1) // self.page_size]
+
+    def _tail_key(self, seq: Sequence) -> Optional[bytes]:
+        """The name of seq's prompt's last page without its last token (memoised; None: no such
+        tokens, or no prefix cache)."""
+        if self.prefix is None or not seq.prefix_cacheable:
+            return None
+        if seq.tail_name is None or seq.tail_name[0] != self.prefix.version:
+            seq.tail_name = (self.prefix.version, self.prefix.tail_key(seq.prompt, self._prompt_hashes(seq)))
+        return seq.tail_name[1]
+
+    def _tail_source(self, seq: Sequence, key: Optional[bytes]) -> Optional[Sequence]:
+        """A running request that computed the last page named `key` under these weights and still
+        holds it in every group (it is copied before the step reads it), or None. A fresh sequence
+        with generated tokens (preempted) recomputes them: it copies nothing."""
+        if key is None or seq.generated:
+            return None
+        src = self.prefix.tail(key)
+        last = (len(seq.prompt) - 1) // self.page_size
+        if src is not None and not (src.status is Status.RUNNING and src.num_computed >= len(src.prompt)
+                                    and src.kv_version == self.prefix.version
+                                    and all(len(g.pages_of(src)) > last and g.pages_of(src)[last] is not None
+                                            for g in self.cache.page_groups)):
+            self.prefix.drop_tail(key)  # finished, preempted, or its window page given back
+            src = None
+        return src
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[bytes], list]:
         """The hashes of the full pages seq may start from, and the cache entries of the longest
@@ -218,10 +260,15 @@ class Scheduler:
         return seq.num_computed
 
     def _pages_to_register(self, seq: Sequence) -> set:
-        """Hashes of the full prompt pages seq's prefill has still to compute (and will register)."""
+        """Names of the full prompt pages, and of the last page, that seq's prefill has still to
+        compute (and will register)."""
         if self.prefix is None or not seq.prefix_cacheable:
             return set()
-        return set(self._prompt_hashes(seq)[seq.num_computed // self.page_size:])
+        out = set(self._prompt_hashes(seq)[seq.num_computed // self.page_size:])
+        tail = self._tail_key(seq)
+        if tail is not None and seq.num_computed < len(seq.prompt) - 1:
+            out.add(tail)
+        return out
 
     def _pending_pages(self) -> set:
         """Hashes of full prompt pages that running prefills are computing now."""
@@ -238,6 +285,9 @@ class Scheduler:
         hashes = self._prompt_hashes(seq)
         for j in range(before // self.page_size, min(seq.num_computed // self.page_size, len(hashes))):
             self.prefix.insert(hashes[j], {g.name: g.pages_of(seq)[j] for g in self.cache.page_groups})
+        tail = self._tail_key(seq)
+        if tail is not None and before < len(seq.prompt) <= seq.num_computed:  # this chunk ended its prompt
+            self.prefix.add_tail(tail, seq)
 
     def _decode_batch(self) -> list[Sequence]:
         batch = []

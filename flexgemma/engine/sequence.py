@@ -227,6 +227,7 @@ class Sequence:
     prompt_text: Optional[str] = None  # the prompt as text, when it was given as text or chat messages
     prefix_cacheable: bool = True  # may start from / register cached prompt pages (not engine.score's)
     block_hashes: Optional[tuple] = None  # (weight version, hashes of its full prompt pages), memoised
+    tail_name: Optional[tuple] = None  # (weight version, its prompt's last-page name or None), memoised
     kv_version: Optional[int] = None  # the weight version its prompt KV was computed with
 
     @property

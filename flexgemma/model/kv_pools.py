@@ -49,6 +49,11 @@ class KVPools:
         """(K, V) as [1, kv_heads, slots, head_dim], for the layer's own or its source's pool."""
         return self._kv[layer_index]
 
+    def copy_slots(self, layer_index: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """K and V at flat slots `src` [N] copied to slots `dst` [N] (of a KV-writing layer)."""
+        for pool in self._kv[layer_index]:
+            pool.index_copy_(2, dst, pool.index_select(2, src))
+
     def write(self, layer_index: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v: [T, kv_heads, head_dim] written at flat slot indices `slots` [T]."""
         kc, vc = self._kv[layer_index]
