@@ -402,3 +402,12 @@ def test_a_copy_gets_its_own_copy_of_the_last_page():
         sources, dests = {s for s, _ in pairs}, {d for _, d in pairs}
         assert len(pairs) == 2 and len(sources) == 1 and len(dests) == 2 and not sources & dests
     assert engine.stats.prefill_tokens == 45 + 2
+
+
+def test_only_running_requests_are_listed_as_last_page_sources():
+    """A finished request's last page is gone: it leaves the list of copy sources (which would
+    otherwise grow with every distinct prompt a long-lived engine sees)."""
+    engine = make_engine()
+    rng = random.Random(5)
+    engine.generate([rand_prompt(rng, 45) for _ in range(6)], GREEDY)
+    assert engine.scheduler.prefix._tails == {}

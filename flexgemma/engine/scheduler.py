@@ -132,6 +132,9 @@ class Scheduler:
         for g in self.cache.page_groups:
             g.release(g.pages_of(seq))
         seq.pages, seq.window_pages = [], []
+        if self.prefix is not None and seq.tail_name is not None and seq.tail_name[1] is not None \
+                and self.prefix.tail(seq.tail_name[1]) is seq:
+            self.prefix.drop_tail(seq.tail_name[1])  # its last page is gone: only running requests are listed
 
     def schedule(self) -> StepPlan:
         budget = self.max_prefill_tokens
