@@ -78,8 +78,10 @@ class PrefixCache:
         """The sequence registered under tail name `key`, or None."""
         return self._tails.get(key)
 
-    def drop_tail(self, key: bytes) -> None:
-        self._tails.pop(key, None)
+    def drop_tail(self, key: Optional[bytes], seq) -> None:
+        """Forgets `seq` as the source of last page `key` (when it is that source)."""
+        if self._tails.get(key) is seq:
+            del self._tails[key]
 
     def lookup(self, hashes: list[bytes]) -> list[Entry]:
         """The entries of the longest cached prefix of `hashes` that a sequence can start from: every

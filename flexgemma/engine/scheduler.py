@@ -132,9 +132,8 @@ class Scheduler:
         for g in self.cache.page_groups:
             g.release(g.pages_of(seq))
         seq.pages, seq.window_pages = [], []
-        if self.prefix is not None and seq.tail_name is not None and seq.tail_name[1] is not None \
-                and self.prefix.tail(seq.tail_name[1]) is seq:
-            self.prefix.drop_tail(seq.tail_name[1])  # its last page is gone: only running requests are listed
+        if self.prefix is not None and seq.tail_name is not None:  # its last page is gone: no longer a source
+            self.prefix.drop_tail(seq.tail_name[1], seq)
 
     def schedule(self) -> StepPlan:
         budget = self.max_prefill_tokens
@@ -225,18 +224,16 @@ class Scheduler:
         return seq.tail_name[1]
 
     def _tail_source(self, seq: Sequence, key: Optional[bytes]) -> Optional[Sequence]:
-        """A running request that computed the last page named `key` under these weights and still
-        holds it in every group (it is copied before the step reads it), or None. A fresh sequence
-        with generated tokens (preempted) recomputes them: it copies nothing."""
+        """A running request that computed the last page named `key` and still holds it in every
+        group (it is copied before the step reads it), or None. Sources are running requests under
+        these weights (_release_all and a version bump drop them), but a sliding window may have
+        given the page back. A fresh sequence with generated tokens (preempted) copies nothing."""
         if key is None or seq.generated:
             return None
         src = self.prefix.tail(key)
         last = (len(seq.prompt) - 1) // self.page_size
-        if src is not None and not (src.status is Status.RUNNING and src.num_computed >= len(src.prompt)
-                                    and src.kv_version == self.prefix.version
-                                    and all(len(g.pages_of(src)) > last and g.pages_of(src)[last] is not None
-                                            for g in self.cache.page_groups)):
-            self.prefix.drop_tail(key)  # finished, preempted, or its window page given back
+        if src is not None and any(g.pages_of(src)[last] is None for g in self.cache.page_groups):
+            self.prefix.drop_tail(key, src)  # its window page was given back
             src = None
         return src
 

@@ -206,9 +206,12 @@ def memory_metrics(engine) -> dict:
     cache = engine.runner.cache
     peaks = engine.stats.kv_peak_pages
     out.update({f"kv/peak_pages_{name}": n for name, n in peaks.items()})
-    out["memory/kv_in_use_peak_gib"] = sum(peaks.get(g.name, 0) * cache.group_page_bytes(g) for g in cache.page_groups) / GIB
-    prompt = engine.stats.kv_prompt_peak_pages
-    out["memory/kv_prompt_peak_gib"] = sum(prompt.get(g.name, 0) * cache.group_page_bytes(g) for g in cache.page_groups) / GIB
+
+    def gib(pages: dict) -> float:  # page group -> pages, in GiB
+        return sum(pages.get(g.name, 0) * cache.group_page_bytes(g) for g in cache.page_groups) / GIB
+
+    out["memory/kv_in_use_peak_gib"] = gib(peaks)
+    out["memory/kv_prompt_peak_gib"] = gib(engine.stats.kv_prompt_peak_pages)
     if getattr(engine, "lora", None) is not None:  # pristine copies are not parameters of the model
         out["memory/lora_pristine_gib"] = engine.info.get("lora_pristine_bytes", 0) / GIB
     if torch.cuda.is_available() and engine.info.get("device", "").startswith("cuda"):
