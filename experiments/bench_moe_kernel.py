@@ -41,12 +41,14 @@ def main() -> None:
     ap.add_argument("--grid-batch-sizes", default="8,32", help="batch sizes that also time the tile grid")
     ap.add_argument("--grid-quants", default="bf16", help="weight kinds that time a tile grid (bnb4: "
                     "the fused 4-bit kernels' BLOCK_N, warps and pipeline depth)")
+    ap.add_argument("--block-m", default="16,32,64", help="entries per tile to time with the default tiles, "
+                    "entries sorted and (up to ROUTED_MAX_ENTRIES) matched; empty: none")
     ap.add_argument("--bnb4", action="store_true", help="also the packed 4-bit experts (needs bitsandbytes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from transformers.activations import GELUTanh
 
-    from flexgemma.model.moe_kernel import DOWN_TILES, ROUTED_MAX_ENTRIES, UP_TILES, decode_experts
+    from flexgemma.model.moe_kernel import DOWN_TILES, ROUTED_MAX_ENTRIES, UP_TILES, block_m_for, decode_experts
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     e, h, i, k = args.experts, args.hidden, args.intermediate, args.top_k
@@ -86,6 +88,14 @@ def main() -> None:
             row["sorted_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, sort_entries=True))
             if bs * k <= ROUTED_MAX_ENTRIES:
                 row["matched_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, sort_entries=False))
+            row["block_m_default"] = block_m_for(bs * k, e)
+            row["block_m"] = {}
+            for bm in [int(b) for b in args.block_m.split(",") if b]:
+                tiles = {"BLOCK_M": bm}
+                for mode, sort in (("sorted", True), ("matched", False)):
+                    if sort or bs * k <= ROUTED_MAX_ENTRIES:
+                        row["block_m"][f"{bm} {mode}"] = time_us(
+                            lambda: decode_experts(x, idx, w, gate_up, down, tiles, tiles, sort_entries=sort))
             if quant == "bnb4":  # the default is the fused 4-bit GEMMs; the other mode dequantises into slots
                 row["slots_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, packed_mode="slots"))
                 row["select_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, code_lookup="select"))
@@ -117,6 +127,13 @@ def main() -> None:
                   + (f"lookup {best.get('code_lookup')}, slots {row['slots_us']:7.1f} us, select "
                      f"{row['select_us']:7.1f} us, " if "slots_us" in row else "") +
                   f"rel err {best['rel_err']:.1e}", flush=True)
+            # the per-expert entry counts this routing gives (a busy expert past BLOCK_M takes two tiles)
+            counts = torch.bincount(idx.reshape(-1), minlength=e)
+            row["entries_per_expert"] = {"mean": counts.float().mean().item(), "max": int(counts.max())}
+            if row["block_m"]:
+                print(f"    entries per expert mean {row['entries_per_expert']['mean']:.1f} max "
+                      f"{row['entries_per_expert']['max']}; BLOCK_M (default {row['block_m_default']}): "
+                      + ", ".join(f"{key} {us:.1f} us" for key, us in row["block_m"].items()), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 

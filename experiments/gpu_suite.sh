@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 kernels_large moe_sort_vs_match prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 kernels_large moe_sort_vs_match moe_block_m gen_profile_e2b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -29,7 +29,7 @@ run() {  # name timeout command...
   if (( limit < 30 )); then echo "== $name skipped: ${left}s left"; return 0; fi
   timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - t0 ))s"
-  grep -E "passed|failed|^FAILED|Error:|GRPO|grpo step|e2b_|26b_|tok/s|tok_s_median|speedup|peak|parity|ratio|refresh|build_seconds|capture_seconds|best|sum over|^built |^\| " \
+  grep -E "passed|failed|^FAILED|Error:|GRPO|grpo step|e2b_|26b_|tok/s|tok_s_median|speedup|peak|parity|ratio|refresh|build_seconds|capture_seconds|best|sum over|^built |^\| |BLOCK_M|GPU per|  host " \
     "$WORK/$name.log" | grep -v DEBUG | tail -25
   pack
 }
@@ -76,6 +76,15 @@ run kernels_large 300 bash -c 'python3 experiments/bench_linear4bit.py --batch-s
 # routing): each expert program finding its entries by a sort outside vs by matching, bf16 and 4-bit
 run moe_sort_vs_match 200 python3 experiments/bench_moe_kernel.py --batch-sizes 8,32,64,128,256 --bnb4 \
   --grid-batch-sizes 0 --out "$WORK/moe_sort_vs_match.json"
+# entries of one expert per tile (BLOCK_M 16 / 32 / 64) at RL batch sizes, sorted and matched
+run moe_block_m 200 python3 experiments/bench_moe_kernel.py --batch-sizes 64,128,256,512 --bnb4 \
+  --grid-batch-sizes 0 --out "$WORK/moe_block_m.json"
+# a whole round at an RL batch with timers: the GPU's busy time per decode step, its idle gaps
+# between steps, and the host's per-step work (is the engine host-bound at 256 rows?)
+run gen_profile_e2b 200 python3 experiments/profile_generate.py --model e2b --batch 256 --new-tokens 512 \
+  --out "$WORK/gen_profile_e2b.json"
+run gen_profile_26b 200 python3 experiments/profile_generate.py --model 26b_a4b --batch 128 --new-tokens 256 \
+  --out "$WORK/gen_profile_26b.json"
 
 # issue 18, prefix caching: +experiment=grpo_rollout (32 prompts x n=8, 1,024-2,048 + 512 tokens) with
 # kv.prefix_cache=true then false, one job each (~2-4.5 min a pair), and the speed workload (no shared

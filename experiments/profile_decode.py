@@ -34,8 +34,11 @@ def place_batch(engine, batch: int, context: int) -> list[Sequence]:
     for i in range(batch):
         tokens = torch.randint(3, engine.spec.vocab_size, (context,), generator=gen).tolist()
         s = Sequence(10_000 + i, i, tokens, SamplingParams(max_new_tokens=8, temperature=0.0), seed=i)
-        assert engine.scheduler.grow(s, context + 1)
+        if not engine.scheduler.grow(s, context + 1):
+            free = {g.name: g.allocator.num_free for g in engine.scheduler.cache.page_groups}
+            raise SystemExit(f"row {i}: no pages for {context + 1} tokens (free: {free}); lower --batch/--context")
         s.num_computed = context - 1
+        engine.scheduler.reclaim(s)  # the sliding group holds only the window, as in a real decode
         s.status = Status.RUNNING
         seqs.append(s)
     return seqs

@@ -44,7 +44,7 @@ import triton.language as tl
 from flexgemma.model.moe import route as torch_route, routed_experts
 from flexgemma.model.triton4bit import code4, nibble_dot, row_pairs, sum_rows
 
-BLOCK_M = 16  # entries of one expert per tile: tl.dot's smallest M
+BLOCK_M = 16  # entries of one expert per tile: tl.dot's smallest M (the default at up to 64 rows)
 
 
 @triton.jit
@@ -306,6 +306,14 @@ UP_TILES = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
 DOWN_TILES = dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
 
 
+def block_m_for(n_flat: int, experts: int) -> int:
+    """Entries of one expert per tile for a step of n_flat entries: an expert with more entries than
+    a tile streams its weights once per tile, so a tile covers what a busy expert gets (about twice
+    the mean: 16 up to 64 rows x top-8 over 128 experts, 32 at 128 rows, 64 from 256)."""
+    mean = -(-n_flat // experts)
+    return min(64, max(BLOCK_M, triton.next_power_of_2(2 * mean + 1)))
+
+
 DEQUANT_BLOCK = 1024  # packed bytes per program of the 4-bit dequantise kernel
 
 
@@ -400,7 +408,8 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     with rows into slots first, one matrix at a time, then runs the bf16 kernels. The activation is
     gelu_pytorch_tanh, Gemma-4's. Returns [T, H] in x's dtype: sum over choices of weight x expert(x).
     *_tiles override UP_TILES / DOWN_TILES (BLOCK_N, BLOCK_K, num_warps, num_stages; fused 4-bit
-    steps are one quantisation block each, whatever BLOCK_K says). code_lookup: how the fused mode
+    steps are one quantisation block each, whatever BLOCK_K says) and BLOCK_M (default:
+    block_m_for the step's size). code_lookup: how the fused mode
     turns 4-bit values into weights, "table" (a load from the 16-entry table) or "select" (a tree of
     selects over it). sort_entries: list each expert's entries through a sort outside the kernels
     (default: above ROUTED_MAX_ENTRIES entries) instead of every program matching the whole routing;
@@ -415,7 +424,9 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     packed = not isinstance(gate_up, torch.Tensor)
     packed_mode = _packed_mode(gate_up, down, packed_mode) if packed else packed_mode
     fused, slotted = packed and packed_mode == "fused", packed and packed_mode == "slots"
-    up_tiles, down_tiles = {**UP_TILES, **(up_tiles or {})}, {**DOWN_TILES, **(down_tiles or {})}
+    block_m = {"BLOCK_M": block_m_for(n_flat, e)}
+    up_tiles = {**UP_TILES, **block_m, **(up_tiles or {})}
+    down_tiles = {**DOWN_TILES, **block_m, **(down_tiles or {})}
     x = x.contiguous()
     index = top_k_index.reshape(-1).to(torch.int32)
     weights = top_k_weights.reshape(-1).float()
@@ -438,14 +449,14 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     _routed_up_kernel[(e, triton.cdiv(i, up_tiles["BLOCK_N"]))](
         x_ptr=x, index_ptr=index, order_ptr=order, starts_ptr=starts, n_flat=n_flat, slots_ptr=slots, out_ptr=inter,
         I=i, H=h, TOPK=topk, stride_x=x.stride(0), HAS_SLOTS=slotted, PACKED=fused, SORTED=sort_entries, NFLAT=nflat,
-        BLOCK_M=BLOCK_M, **ops, **up_tiles)
+        **ops, **up_tiles)
     del ops  # one dequantised matrix alive at a time
     ops = operands(down)
     out = torch.empty(n_flat, h, dtype=torch.float32, device=x.device)
     _routed_down_kernel[(e, triton.cdiv(h, down_tiles["BLOCK_N"]))](
         inter_ptr=inter, index_ptr=index, order_ptr=order, starts_ptr=starts, weights_ptr=weights, n_flat=n_flat,
         slots_ptr=slots, out_ptr=out, I=i, H=h, HAS_SLOTS=slotted, PACKED=fused, SORTED=sort_entries, NFLAT=nflat,
-        BLOCK_M=BLOCK_M, **ops, **down_tiles)
+        **ops, **down_tiles)
     summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
     return sum_rows(out, summed)
 

@@ -1,0 +1,141 @@
+"""Where a whole generate() round goes at an RL batch size: the GPU's time per decode step against
+the host's, and the GPU's idle gaps between steps (a host-bound engine shows gaps).
+
+    python experiments/profile_generate.py --model e2b --batch 256 --new-tokens 512
+    python experiments/profile_generate.py --model tiny --device cpu --batch 8 --new-tokens 4   # smoke test
+
+One build (the preset +experiment=rl_batch_MODEL, as experiments/bench_batches.py), one untimed
+round, then one round with timers: CUDA events around each decode graph launch (the GPU's busy time
+per step, and the gap from one step's end to the next one's start), wall-clock timers around the
+host's per-step work (growing pages, filling the step's inputs and masks, reading the tokens,
+bookkeeping). Prints medians per decode step and the round's split into prefill and decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flexgemma import build_engine, compose  # noqa: E402
+from flexgemma.workload import pool_demand, synthetic  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_batches import overrides_for  # noqa: E402
+
+
+class Timers:
+    """Wall-clock seconds of each wrapped call, by name."""
+
+    def __init__(self):
+        self.calls: dict[str, list[float]] = defaultdict(list)
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.calls[name].append(time.perf_counter() - t0)
+
+        setattr(obj, attr, timed)  # an instance attribute: found before the class's method
+
+
+def wrap_replay(graphs, events: list) -> None:
+    """CUDA events before and after each decode graph launch: (start, end) pairs in step order."""
+    replay = graphs.replay
+
+    def timed(*a, **k):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = replay(*a, **k)
+        end.record()
+        events.append((start, end))
+        return out
+
+    graphs.replay = timed
+
+
+def median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3 if xs else 0.0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="e2b")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None, help="JSON file for every number")
+    args, extra = ap.parse_known_args(argv)
+    bench_args = argparse.Namespace(model=args.model, batch_sizes=[args.batch], new_tokens=args.new_tokens,
+                                    rounds=1, device=args.device)
+    cfg = compose(overrides_for(bench_args, extra))
+    engine = build_engine(cfg, pool_demand(cfg.workload))
+    work = synthetic(cfg.workload, engine.spec.vocab_size)
+    prompts, params = work.prompts[:args.batch], work.params[:args.batch]
+    engine.generate(prompts, params)  # untimed: whatever the first round of this shape builds
+    engine.reset_prefix_cache()
+
+    runner, sched = engine.runner, engine.scheduler
+    timers, events = Timers(), []
+    cuda = args.device.startswith("cuda")
+    if cuda and runner.graphs is not None:
+        wrap_replay(runner.graphs, events)
+    timers.wrap(sched, "grow_for_decode", "grow pages")
+    timers.wrap(sched, "can_chain", "can chain")
+    timers.wrap(runner, "fill_decode", "fill inputs + masks")
+    timers.wrap(runner.masks, "fill_decode", "  of which masks")
+    timers.wrap(runner, "collect", "wait + read tokens")
+    timers.wrap(sched, "postprocess_launched", "postprocess")
+    timers.wrap(runner, "launch_decode", "launch step (fill + replay)")
+    timers.wrap(runner, "run", "synchronous steps (prefill)")
+    timers.wrap(sched, "schedule", "schedule")
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    steps, decode_s = engine.stats.decode_steps, engine.stats.decode_time  # this call's (reset per call)
+    tokens = sum(int(p.max_new_tokens) for p in params)
+    res = {"model": args.model, "batch": args.batch, "overrides": extra, "round_s": wall, "tok_s": tokens / wall,
+           "decode_steps": steps, "decode_s": decode_s, "decode_step_ms": decode_s / max(steps, 1) * 1e3,
+           "host_ms_per_call": {k: median_ms(v) for k, v in timers.calls.items()},
+           "host_s_total": {k: sum(v) for k, v in timers.calls.items()},
+           "calls": {k: len(v) for k, v in timers.calls.items()}}
+    if events:
+        busy = [s.elapsed_time(e) for s, e in events]
+        gaps = [events[i][1].elapsed_time(events[i + 1][0]) for i in range(len(events) - 1)]
+        res.update({"gpu_step_ms_median": statistics.median(busy), "gpu_gap_ms_median": statistics.median(gaps),
+                    "gpu_gap_ms_p90": sorted(gaps)[int(0.9 * (len(gaps) - 1))] if gaps else 0.0,
+                    "gpu_busy_s": sum(busy) / 1e3, "gpu_gaps_s": sum(gaps) / 1e3})
+    print(f"{args.model} batch {args.batch}: round {wall:.2f} s, {res['tok_s']:,.0f} tok/s; {steps} decode steps, "
+          f"{res['decode_step_ms']:.2f} ms a step (engine's clock), prefill+other {wall - decode_s:.2f} s")
+    if events:
+        print(f"GPU per decode step: busy {res['gpu_step_ms_median']:.2f} ms (median), gap to the next "
+              f"{res['gpu_gap_ms_median']:.2f} ms (median; p90 {res['gpu_gap_ms_p90']:.2f}); decode busy "
+              f"{res['gpu_busy_s']:.2f} s, idle between steps {res['gpu_gaps_s']:.2f} s")
+    for k, v in res["host_ms_per_call"].items():
+        print(f"  host {k:30s} {v:8.3f} ms a call (median), {res['calls'][k]:5d} calls, "
+              f"{res['host_s_total'][k]:7.3f} s in all")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+    return res
+
+
+if __name__ == "__main__":
+    main()
