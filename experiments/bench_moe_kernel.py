@@ -88,7 +88,7 @@ def main() -> None:
             row["sorted_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, sort_entries=True))
             if bs * k <= ROUTED_MAX_ENTRIES:
                 row["matched_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, sort_entries=False))
-            row["block_m_default"] = block_m_for(bs * k, e)
+            row["block_m_default"] = block_m_for(bs * k, e, quant == "bnb4")
             row["block_m"] = {}
             for bm in [int(b) for b in args.block_m.split(",") if b]:
                 tiles = {"BLOCK_M": bm}

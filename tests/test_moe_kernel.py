@@ -61,10 +61,11 @@ def test_decode_experts_equal_the_loop_interpreted():
 
 
 def test_big_steps_sort_their_entries_and_give_the_same_numbers_interpreted():
-    """RL batches past ROUTED_MAX_ENTRIES (26B-A4B at 256 or 512 rows x top-8) stay in the kernels with
+    """RL batches past ROUTED_MAX_ENTRIES (26B-A4B past 64 rows x top-8) stay in the kernels with
     their entries sorted by expert outside them: bit for bit what the in-kernel matching gives (the
-    same tiles), bf16-class and fused 4-bit experts alike, and close to the loop; TritonExperts takes
-    such steps up to KERNEL_MAX_ENTRIES."""
+    same tiles), bf16-class and fused 4-bit experts alike, and close to the loop; taller tiles (the
+    default at many entries per expert) give the same numbers as several short ones; TritonExperts
+    takes such steps up to KERNEL_MAX_ENTRIES."""
     out = run_interpreted("""
         import torch
         from transformers.activations import GELUTanh
@@ -81,6 +82,9 @@ def test_big_steps_sort_their_entries_and_give_the_same_numbers_interpreted():
         sorted_, matched = M.decode_experts(x, idx, w, gate_up, down), M.decode_experts(x, idx, w, gate_up, down,
                                                                                       sort_entries=False)
         print("bf16", torch.equal(sorted_, matched), float((sorted_.float() - ref).norm() / ref.norm()))
+        short = {"BLOCK_M": 16}  # a busy expert's entries over several tiles instead of one
+        print("tiles", M.block_m_for(t * k, e, False), torch.equal(
+            M.decode_experts(x, idx, w, gate_up, down, short, short), sorted_))
         s = Bnb4Settings(double_quant=False, compute_dtype=torch.float16)
         pg, pd = PackedExpertWeight.pack(gate_up, s, torch.device("cpu")), PackedExpertWeight.pack(down, s, torch.device("cpu"))
         a = M.decode_experts(x[:40], idx[:40], w[:40], pg, pd, sort_entries=True)
@@ -93,6 +97,7 @@ def test_big_steps_sort_their_entries_and_give_the_same_numbers_interpreted():
     lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()}
     assert lines["bf16"][0] == "True" and float(lines["bf16"][1]) < 5e-3, out
     assert lines["packed"] == ["True"], out
+    assert lines["tiles"] == ["64", "True"], out
     assert lines["takes"] == ["True", "False"], out
 
 

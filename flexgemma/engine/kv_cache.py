@@ -8,7 +8,8 @@ counts). KV-shared layers own nothing: they read their source layer's pool.
 
 Page 0 is never handed out: padded rows (CUDA-graph buckets, prefill padding) write there.
 A small device tensor gives every page the logical position of its first slot, for the attention
-masks; which pages a query may read comes from its sequence's page table (pages may be shared by
+masks (written on the host as pages are handed out, uploaded with the next step's inputs: a direct
+write from pageable memory would wait for the step in flight, a stall at almost every decode step); which pages a query may read comes from its sequence's page table (pages may be shared by
 sequences with a common prefix, engine/prefix_cache.py).
 
 Sliding-window layers may keep pages of their own (`kv.reclaim_sliding`): then a sequence holds
@@ -28,8 +29,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
+from flexgemma.engine.staged import Staged
 from flexgemma.engine.vmm import VirtualBuffer
 from flexgemma.model.kv_pools import KVPools
 from flexgemma.model.spec import ModelSpec
@@ -145,7 +148,9 @@ class PageGroup:
     def __init__(self, name: str, num_pages: int, page_size: int, device: torch.device, window: Optional[int] = None):
         self.name, self.num_pages, self.page_size, self.window = name, num_pages, page_size, window
         self.allocator = PageAllocator(num_pages)
-        self.pos = torch.zeros(num_pages, dtype=torch.int32, device=device)
+        self._pos = Staged((num_pages,), torch.int32, device)
+        self.pos = self._pos.dev  # the masks read this tensor (captured graphs too): updated in place
+        self._pos_dirty = False
         self.peak_in_use = 0
 
     def pages_of(self, seq) -> list:
@@ -157,13 +162,20 @@ class PageGroup:
         return self.num_pages - 1 - self.allocator.num_free
 
     def assign(self, pages: list[int], first_logical_page: int) -> None:
-        """Record the logical positions of freshly allocated pages (masks read these)."""
+        """Record the logical positions of freshly allocated pages (masks read these once
+        upload_positions has run, before the next step)."""
         if not pages:
             return
-        idx = torch.tensor(pages, dtype=torch.long).to(self.pos.device)
-        pos = (torch.arange(len(pages), dtype=torch.int32) + first_logical_page) * self.page_size
-        self.pos[idx] = pos.to(self.pos.device)
+        self._pos.begin_write()  # the last upload has read the mirror (it ran before the step in flight)
+        self._pos.np[pages] = (np.arange(len(pages), dtype=np.int32) + first_logical_page) * self.page_size
+        self._pos_dirty = True
         self.peak_in_use = max(self.peak_in_use, self.in_use)
+
+    def upload_positions(self) -> None:
+        """Queues the copy of the positions recorded since the last step (a step's inputs call this)."""
+        if self._pos_dirty:
+            self._pos.upload()
+            self._pos_dirty = False
 
     def share(self, pages: list[int]) -> None:
         """A sequence starts from these cached pages (their positions are already recorded)."""
@@ -239,6 +251,11 @@ class KVCache:
 
     def write(self, layer_index: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         self.pools.write(layer_index, k, v, slots)
+
+    def upload_positions(self) -> None:
+        """Every group's newly recorded page positions, queued before the step that reads them."""
+        for g in self.page_groups:
+            g.upload_positions()
 
     def copy_pages(self, copies: list[tuple[str, int, int]]) -> None:
         """(page group name, source page, destination page): every slot of each source page copied

@@ -14,7 +14,7 @@ kernels per layer around two GEMMs that read the weights at 1.6-2.7 TB/s on the 
 - the K choices of each token summed and cast (one small kernel).
 
 Experts with no entries exit at once. Weights are read in their stored [E, N, K] layout. Steps of
-more than ROUTED_MAX_ENTRIES entries (RL batches past 128 rows) sort their entries by expert first,
+more than ROUTED_MAX_ENTRIES entries (RL batches past 64 rows) sort their entries by expert first,
 so a program reads only its own; prefill-sized steps (many rows per expert) stay on torch's grouped
 GEMM.
 
@@ -295,10 +295,12 @@ def route(scores: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple
 
 
 # the routed kernels read a decode step's whole routing in every program: up to this many (token,
-# choice) entries (bucket 128 x top-8); bigger steps up to KERNEL_MAX_ENTRIES (RL batches of 512 x
+# choice) entries (bucket 64 x top-8); bigger steps up to KERNEL_MAX_ENTRIES (RL batches of 512 x
 # top-8) have their entries sorted by expert first (a stable argsort, counts, cumsum: three small
-# kernels) and each program reads only its own range; bigger still (prefill) go to torch's path
-ROUTED_MAX_ENTRIES = 1024
+# kernels) and each program reads only its own range; bigger still (prefill) go to torch's path.
+# H200, bf16 a layer: matched 566 vs sorted 795 us at 64 rows; at 128 rows sorted 678-742 vs
+# matched 732-943 (two runs; every program comparing 1,024 entries per tile)
+ROUTED_MAX_ENTRIES = 512
 KERNEL_MAX_ENTRIES = 4096
 # tile options of the two kernels, from experiments/bench_moe_kernel.py on the H200 (session 4 grid:
 # up BLOCK_N 32 with down 128 was best or within noise of it at bs 8 and 32, 9-10% under 64/128)
@@ -306,12 +308,15 @@ UP_TILES = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
 DOWN_TILES = dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
 
 
-def block_m_for(n_flat: int, experts: int) -> int:
-    """Entries of one expert per tile for a step of n_flat entries: an expert with more entries than
-    a tile streams its weights once per tile, so a tile covers what a busy expert gets (about twice
-    the mean: 16 up to 64 rows x top-8 over 128 experts, 32 at 128 rows, 64 from 256)."""
-    mean = -(-n_flat // experts)
-    return min(64, max(BLOCK_M, triton.next_power_of_2(2 * mean + 1)))
+def block_m_for(n_flat: int, experts: int, packed: bool) -> int:
+    """Entries of one expert per tile for a step of n_flat entries. An expert with more entries than
+    a tile streams its weights once per tile, so bf16 tiles grow with the mean entries per expert
+    (16 up to 128 rows x top-8 over 128 experts, 32 at 256, 64 at 512: on the H200 622 vs 772 us a
+    layer at 256, 893 vs 1,408 at 512); the fused 4-bit kernels stay at 16, their fastest at every
+    size (32 and 64 ran 1.1-2.2x slower: more registers for the decoded nibbles)."""
+    if packed:
+        return BLOCK_M
+    return min(64, max(BLOCK_M, triton.next_power_of_2(2 * -(-n_flat // experts))))
 
 
 DEQUANT_BLOCK = 1024  # packed bytes per program of the 4-bit dequantise kernel
@@ -424,7 +429,7 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     packed = not isinstance(gate_up, torch.Tensor)
     packed_mode = _packed_mode(gate_up, down, packed_mode) if packed else packed_mode
     fused, slotted = packed and packed_mode == "fused", packed and packed_mode == "slots"
-    block_m = {"BLOCK_M": block_m_for(n_flat, e)}
+    block_m = {"BLOCK_M": block_m_for(n_flat, e, fused)}
     up_tiles = {**UP_TILES, **block_m, **(up_tiles or {})}
     down_tiles = {**DOWN_TILES, **block_m, **(down_tiles or {})}
     x = x.contiguous()
