@@ -115,8 +115,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--peak-tb-s", type=float, default=4.8, help="the GPU's peak memory bandwidth (H200: 4.8)")
     ap.add_argument("--out", default=None, help="folder for bench_batches_MODEL.md and .json")
+    ap.add_argument("--moe-sort-above", type=int, default=None,
+                    help="MoE decode steps of more routed entries than this sort them by expert (an A/B of "
+                         "moe_kernel.ROUTED_MAX_ENTRIES on the real router; 0: always); the output files get a suffix")
     args, extra = ap.parse_known_args(argv)
     overrides = overrides_for(args, extra)
+    suffix = ""
+    if args.moe_sort_above is not None:
+        from flexgemma.model import moe_kernel
+
+        moe_kernel.ROUTED_MAX_ENTRIES = args.moe_sort_above  # read at each call (and so at each capture)
+        suffix = f"_sort_above_{args.moe_sort_above}"
     cfg = compose(overrides)
     device = str(getattr(cfg.device, "value", cfg.device))  # an enum in the typed config ("Device.cuda" as str)
     if device.startswith("cuda"):
@@ -125,7 +134,8 @@ def main(argv=None) -> dict:
     engine = build_engine(cfg, pool_demand(cfg.workload))
     build_s = time.perf_counter() - t0
     work = synthetic(cfg.workload, engine.spec.vocab_size)
-    res = {"model": args.model, "overrides": overrides, "batch_sizes": args.batch_sizes, "peak_tb_s": args.peak_tb_s,
+    res = {"model": args.model, "overrides": overrides, "moe_sort_above": args.moe_sort_above,
+           "batch_sizes": args.batch_sizes, "peak_tb_s": args.peak_tb_s,
            "build_seconds": build_s, "engine": engine.info, "rows": []}
     for bs in args.batch_sizes:
         row = measure(engine, work.prompts[:bs], work.params[:bs], args.warmup_rounds, int(cfg.workload.rounds),
@@ -139,8 +149,8 @@ def main(argv=None) -> dict:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"bench_batches_{args.model}.md").write_text(table)
-        (out / f"bench_batches_{args.model}.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / f"bench_batches_{args.model}{suffix}.md").write_text(table)
+        (out / f"bench_batches_{args.model}{suffix}.json").write_text(json.dumps(res, indent=1, default=str))
     return res
 
 

@@ -2,6 +2,7 @@
 decode-attention row counts, KV bytes per token and the batch-size benchmark (tiny, on the CPU)."""
 
 import importlib.util
+import json
 import random
 from pathlib import Path
 
@@ -140,18 +141,39 @@ def test_kv_bytes_per_token_in_the_build_info():
     assert "graph_pool_gib" in info and "cudagraph_buckets" in info
 
 
-def test_bench_batches_runs_tiny_on_the_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_batches", ROOT / "experiments" / "bench_batches.py")
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    res = mod.main(["--model", "tiny", "--device", "cpu", "--batch-sizes", "2,3", "--new-tokens", "3",
-                    "--rounds", "2", "--warmup-rounds", "0", "--out", str(tmp_path), "workload.min_prompt_len=4",
-                    "workload.max_prompt_len=12", "kv.page_size=8"])
+    return mod
+
+
+def test_bench_batches_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
+    from flexgemma.model import moe_kernel
+
+    monkeypatch.setattr(moe_kernel, "ROUTED_MAX_ENTRIES", moe_kernel.ROUTED_MAX_ENTRIES)  # restored after
+    res = load_script("bench_batches").main([
+        "--model", "tiny", "--device", "cpu", "--batch-sizes", "2,3", "--new-tokens", "3", "--rounds", "2",
+        "--warmup-rounds", "0", "--out", str(tmp_path), "--moe-sort-above", "0", "workload.min_prompt_len=4",
+        "workload.max_prompt_len=12", "kv.page_size=8"])
     assert [r["batch"] for r in res["rows"]] == [2, 3] and res["engine"]["device"] == "cpu"
     assert all(r["tok_s_median"] > 0 and r["limit_tok_s"] > 0 and len(r["tok_s_rounds"]) == 2 for r in res["rows"])
-    table = (tmp_path / "bench_batches_tiny.md").read_text()
+    assert moe_kernel.ROUTED_MAX_ENTRIES == 0 and res["moe_sort_above"] == 0
+    table = (tmp_path / "bench_batches_tiny_sort_above_0.md").read_text()
     assert "| batch | tok/s | first/median |" in table and table.count("\n| ") == 3  # header + two rows
-    assert (tmp_path / "bench_batches_tiny.json").is_file()
+    assert (tmp_path / "bench_batches_tiny_sort_above_0.json").is_file()
+
+
+def test_profile_generate_times_a_round_on_the_cpu(tmp_path):
+    """experiments/profile_generate.py end to end (tiny, CPU: host timers only, no CUDA events)."""
+    out = tmp_path / "profile.json"
+    res = load_script("profile_generate").main([
+        "--model", "tiny", "--device", "cpu", "--batch", "3", "--new-tokens", "4", "--out", str(out),
+        "workload.min_prompt_len=4", "workload.max_prompt_len=12", "kv.page_size=8"])
+    assert res["decode_steps"] >= 3 and res["tok_s"] > 0 and "gpu_step_ms_median" not in res
+    for name in ("grow pages", "fill inputs + masks", "postprocess", "wait + read tokens", "synchronous steps (prefill)"):
+        assert res["calls"][name] > 0, name
+    assert json.loads(out.read_text())["batch"] == 3
 
 
 def test_after_the_warm_up_rounds_of_other_sizes_compile_nothing():
