@@ -90,6 +90,11 @@ def test_big_steps_sort_their_entries_and_give_the_same_numbers_interpreted():
         a = M.decode_experts(x[:40], idx[:40], w[:40], pg, pd, sort_entries=True)
         b = M.decode_experts(x[:40], idx[:40], w[:40], pg, pd)
         print("packed", torch.equal(a, b))
+        M.FUSED_MAX_ENTRIES = 100  # past it (512 rows x top-8 on the GPU) 4-bit experts go through slots
+        print("slots", torch.equal(M.decode_experts(x[:40], idx[:40], w[:40], pg, pd),
+                                   M.decode_experts(x[:40], idx[:40], w[:40], pg, pd, packed_mode="slots")),
+              torch.equal(M.decode_experts(x[:20], idx[:20], w[:20], pg, pd),
+                          M.decode_experts(x[:20], idx[:20], w[:20], pg, pd, packed_mode="fused")))
         big = torch.zeros(M.KERNEL_MAX_ENTRIES // k + 1, k, dtype=torch.long)
         print("takes", M.TritonExperts.takes(x, idx, act, gate_up, down),
               M.TritonExperts.takes(torch.zeros(big.shape[0], h).half(), big, act, gate_up, down))
@@ -97,6 +102,7 @@ def test_big_steps_sort_their_entries_and_give_the_same_numbers_interpreted():
     lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()}
     assert lines["bf16"][0] == "True" and float(lines["bf16"][1]) < 5e-3, out
     assert lines["packed"] == ["True"], out
+    assert lines["slots"] == ["True", "True"], out
     assert lines["tiles"] == ["64", "True"], out
     assert lines["takes"] == ["True", "False"], out
 

@@ -171,7 +171,7 @@ class MaskBuilder:
             buf.host[f"nb/{t}"][:rows, 0, 0] = count
             buf.host[f"idx/{t}"][:rows, 0, 0] = np.where(cols < count[:, None], np.maximum(idx, 0), 0)
         buf.staged.upload()
-        self.cache.upload_positions()  # the mask_mods read the positions of pages handed out since
+        self.cache.upload_positions()  # positions of the pages handed out since the last step
 
     # -- prefill: every chunk packed into one query sequence ------------------------------------
     def prefill(self, seqs: list[Sequence], chunk_lens: list[int], padded_len: int) -> dict[str, BlockMask]:

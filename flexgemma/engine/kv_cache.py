@@ -9,8 +9,9 @@ counts). KV-shared layers own nothing: they read their source layer's pool.
 Page 0 is never handed out: padded rows (CUDA-graph buckets, prefill padding) write there.
 A small device tensor gives every page the logical position of its first slot, for the attention
 masks (written on the host as pages are handed out, uploaded with the next step's inputs: a direct
-write from pageable memory would wait for the step in flight, a stall at almost every decode step); which pages a query may read comes from its sequence's page table (pages may be shared by
-sequences with a common prefix, engine/prefix_cache.py).
+write from pageable memory waits for the step in flight, a stall at almost every decode step); which
+pages a query may read comes from its sequence's page table (pages may be shared by sequences with a
+common prefix, engine/prefix_cache.py).
 
 Sliding-window layers may keep pages of their own (`kv.reclaim_sliding`): then a sequence holds
 only the pages its window can still see, and 26B-A4B's 25 sliding layers (~90% of its KV bytes

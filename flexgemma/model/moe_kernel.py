@@ -313,7 +313,7 @@ def block_m_for(n_flat: int, experts: int, packed: bool) -> int:
     a tile streams its weights once per tile, so bf16 tiles grow with the mean entries per expert
     (16 up to 128 rows x top-8 over 128 experts, 32 at 256, 64 at 512: on the H200 622 vs 772 us a
     layer at 256, 893 vs 1,408 at 512); the fused 4-bit kernels stay at 16, their fastest at every
-    size (32 and 64 ran 1.1-2.2x slower: more registers for the decoded nibbles)."""
+    size (32 and 64 ran 1.1-2.2x slower; not profiled why)."""
     if packed:
         return BLOCK_M
     return min(64, max(BLOCK_M, triton.next_power_of_2(2 * -(-n_flat // experts))))
@@ -375,10 +375,18 @@ def _check_step(x, top_k_index, gate_up, down, packed_mode: Optional[str], code_
                          f"got {top_k_index.numel()}")
 
 
-def _packed_mode(gate_up, down, packed_mode: Optional[str]) -> str:
-    """How 4-bit experts run: the one asked for, else fused where the rows are whole blocks."""
+# past this many entries (512 rows x top-8) 4-bit experts are dequantised into slots and run through
+# the bf16 kernels: every expert has ~32 entries, and the fused kernels decode each weight block once
+# per 16-entry tile (H200, one 26B-A4B layer at 512 rows: slots 1,927 us, fused 2,491-2,767; at 256
+# rows fused 1,469-1,918 vs slots 1,847)
+FUSED_MAX_ENTRIES = 2048
+
+
+def _packed_mode(gate_up, down, packed_mode: Optional[str], n_flat: int) -> str:
+    """How 4-bit experts run: the one asked for, else fused where the rows are whole blocks and the
+    step is at most FUSED_MAX_ENTRIES entries."""
     if packed_mode is None:
-        packed_mode = "fused" if fused_4bit_fits(gate_up, down) else "slots"
+        packed_mode = "fused" if fused_4bit_fits(gate_up, down) and n_flat <= FUSED_MAX_ENTRIES else "slots"
     if packed_mode == "fused" and not fused_4bit_fits(gate_up, down):
         raise ValueError(f"packed_mode=fused needs rows of whole quantisation blocks: H={gate_up.shape[2]}, "
                          f"I={gate_up.shape[1] // 2}, block {gate_up.block_size}")
@@ -409,7 +417,7 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
 
     x [T, H] bf16/fp16; top_k_* [T, K]; gate_up [E, 2I, H], down [E, H, I], as tensors of x's dtype
     or PackedExpertWeights. 4-bit experts: packed_mode "fused" (the default where the rows are whole
-    quantisation blocks) decodes the bytes inside the GEMM kernels; "slots" dequantises the experts
+    quantisation blocks, up to FUSED_MAX_ENTRIES entries) decodes the bytes inside the GEMM kernels; "slots" dequantises the experts
     with rows into slots first, one matrix at a time, then runs the bf16 kernels. The activation is
     gelu_pytorch_tanh, Gemma-4's. Returns [T, H] in x's dtype: sum over choices of weight x expert(x).
     *_tiles override UP_TILES / DOWN_TILES (BLOCK_N, BLOCK_K, num_warps, num_stages; fused 4-bit
@@ -427,7 +435,7 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     if n_flat == 0:
         return x.new_zeros(t, h)
     packed = not isinstance(gate_up, torch.Tensor)
-    packed_mode = _packed_mode(gate_up, down, packed_mode) if packed else packed_mode
+    packed_mode = _packed_mode(gate_up, down, packed_mode, n_flat) if packed else packed_mode
     fused, slotted = packed and packed_mode == "fused", packed and packed_mode == "slots"
     block_m = {"BLOCK_M": block_m_for(n_flat, e, fused)}
     up_tiles = {**UP_TILES, **block_m, **(up_tiles or {})}
@@ -436,15 +444,7 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     index = top_k_index.reshape(-1).to(torch.int32)
     weights = top_k_weights.reshape(-1).float()
     sort_entries = n_flat > ROUTED_MAX_ENTRIES if sort_entries is None else sort_entries
-    if sort_entries:
-        order = torch.argsort(index, stable=True).to(torch.int32)  # ascending flat order within an expert
-        counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(0, index.long(),
-                                                                                   torch.ones_like(index))
-        starts = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0, dtype=torch.int32)])
-        nflat = 16  # the matching's width: unused
-    else:
-        order = starts = index  # placeholders, never read
-        nflat = max(16, triton.next_power_of_2(n_flat))
+    order, starts, nflat = _entry_lists(index, e, sort_entries)
     ids, slots = expert_slots(top_k_index, e) if slotted else (None, index)  # index: a placeholder, never read
     operands = functools.partial(_weight_operands, x=x, fused=fused, slotted=slotted, ids=ids,
                                  code_lookup=code_lookup)
@@ -464,6 +464,19 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         **ops, **down_tiles)
     summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
     return sum_rows(out, summed)
+
+
+def _entry_lists(index: torch.Tensor, experts: int, sort_entries: bool) -> tuple:
+    """(order, starts, NFLAT) for the kernels: sorted, each expert's flat entries are
+    order[starts[e]:starts[e+1]] (ascending within an expert); matched, the programs read the routing
+    itself, NFLAT wide (order and starts are placeholders, never read)."""
+    if not sort_entries:
+        return index, index, max(16, triton.next_power_of_2(index.numel()))
+    order = torch.argsort(index, stable=True).to(torch.int32)
+    counts = torch.zeros(experts, dtype=torch.int32, device=index.device).scatter_add_(0, index.long(),
+                                                                                       torch.ones_like(index))
+    starts = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0, dtype=torch.int32)])
+    return order, starts, 16  # NFLAT: the matching's width, unused
 
 
 def is_gelu_tanh(act) -> bool:
