@@ -109,3 +109,25 @@ def test_compiled_top_k_top_p_sampler_on_the_gpu():
         same = tokens == ref_tokens
         assert same.float().mean() >= 0.9
         assert torch.allclose(logprobs[same], ref_logprobs[same], atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled", "filtered"])
+def test_the_sampler_caps_the_heads_output_as_the_model_does(kind):
+    """The decode step hands the sampler the head's bf16 output and the model's soft-cap (the cap
+    fuses into the sampler's reductions instead of a float32 copy of the logits): the same tokens
+    and logprobs as sampling the model's own capped float32 logits."""
+    from flexgemma.model.glue import final_logits
+
+    g = torch.Generator().manual_seed(0)
+    head = (torch.randn(6, 512, generator=g) * 40).bfloat16()  # past the cap of 30: tanh matters
+    rows = torch.arange(6)
+    filtered = kind == "filtered"
+    batch = SamplingBatch(
+        temperature=torch.full((6,), 0.0 if kind == "greedy" else 1.0), top_k=torch.full((6,), 20 if filtered else 0),
+        top_p=torch.full((6,), 0.9 if filtered else 1.0), seed=rows + 7, position=rows + 100,
+        needs_filter=filtered, greedy_only=kind == "greedy")
+    tokens, logprobs = sample(head, batch, softcap=30.0)
+    ref_tokens, ref_logprobs = sample(final_logits(head, 30.0), batch)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(logprobs, ref_logprobs)
+    uncapped = sample(head.float(), batch)[1]
+    assert not torch.allclose(logprobs, uncapped)  # the cap was applied (it changes every logprob)

@@ -58,12 +58,13 @@ def sampling_arrays(seqs: list[Sequence]):
 
 def decode_step(forward: GemmaForward, sample_fn, input_ids, positions, slots, masks, temperature, top_k, top_p,
                 seed, greedy_only: bool):
-    """One decode step of B rows: logits and the (unfiltered) sample, all on the device."""
-    logits = forward(input_ids, positions, slots, masks, None, decode=True)
+    """One decode step of B rows: the head's output (logits before the soft-cap) and the (unfiltered)
+    sample, all on the device."""
+    head = forward(input_ids, positions, slots, masks, None, decode=True)
     batch = SamplingBatch(temperature, top_k, top_p, seed, positions + 1, needs_filter=False,
                           greedy_only=greedy_only)
-    tokens, logprobs = sample_fn(logits, batch)
-    return logits, tokens, logprobs
+    tokens, logprobs = sample_fn(head, batch, forward.spec.softcap)
+    return head, tokens, logprobs
 
 
 class ModelRunner:
@@ -96,7 +97,7 @@ class ModelRunner:
             return tokens.tolist(), logprobs.tolist()
         if plan.copies:  # last prompt pages copied from the request that computed them, before reads
             self.cache.copy_pages(plan.copies)
-        logits, sampled, positions = self._prefill(plan)
+        head, sampled, positions = self._prefill(plan)
         seqs = [s for s, smp in zip(plan.seqs, sampled) if smp]
         if not seqs:
             return [], []
@@ -104,14 +105,14 @@ class ModelRunner:
         batch = SamplingBatch(self._to_dev(temp), self._to_dev(top_k), self._to_dev(top_p), self._to_dev(seed),
                               self._to_dev(np.asarray(positions, dtype=np.int64)), needs_filter(seqs),
                               greedy_only=greedy_only(seqs))
-        tokens, logprobs = self.sample_fn(logits, batch)
+        tokens, logprobs = self.sample_fn(head, batch, self.forward.spec.softcap)
         return tokens.tolist(), logprobs.tolist()
 
     @torch.inference_mode()
     def prefill_logits(self, plan: StepPlan, rows: list[int]) -> torch.Tensor:
-        """Runs a prefill step (KV written as usual) and returns the logits of the step's token rows
-        `rows` (indices into the packed chunks, in plan order): engine.score's teacher-forced forward."""
-        return self._prefill(plan, rows)[0]
+        """Runs a prefill step (KV written as usual) and returns the float32 logits of the step's token
+        rows `rows` (indices into the packed chunks, in plan order): engine.score's teacher-forced forward."""
+        return self.forward.logits(self._prefill(plan, rows)[0])
 
     def _prefill(self, plan: StepPlan, rows: Optional[list[int]] = None):
         total = plan.num_tokens
@@ -197,7 +198,7 @@ class ModelRunner:
             d = self.decode_in
             batch = SamplingBatch(d.temperature[:n], d.top_k[:n], d.top_p[:n], d.seed[:n], d.positions[:n] + 1,
                                   needs_filter=True)
-            return self.sample_fn(logits[:n], batch)
+            return self.sample_fn(logits[:n], batch, self.forward.spec.softcap)
         return tokens[:n], logprobs[:n]
 
     # -- asynchronous decode: launch a step, read its tokens later ------------------------------

@@ -9,8 +9,11 @@ Logprobs are those of the chosen token under the model's distribution (temperatu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from flexgemma.model.glue import final_logits
 
 _MASK31 = 0x7FFFFFFF
 
@@ -72,9 +75,12 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
     return total + torch.log(mass.sum(dim=-1))
 
 
-def sample(logits: torch.Tensor, p: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] float32 -> (tokens [B] int64, logprobs [B] float32)."""
-    logits = logits.float()
+def sample(logits: torch.Tensor, p: SamplingBatch,
+           softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (tokens [B] int64, logprobs [B] float32). With `softcap`, `logits` is the
+    model head's output and is soft-capped here (cap * tanh(x / cap), in float32, as the model's own
+    logits), inside the compiled graph that reads it."""
+    logits = final_logits(logits, softcap)
     greedy = argmax_rows(logits)
     if p.greedy_only:
         tokens = greedy
