@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 kernels_large moe_sort_vs_match moe_block_m moe_sort_ab moe_grid_rl gen_profile_e2b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 kernels_large moe_sort_vs_match moe_block_m moe_sort_ab moe_grid_rl gen_profile_e2b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -29,7 +29,7 @@ run() {  # name timeout command...
   if (( limit < 30 )); then echo "== $name skipped: ${left}s left"; return 0; fi
   timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - t0 ))s"
-  grep -E "passed|failed|^FAILED|Error:|GRPO|grpo step|e2b_|26b_|tok/s|tok_s_median|speedup|peak|parity|ratio|refresh|build_seconds|capture_seconds|best|sum over|^built |^\| |BLOCK_M|GPU per|  host " \
+  grep -E "passed|failed|^FAILED|Error:|GRPO|grpo step|e2b_|26b_|tok/s|tok_s_median|speedup|peak|parity|ratio|refresh|build_seconds|capture_seconds|best|sum over|^built |^\| |BLOCK_M|GPU per|  host |cap inside" \
     "$WORK/$name.log" | grep -v DEBUG | tail -25
   pack
 }
@@ -38,6 +38,8 @@ bench=experiments/bench_vs_hf.py
 L6="model.hf_config.num_hidden_layers=6 model.hf_config.layer_types=[sliding_attention,sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]"
 
 run sampler_tests 120 python3 -m pytest -q -p no:logging -m gpu -s tests/test_sampling.py
+# the decode step's tail alone: the soft-cap inside the sampler's graph vs writing float32 logits first
+run sampler_head 120 python3 experiments/bench_sampler.py --rows 64,256,512 --out "$WORK/sampler_head.json"
 # growing pages while a decode step is in flight does not wait for the GPU
 run nosync_test 150 python3 -m pytest -q -p no:logging -m gpu -s tests/test_gpu.py -k handing_out
 

@@ -190,3 +190,11 @@ def test_after_the_warm_up_rounds_of_other_sizes_compile_nothing():
         watch.start()
         engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=temperature, seed=1, ignore_eos=True))
         assert watch.stop()["bench/compiled_in_round"] == 0, (bs, temperature)
+
+
+def test_bench_sampler_runs_on_the_cpu(tmp_path):
+    """experiments/bench_sampler.py end to end (eager, small vocabulary): both ways agree."""
+    rows = load_script("bench_sampler").main(["--device", "cpu", "--eager", "--rows", "2,3", "--vocab", "1024",
+                                              "--out", str(tmp_path / "s.json")])
+    assert len(rows) == 4 and all(r["tokens_equal"] and r["logprob_max_diff"] == 0.0 for r in rows)
+    assert all(r["cap_inside_us"] > 0 and r["cap_apart_us"] > 0 for r in rows)
