@@ -94,8 +94,8 @@ class DecodeGraphs:
                     out = r.decode_step(rows, greedy_only)
                 if self.pool is None:
                     self.pool = graph.pool()
-                if greedy_only:  # nothing reads an all-greedy step's logits (only top-k/top-p rows do)
-                    out = (None, *out[1:])  # so their [rows, vocab] float32 block goes back to the pool
+                if greedy_only:  # nothing reads an all-greedy step's head output (only top-k/top-p rows do)
+                    out = (None, *out[1:])  # so its [rows, vocab] block goes back to the pool
                 self.graphs[rows, greedy_only], self.outputs[rows, greedy_only] = graph, out
                 del out
         torch.cuda.synchronize()

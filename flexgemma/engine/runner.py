@@ -191,14 +191,14 @@ class ModelRunner:
         if chained is not None:  # the input tokens are the previous step's, still on the device
             self.decode_in.input_ids[:n].copy_(chained.tokens)
         if self.graphs is not None:
-            logits, tokens, logprobs = self.graphs.replay(rows, n, greedy)
+            head, tokens, logprobs = self.graphs.replay(rows, n, greedy)
         else:
-            logits, tokens, logprobs = self.decode_step(rows, greedy)
+            head, tokens, logprobs = self.decode_step(rows, greedy)
         if filtered:  # top-k / top-p sort the vocabulary: only for batches that ask for it
             d = self.decode_in
             batch = SamplingBatch(d.temperature[:n], d.top_k[:n], d.top_p[:n], d.seed[:n], d.positions[:n] + 1,
                                   needs_filter=True)
-            return self.sample_fn(logits[:n], batch, self.forward.spec.softcap)
+            return self.sample_fn(head[:n], batch, self.forward.spec.softcap)
         return tokens[:n], logprobs[:n]
 
     # -- asynchronous decode: launch a step, read its tokens later ------------------------------
