@@ -35,7 +35,8 @@ from flexgemma.tracking import environment  # noqa: E402
 from flexgemma.workload import pool_demand, synthetic  # noqa: E402
 
 GB = 1e9
-COLUMNS = ["batch", "tok/s", "first/median", "step ms", "peak GB", "limit tok/s", "% of limit", "compiled in rounds"]
+COLUMNS = ["batch", "tok/s", "first/median", "step ms", "GPU idle %", "peak GB", "limit tok/s", "% of limit",
+           "compiled in rounds"]
 
 
 def overrides_for(args, extra: list[str]) -> list[str]:
@@ -68,9 +69,11 @@ def measure(engine, prompts, params, warmup: int, rounds: int, peak_tb_s: float,
     step_bytes = w_bytes + kv_bytes
     limit = bs * peak_tb_s * 1e12 / step_bytes  # tok/s if a decode step only read its bytes at peak bandwidth
     med = statistics.median(tok_s)
+    idle = [r.gpu_idle_pct for r in timed if r.gpu_idle_pct is not None]
     return {
         "batch": bs, "tok_s_rounds": tok_s, "tok_s_median": med, "first_round_ratio": tok_s[0] / med,
         "first_round_within_5pct": tok_s[0] >= 0.95 * med, "decode_step_ms": step_s * 1e3,
+        "gpu_idle_pct": statistics.median(idle) if idle else None,  # between chained decode steps (host-bound)
         "peak_allocated_gb": torch.cuda.max_memory_allocated() / GB if cuda else None,
         "weight_gb_per_step": w_bytes / GB, "kv_gb_per_step": kv_bytes / GB,
         "decode_tb_s": step_bytes / step_s / 1e12 if step_s else None,
@@ -100,7 +103,8 @@ def markdown(res: dict) -> str:
     rows = ["| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * len(COLUMNS)]
     for r in res["rows"]:
         rows.append("| " + " | ".join([str(r["batch"]), fmt(r["tok_s_median"], 1), fmt(r["first_round_ratio"], 3),
-                                       fmt(r["decode_step_ms"]), fmt(r["peak_allocated_gb"]), fmt(r["limit_tok_s"], 0),
+                                       fmt(r["decode_step_ms"]), fmt(r["gpu_idle_pct"], 1),
+                                       fmt(r["peak_allocated_gb"]), fmt(r["limit_tok_s"], 0),
                                        fmt(r["pct_of_limit"], 1), str(r["compiled_in_rounds"])]) + " |")
     return head + "\n".join(rows) + "\n"
 

@@ -29,6 +29,9 @@ ROUND_METRICS: dict[str, str] = {
     "scheduler/decode_steps": "decode steps of the round",
     "scheduler/preemptions": "requests preempted (recomputed) for lack of KV pages",
     "scheduler/decode_batch_mean": "mean decode batch size",
+    "latency/decode_gpu_step_ms": "the GPU's time in one decode step, mean (ms; async decode on a GPU, CUDA events)",
+    "scheduler/gpu_idle_pct": "share of the decode loop the GPU sat idle between a step and the next one chained to "
+                              "it, waiting for the host (%; async decode on a GPU; near 0 when the host keeps up)",
     "kv/prefix_hit_tokens": "prompt tokens whose KV came from the prefix cache (kv.prefix_cache; a GRPO group's copies)",
     "kv/prefix_hit_rate": "kv/prefix_hit_tokens / (kv/prefix_hit_tokens + throughput/prefill_tokens_computed)",
     "throughput/prefill_tokens_computed": "prompt (and recomputed) tokens the prefill steps computed",
@@ -124,6 +127,9 @@ METRICS: dict[str, str] = {
     "cudagraph/padding_waste": "padding rows / all rows replayed in the timed rounds (0 = no waste)",
     # bandwidth
     "bandwidth/decode_gb_s_median": "achieved decode memory bandwidth, median over rounds (GB/s; estimate)",
+    "latency/decode_gpu_step_ms_median": "the GPU's time in one decode step, median over rounds (ms; GPU)",
+    "scheduler/gpu_idle_pct_median": "the GPU idle between chained decode steps, % of the decode loop, median over "
+                                     "rounds (GPU)",
     "bandwidth/decode_pct_of_peak_median": "... as % of the GPU's peak (GPU only)",
     "bandwidth/gpu_peak_gb_s": "the GPU's peak memory bandwidth (GB/s)",
     # bench bookkeeping

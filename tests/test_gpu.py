@@ -104,6 +104,12 @@ def test_async_decode_with_graphs_equals_sync():
     engine.reset_prefix_cache()  # compute the prompts again, as the first call did
     asyn = [(o.token_ids, o.finish_reason) for o in engine.generate(ps, params)]
     assert asyn == sync and engine.stats.chained_steps > 0
+    from flexgemma.tasks.common import gpu_decode_metrics
+
+    m = gpu_decode_metrics(engine.stats)  # CUDA events around every decode step
+    assert engine.stats.gpu_decode_steps == engine.stats.decode_steps
+    assert m["latency/decode_gpu_step_ms"] > 0 and 0 <= m["scheduler/gpu_idle_pct"] < 100, m
+    print("async decode on the GPU:", m)
 
 
 def test_handing_out_pages_does_not_wait_for_the_step_in_flight():

@@ -57,6 +57,40 @@ def test_async_step_api_chains_decode_steps():
     assert engine.stats.chained_steps > 0
 
 
+class FakeEvent:
+    """A CUDA timing event stand-in: its time is the order it was made in, in ms."""
+
+    def __init__(self, clock):
+        self.t = next(clock)
+
+    def elapsed_time(self, other) -> float:
+        return float(other.t - self.t)
+
+
+def test_async_decode_accounts_the_gpus_busy_and_idle_time():
+    """scheduler/gpu_idle_pct and latency/decode_gpu_step_ms: each decode step's (start, end) events
+    give its busy time; the gap from a step's end to the start of the step chained to it is idle time
+    (the host was late queuing it). Fake events here, whose clock ticks once per event: a step takes
+    1 ms, and the next step's start event is made right after its end, so chained gaps are 1 ms."""
+    import itertools
+
+    from flexgemma.tasks.common import gpu_decode_metrics
+
+    engine = make_engine("engine.async_decode=true")
+    clock = itertools.count()
+    engine.runner._event = lambda: FakeEvent(clock)
+    engine.generate(PROMPTS, PARAMS)
+    st = engine.stats
+    assert st.gpu_decode_steps == st.decode_steps > 0
+    assert st.gpu_decode_busy == pytest.approx(st.decode_steps * 1e-3)
+    # every chained step but the first of each chain has a 1 ms gap before it
+    assert st.gpu_decode_idle == pytest.approx(st.chained_steps * 1e-3) and st.chained_steps > 0
+    m = gpu_decode_metrics(st)
+    assert m["latency/decode_gpu_step_ms"] == pytest.approx(1.0)
+    assert m["scheduler/gpu_idle_pct"] == pytest.approx(100 * st.chained_steps / (st.decode_steps + st.chained_steps))
+    assert gpu_decode_metrics(make_engine("engine.async_decode=true").stats) == {}  # nothing timed: no metric
+
+
 def test_abort_frees_pages_and_keeps_the_others(engine):
     want = engine.generate(PROMPTS[:3], PARAMS[:3])
     ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:3], PARAMS[:3])]

@@ -64,6 +64,16 @@ class StepStats:
     prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     shared_pages_peak: int = 0  # most pages held by more than one sequence at once (every page group)
     chained_steps: int = 0  # async decode: steps queued before the previous step's tokens were read
+    # async decode on a GPU: the GPU's seconds in decode steps, and idle between a step and the next
+    # one chained to it (time the host took to queue it: a host-bound loop shows here)
+    gpu_decode_steps: int = 0
+    gpu_decode_busy: float = 0.0
+    gpu_decode_idle: float = 0.0
+
+    def add_gpu_decode(self, busy: float, idle: Optional[float]) -> None:
+        self.gpu_decode_steps += 1
+        self.gpu_decode_busy += busy
+        self.gpu_decode_idle += idle or 0.0
 
     def add_decode(self, batch: int, dt: float) -> None:
         self.decode_steps += 1
@@ -89,9 +99,11 @@ class InflightDecode:
         self.runner, self.scheduler = runner, scheduler
         self.step: Optional[DecodeLaunch] = None
         self.mark = 0.0  # when the time of the step in flight started counting
+        self.prev_end = None  # the GPU end event of the step before the one in flight, when chained
 
     def launch(self, seqs: list[Sequence]) -> None:
         self.mark = time.perf_counter()
+        self.prev_end = None  # other work (a prefill) may have run since the last decode step
         self.step = self._queue(seqs, None)
 
     def _queue(self, seqs: list[Sequence], chained: Optional[DecodeLaunch]) -> DecodeLaunch:
@@ -108,6 +120,11 @@ class InflightDecode:
         tokens, logprobs = self.runner.collect(cur)
         now = time.perf_counter()
         stats.add_decode(len(cur.seqs), now - self.mark)
+        if cur.events is not None:  # both have passed: cur's tokens are read
+            start, end = cur.events
+            idle = self.prev_end.elapsed_time(start) / 1e3 if self.prev_end is not None else None
+            stats.add_gpu_decode(start.elapsed_time(end) / 1e3, idle)
+            self.prev_end = end if chain else None
         self.mark = now
         return sch.postprocess_launched(cur.seqs, cur.index, tokens, logprobs, now)
 

@@ -81,6 +81,7 @@ class ModelRunner:
         # decode attention runs at one of a few fixed row counts when its kernel is compiled for them
         self.attn_rows = forward.kernels.padded_rows
         self.graphs = None  # a cuda_graphs.DecodeGraphs once captured
+        self.last_events: Optional[tuple] = None  # the last decode step's timing events (GPU)
 
     def _slots_by_type(self, slots: torch.Tensor, window_slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each layer type writes its KV at the slots of its own page group."""
@@ -190,16 +191,27 @@ class ModelRunner:
         filtered, greedy = self.fill_decode(seqs, rows)
         if chained is not None:  # the input tokens are the previous step's, still on the device
             self.decode_in.input_ids[:n].copy_(chained.tokens)
+        start = self._event()
         if self.graphs is not None:
             head, tokens, logprobs = self.graphs.replay(rows, n, greedy)
         else:
             head, tokens, logprobs = self.decode_step(rows, greedy)
+        self.last_events = (start, self._event()) if start is not None else None
         if filtered:  # top-k / top-p sort the vocabulary: only for batches that ask for it
             d = self.decode_in
             batch = SamplingBatch(d.temperature[:n], d.top_k[:n], d.top_p[:n], d.seed[:n], d.positions[:n] + 1,
                                   needs_filter=True)
             return self.sample_fn(head[:n], batch, self.forward.spec.softcap)
         return tokens[:n], logprobs[:n]
+
+    def _event(self) -> Optional[torch.cuda.Event]:
+        """A timing event recorded on the device's stream now (None on the CPU): around each decode
+        step, the GPU's time in the step and its idle time between chained steps."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     # -- asynchronous decode: launch a step, read its tokens later ------------------------------
     @torch.inference_mode()
@@ -222,7 +234,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return DecodeLaunch(list(seqs), tokens, tok_host[:n], lp_host[:n], done)
+        return DecodeLaunch(list(seqs), tokens, tok_host[:n], lp_host[:n], done, self.last_events)
 
     @staticmethod
     def collect(launch: "DecodeLaunch") -> tuple[list[int], list[float]]:
@@ -238,4 +250,5 @@ class DecodeLaunch:
     host_tokens: torch.Tensor  # pinned mirrors, valid once `done` has passed
     host_logprobs: torch.Tensor
     done: Optional[torch.cuda.Event]
+    events: Optional[tuple] = None  # timing events (start, end) around the step on the GPU; None on the CPU
     index: list[int] = field(default_factory=list)  # per sequence: where its token goes in `generated`

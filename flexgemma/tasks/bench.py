@@ -86,7 +86,8 @@ def round_summary(rounds: list[dict], latencies: list[dict]) -> dict:
         summary[name + "_mean_ms"] = float(vals.mean()) if vals.size else None
         for q in (50, 90, 99):
             summary[f"{name}_p{q}_ms"] = float(np.percentile(vals, q)) if vals.size else None
-    for key in ("bandwidth/decode_gb_s", "bandwidth/decode_pct_of_peak"):
+    for key in ("bandwidth/decode_gb_s", "bandwidth/decode_pct_of_peak", "latency/decode_gpu_step_ms",
+                "scheduler/gpu_idle_pct"):
         if key in rounds[0]:
             summary[key + "_median"] = statistics.median(m[key] for m in rounds)
     if "bandwidth/gpu_peak_gb_s" in rounds[0]:

@@ -29,6 +29,7 @@ class TimedRound:
     prefill_time: float
     prefill_tokens: int
     compiled: int = 0  # graphs torch.compile built inside the round (engine/warm.py RoundWatch)
+    gpu_idle_pct: Optional[float] = None  # scheduler/gpu_idle_pct of the round (async decode on a GPU)
 
     @property
     def tok_s(self) -> float:
@@ -147,7 +148,7 @@ def timed_rounds(engine, prompts, params, warmup: int, rounds: int) -> list[Time
         st = engine.stats
         out.append(TimedRound(wall, sum(len(o.token_ids) for o in outs), [o.token_ids for o in outs],
                               st.decode_steps, st.decode_time, st.decode_tokens, st.prefill_time, st.prefill_tokens,
-                              compiled))
+                              compiled, gpu_decode_metrics(st).get("scheduler/gpu_idle_pct")))
     return out
 
 
@@ -180,7 +181,18 @@ def round_metrics(outputs, stats, wall: float) -> tuple[dict, dict]:
         "scheduler/preemptions": stats.preemptions,
         "scheduler/decode_batch_mean": float(np.mean(bs)) if bs else 0.0,
         **prefix_metrics(stats),
+        **gpu_decode_metrics(stats),
     }, {"latency/ttft_ms": ttft, "latency/tpot_ms": tpot, "latency/itl_ms": itl}
+
+
+def gpu_decode_metrics(stats) -> dict:
+    """Async decode on a GPU: the GPU's time a decode step, and the share of the decode loop it spent
+    idle between chained steps waiting for the host to queue the next (a host-bound engine)."""
+    if not stats.gpu_decode_steps:
+        return {}
+    busy, idle = stats.gpu_decode_busy, stats.gpu_decode_idle
+    return {"latency/decode_gpu_step_ms": busy / stats.gpu_decode_steps * 1e3,
+            "scheduler/gpu_idle_pct": 100.0 * idle / (busy + idle) if busy + idle else 0.0}
 
 
 def prefix_metrics(stats) -> dict:
