@@ -83,7 +83,7 @@ def _run_locked(cfg: DictConfig, out_dir: Path, identity: Optional[dict], raise_
     error: Optional[BaseException] = None
     try:
         recorder.write_config()
-        validate(cfg)
+        typed = validate(cfg)  # the tasks read the typed config (each group checked itself)
         records = check_workload(cfg)  # a bad prompts file or sampling setting fails before the model exists
         t0 = time.perf_counter()
         engine = build_engine(cfg, grpo.pool_demand(cfg) if task == "grpo" else pool_demand(cfg.workload))
@@ -93,7 +93,7 @@ def _run_locked(cfg: DictConfig, out_dir: Path, identity: Optional[dict], raise_
         summary["workload/prompts"] = len(workload.prompts)
         summary["workload/prompt_tokens"] = workload.num_prompt_tokens
         for module in TASKS[task]:
-            summary.update(module.run(engine, workload, cfg, recorder))
+            summary.update(module.run(engine, workload, typed, recorder))
         check_requests_ran(summary)
         summary["status"] = "ok"
     except ConfigError as e:

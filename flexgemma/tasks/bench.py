@@ -13,6 +13,7 @@ import time
 import numpy as np
 import torch
 
+from flexgemma.config import Config
 from flexgemma.engine.warm import RoundWatch
 from flexgemma.tasks.common import (bandwidth_metrics, bounded, expected_tokens, memory_metrics, prefix_metrics,
                                     request_error_metrics, round_metrics, token_progress)
@@ -21,7 +22,7 @@ THROUGHPUTS = ("throughput/output_tok_s", "throughput/total_tok_s", "throughput/
                "throughput/decode_tok_s", "throughput/prefill_tok_s")
 
 
-def run(engine, workload, cfg, recorder) -> dict:
+def run(engine, workload, cfg: Config, recorder) -> dict:
     w = cfg.workload
     total = expected_tokens(workload.prompts, workload.params)
     for i in range(int(w.warmup_rounds)):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from flexgemma.config import Config
 
-def run(engine, workload, cfg, recorder) -> dict:
+
+def run(engine, workload, cfg: Config, recorder) -> dict:
     def generate(prompts, params):
         # every run computes its prompts: a hit on an earlier run's pages (kv.prefix_cache) rounds
         # differently from computing them, which is not what run-to-run or batch invariance ask

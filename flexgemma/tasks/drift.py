@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from flexgemma.config import ConfigError
+from flexgemma.config import Config, ConfigError
 
 
 def perturbed(state: dict[str, torch.Tensor], noise: float, seed: int) -> dict[str, torch.Tensor]:
@@ -30,11 +30,11 @@ def perturbed(state: dict[str, torch.Tensor], noise: float, seed: int) -> dict[s
     return out
 
 
-def run(engine, workload, cfg, recorder) -> dict:
+def run(engine, workload, cfg: Config, recorder) -> dict:
     lora = engine.lora
     if lora is None:
         raise ConfigError("task=drift needs a LoRA adapter: add lora=r16 (or r32, r64, or lora.path=DIR)")
-    n = min(len(workload.prompts), int(cfg.task.get("max_prompts", 8)))
+    n = min(len(workload.prompts), cfg.task.max_prompts)
     prompts = workload.prompts[:n]
     greedy = [dataclasses.replace(p, temperature=0.0) for p in workload.params[:n]]
 

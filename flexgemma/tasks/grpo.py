@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from flexgemma.config import ConfigError
+from flexgemma.config import Config, ConfigError
 
 log = logging.getLogger("flexgemma")
 
@@ -235,7 +235,7 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
-def run(engine, workload, cfg, recorder) -> dict:
+def run(engine, workload, cfg: Config, recorder) -> dict:
     from flexgemma.extras import require
 
     require("trl", "rl", "task=grpo")

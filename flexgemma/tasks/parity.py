@@ -9,6 +9,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
+from flexgemma.config import Config
+
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     dev = next(model.parameters()).device
@@ -43,8 +45,8 @@ def compare(ours: list[list[int]], ref: list[list[int]]) -> dict:
     }
 
 
-def run(engine, workload, cfg, recorder) -> dict:
-    n = min(len(workload.prompts), int(cfg.task.get("max_prompts", 8)))
+def run(engine, workload, cfg: Config, recorder) -> dict:
+    n = min(len(workload.prompts), cfg.task.max_prompts)
     prompts = workload.prompts[:n]
     params = [dataclasses.replace(p, temperature=0.0, ignore_eos=True) for p in workload.params[:n]]
     ours = [o.token_ids for o in engine.generate(prompts, params)]
