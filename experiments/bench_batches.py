@@ -82,6 +82,22 @@ def measure(engine, prompts, params, warmup: int, rounds: int, peak_tb_s: float,
     }
 
 
+def set_inductor_option(kv: str) -> None:
+    """KEY=VALUE (a Python literal) into torch._inductor.config; an unknown key is an error."""
+    import ast
+
+    import torch._inductor.config as inductor
+
+    key, _, value = kv.partition("=")
+    if key not in inductor.get_config_copy():
+        raise SystemExit(f"--inductor-config {kv}: torch {torch.__version__} has no Inductor option {key!r}")
+    *parents, leaf = key.split(".")
+    target = inductor
+    for name in parents:
+        target = getattr(target, name)
+    setattr(target, leaf, ast.literal_eval(value))
+
+
 def fmt(v, digits: int = 2) -> str:
     if v is None:
         return "-"
@@ -119,17 +135,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--peak-tb-s", type=float, default=4.8, help="the GPU's peak memory bandwidth (H200: 4.8)")
     ap.add_argument("--out", default=None, help="folder for bench_batches_MODEL.md and .json")
+    ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="set torch._inductor.config KEY (e.g. triton.enable_pdl=True) before the build: an A/B of "
+                         "an Inductor option (repeatable); the output files get a suffix")
     ap.add_argument("--moe-sort-above", type=int, default=None,
                     help="MoE decode steps of more routed entries than this sort them by expert (an A/B of "
                          "moe_kernel.ROUTED_MAX_ENTRIES on the real router; 0: always); the output files get a suffix")
     args, extra = ap.parse_known_args(argv)
     overrides = overrides_for(args, extra)
-    suffix = ""
+    suffix = "".join(f"_{kv.replace('=', '-')}" for kv in args.inductor_config)
+    for kv in args.inductor_config:
+        set_inductor_option(kv)
     if args.moe_sort_above is not None:
         from flexgemma.model import moe_kernel
 
         moe_kernel.ROUTED_MAX_ENTRIES = args.moe_sort_above  # read at each call (and so at each capture)
-        suffix = f"_sort_above_{args.moe_sort_above}"
+        suffix += f"_sort_above_{args.moe_sort_above}"
     cfg = compose(overrides)
     device = str(getattr(cfg.device, "value", cfg.device))  # an enum in the typed config ("Device.cuda" as str)
     if device.startswith("cuda"):
@@ -139,6 +160,7 @@ def main(argv=None) -> dict:
     build_s = time.perf_counter() - t0
     work = synthetic(cfg.workload, engine.spec.vocab_size)
     res = {"model": args.model, "overrides": overrides, "moe_sort_above": args.moe_sort_above,
+           "inductor_config": args.inductor_config,
            "batch_sizes": args.batch_sizes, "peak_tb_s": args.peak_tb_s,
            "build_seconds": build_s, "engine": engine.info, "rows": []}
     for bs in args.batch_sizes:

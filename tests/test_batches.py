@@ -154,14 +154,14 @@ def test_bench_batches_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(moe_kernel, "ROUTED_MAX_ENTRIES", moe_kernel.ROUTED_MAX_ENTRIES)  # restored after
     res = load_script("bench_batches").main([
         "--model", "tiny", "--device", "cpu", "--batch-sizes", "2,3", "--new-tokens", "3", "--rounds", "2",
-        "--warmup-rounds", "0", "--out", str(tmp_path), "--moe-sort-above", "0", "workload.min_prompt_len=4",
-        "workload.max_prompt_len=12", "kv.page_size=8"])
+        "--warmup-rounds", "0", "--out", str(tmp_path), "--moe-sort-above", "0", "--inductor-config",
+        "triton.enable_pdl=False", "workload.min_prompt_len=4", "workload.max_prompt_len=12", "kv.page_size=8"])
     assert [r["batch"] for r in res["rows"]] == [2, 3] and res["engine"]["device"] == "cpu"
     assert all(r["tok_s_median"] > 0 and r["limit_tok_s"] > 0 and len(r["tok_s_rounds"]) == 2 for r in res["rows"])
     assert moe_kernel.ROUTED_MAX_ENTRIES == 0 and res["moe_sort_above"] == 0
-    table = (tmp_path / "bench_batches_tiny_sort_above_0.md").read_text()
+    table = (tmp_path / "bench_batches_tiny_triton.enable_pdl-False_sort_above_0.md").read_text()
     assert "| batch | tok/s | first/median |" in table and table.count("\n| ") == 3  # header + two rows
-    assert (tmp_path / "bench_batches_tiny_sort_above_0.json").is_file()
+    assert (tmp_path / "bench_batches_tiny_triton.enable_pdl-False_sort_above_0.json").is_file()
 
 
 def test_profile_generate_times_a_round_on_the_cpu(tmp_path):
