@@ -378,7 +378,8 @@ def _check_step(x, top_k_index, gate_up, down, packed_mode: Optional[str], code_
 # past this many entries (512 rows x top-8) 4-bit experts are dequantised into slots and run through
 # the bf16 kernels: every expert has ~32 entries, and the fused kernels decode each weight block once
 # per 16-entry tile (H200, one 26B-A4B layer at 512 rows: slots 1,927 us, fused 2,491-2,767; at 256
-# rows fused 1,469-1,918 vs slots 1,847)
+# rows fused 1,469-1,918 vs slots 1,847). The slots are transient: 26B-A4B's gate_up of all 128
+# experts is 1 GB of bf16 at such a step (then the down projection's 0.5 GB), in the graph pool.
 FUSED_MAX_ENTRIES = 2048
 
 
