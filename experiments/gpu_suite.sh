@@ -113,7 +113,8 @@ prefix_job() {  # name overrides...
 import json, sys
 s = json.load(open(sys.argv[1]))
 words = ("tok_s_median", "kv_in_use_peak", "prefill_tokens_computed", "prefix_hit", "shared_pages_peak",
-         "preemptions", "kv_prompt_peak", "peak_allocated", "run_to_run", "round_seconds_median")
+         "preemptions", "kv_prompt_peak", "peak_allocated", "run_to_run", "round_seconds_median", "gpu_idle",
+         "decode_gpu_step")
 print(sys.argv[2], {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items() if any(w in k for w in words)})
 PY
 }
