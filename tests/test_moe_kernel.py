@@ -244,9 +244,10 @@ def test_gpu_triton_engine_agrees_with_grouped_mm_in_graphs():
 def test_gpu_decode_experts_equal_loop_inside_a_graph(quant, shape):
     """The routed decode kernels in bf16 (plain and 4-bit experts), at the batch sizes the ladder
     uses and at tiny_moe's shape (every dimension under one tile), eagerly and replayed from a CUDA
-    graph with new routing copied in; 256 rows of the wide shape (2,048 entries) take the sorted path."""
+    graph with new routing copied in; steps past ROUTED_MAX_ENTRIES take the sorted path, and 512 rows
+    of the wide shape (4,096 entries, past FUSED_MAX_ENTRIES) 4-bit experts dequantised into slots."""
     from flexgemma.model.moe import experts_loop
-    from flexgemma.model.moe_kernel import ROUTED_MAX_ENTRIES, decode_experts
+    from flexgemma.model.moe_kernel import KERNEL_MAX_ENTRIES, ROUTED_MAX_ENTRIES, decode_experts
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
 
     torch.manual_seed(0)
@@ -259,7 +260,8 @@ def test_gpu_decode_experts_equal_loop_inside_a_graph(quant, shape):
         gate_up, down = PackedExpertWeight.pack(gate_up, s, dev), PackedExpertWeight.pack(down, s, dev)
     dense = [gate_up.dequantize() if quant == "bnb4" else gate_up, down.dequantize() if quant == "bnb4" else down]
     act = GELUTanh()
-    for t in (1, 8, 64) + ((256,) if k * 256 > ROUTED_MAX_ENTRIES else ()):
+    big = [t for t in (256, 512) if k * t > ROUTED_MAX_ENTRIES and k * t <= KERNEL_MAX_ENTRIES]
+    for t in (1, 8, 64, *big):
         x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
         w, idx = torch.softmax(torch.randn(t, e, device=dev), -1).topk(k, dim=-1)
         ref = experts_loop(x.float(), idx, w, dense[0].float(), dense[1].float(), act)
