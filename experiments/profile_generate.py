@@ -5,10 +5,11 @@ the host's, and the GPU's idle gaps between steps (a host-bound engine shows gap
     python experiments/profile_generate.py --model tiny --device cpu --batch 8 --new-tokens 4   # smoke test
 
 One build (the preset +experiment=rl_batch_MODEL, as experiments/bench_batches.py), one untimed
-round, then one round with timers: CUDA events around each decode graph launch (the GPU's busy time
-per step, and the gap from one step's end to the next one's start), wall-clock timers around the
-host's per-step work (growing pages, filling the step's inputs and masks, reading the tokens,
-bookkeeping). Prints medians per decode step and the round's split into prefill and decode.
+round, then one round with timers: the engine's own CUDA events around each async decode step (its
+busy time on the GPU, and the gap from a step's end to the start of the step chained to it: what
+scheduler/gpu_idle_pct sums), step by step, and wall-clock timers around the host's per-step work
+(growing pages, filling the step's inputs and masks, reading the tokens, bookkeeping). Prints
+medians per decode step and the round's split into prefill and decode.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma import build_engine, compose  # noqa: E402
+from flexgemma.engine.engine import StepStats  # noqa: E402
 from flexgemma.workload import pool_demand, synthetic  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,19 +56,22 @@ class Timers:
         setattr(obj, attr, timed)  # an instance attribute: found before the class's method
 
 
-def wrap_replay(graphs, events: list) -> None:
-    """CUDA events before and after each decode graph launch: (start, end) pairs in step order."""
-    replay = graphs.replay
+@contextmanager
+def gpu_steps_recorded():
+    """Yields a list of each (busy s, idle s or None) the engine accounts for an async decode step
+    while the block runs (StepStats sums them; generate() makes a new StepStats, so the class's
+    method is wrapped, and restored after)."""
+    steps, add = [], StepStats.add_gpu_decode
 
-    def timed(*a, **k):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = replay(*a, **k)
-        end.record()
-        events.append((start, end))
-        return out
+    def recorded(self, busy: float, idle) -> None:
+        steps.append((busy, idle))
+        add(self, busy, idle)
 
-    graphs.replay = timed
+    StepStats.add_gpu_decode = recorded
+    try:
+        yield steps
+    finally:
+        StepStats.add_gpu_decode = add
 
 
 def median_ms(xs: list[float]) -> float:
@@ -90,10 +96,8 @@ def main(argv=None) -> dict:
     engine.reset_prefix_cache()
 
     runner, sched = engine.runner, engine.scheduler
-    timers, events = Timers(), []
+    timers = Timers()
     cuda = args.device.startswith("cuda")
-    if cuda and runner.graphs is not None:
-        wrap_replay(runner.graphs, events)
     timers.wrap(sched, "grow_for_decode", "grow pages")
     timers.wrap(sched, "can_chain", "can chain")
     timers.wrap(runner, "fill_decode", "fill inputs + masks")
@@ -105,11 +109,12 @@ def main(argv=None) -> dict:
     timers.wrap(sched, "schedule", "schedule")
     if cuda:
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    engine.generate(prompts, params)
-    if cuda:
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+    with gpu_steps_recorded() as gpu_steps:
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     steps, decode_s = engine.stats.decode_steps, engine.stats.decode_time  # this call's (reset per call)
     tokens = sum(int(p.max_new_tokens) for p in params)
     res = {"model": args.model, "batch": args.batch, "overrides": extra, "round_s": wall, "tok_s": tokens / wall,
@@ -117,15 +122,16 @@ def main(argv=None) -> dict:
            "host_ms_per_call": {k: median_ms(v) for k, v in timers.calls.items()},
            "host_s_total": {k: sum(v) for k, v in timers.calls.items()},
            "calls": {k: len(v) for k, v in timers.calls.items()}}
-    if events:
-        busy = [s.elapsed_time(e) for s, e in events]
-        gaps = [events[i][1].elapsed_time(events[i + 1][0]) for i in range(len(events) - 1)]
-        res.update({"gpu_step_ms_median": statistics.median(busy), "gpu_gap_ms_median": statistics.median(gaps),
+    if gpu_steps:
+        busy = [b * 1e3 for b, _ in gpu_steps]
+        gaps = [i * 1e3 for _, i in gpu_steps if i is not None]  # chained steps only
+        res.update({"gpu_step_ms_median": statistics.median(busy),
+                    "gpu_gap_ms_median": statistics.median(gaps) if gaps else 0.0,
                     "gpu_gap_ms_p90": sorted(gaps)[int(0.9 * (len(gaps) - 1))] if gaps else 0.0,
                     "gpu_busy_s": sum(busy) / 1e3, "gpu_gaps_s": sum(gaps) / 1e3})
     print(f"{args.model} batch {args.batch}: round {wall:.2f} s, {res['tok_s']:,.0f} tok/s; {steps} decode steps, "
           f"{res['decode_step_ms']:.2f} ms a step (engine's clock), prefill+other {wall - decode_s:.2f} s")
-    if events:
+    if gpu_steps:
         print(f"GPU per decode step: busy {res['gpu_step_ms_median']:.2f} ms (median), gap to the next "
               f"{res['gpu_gap_ms_median']:.2f} ms (median; p90 {res['gpu_gap_ms_p90']:.2f}); decode busy "
               f"{res['gpu_busy_s']:.2f} s, idle between steps {res['gpu_gaps_s']:.2f} s")

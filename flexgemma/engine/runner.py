@@ -81,7 +81,6 @@ class ModelRunner:
         # decode attention runs at one of a few fixed row counts when its kernel is compiled for them
         self.attn_rows = forward.kernels.padded_rows
         self.graphs = None  # a cuda_graphs.DecodeGraphs once captured
-        self.last_events: Optional[tuple] = None  # the last decode step's timing events (GPU)
 
     def _slots_by_type(self, slots: torch.Tensor, window_slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each layer type writes its KV at the slots of its own page group."""
@@ -94,7 +93,7 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> tuple[list[int], list[float]]:
         """Runs one step; returns the sampled token and logprob of each sequence that samples."""
         if plan.kind == "decode":
-            tokens, logprobs = self._decode(plan.seqs)
+            tokens, logprobs, _ = self._decode(plan.seqs)
             return tokens.tolist(), logprobs.tolist()
         if plan.copies:  # last prompt pages copied from the request that computed them, before reads
             self.cache.copy_pages(plan.copies)
@@ -185,24 +184,26 @@ class ModelRunner:
             d.seed[:rows], greedy_only,
         )
 
-    def _decode(self, seqs: list[Sequence], chained: Optional["DecodeLaunch"] = None):
+    def _decode(self, seqs: list[Sequence], chained: Optional["DecodeLaunch"] = None, timed: bool = False):
+        """(tokens, logprobs, events): events are (start, end) around the step on the GPU when `timed`
+        (async decode reads them once the step has passed), else None."""
         n = len(seqs)
         rows = self.graphs.bucket_for(n) if self.graphs is not None else n
         filtered, greedy = self.fill_decode(seqs, rows)
         if chained is not None:  # the input tokens are the previous step's, still on the device
             self.decode_in.input_ids[:n].copy_(chained.tokens)
-        start = self._event()
+        start = self._event() if timed else None
         if self.graphs is not None:
             head, tokens, logprobs = self.graphs.replay(rows, n, greedy)
         else:
             head, tokens, logprobs = self.decode_step(rows, greedy)
-        self.last_events = (start, self._event()) if start is not None else None
+        events = (start, self._event()) if start is not None else None
         if filtered:  # top-k / top-p sort the vocabulary: only for batches that ask for it
             d = self.decode_in
             batch = SamplingBatch(d.temperature[:n], d.top_k[:n], d.top_p[:n], d.seed[:n], d.positions[:n] + 1,
                                   needs_filter=True)
-            return self.sample_fn(head[:n], batch, self.forward.spec.softcap)
-        return tokens[:n], logprobs[:n]
+            return (*self.sample_fn(head[:n], batch, self.forward.spec.softcap), events)
+        return tokens[:n], logprobs[:n], events
 
     def _event(self) -> Optional[torch.cuda.Event]:
         """A timing event recorded on the device's stream now (None on the CPU): around each decode
@@ -219,7 +220,7 @@ class ModelRunner:
         """Queues a decode step and the copy of its tokens to the host; returns without waiting.
         With `chained`, the step's input tokens are `chained`'s (same sequences, same order), so it
         can be queued before the host has read them."""
-        tokens, logprobs = self._decode(seqs, chained)
+        tokens, logprobs, events = self._decode(seqs, chained, timed=True)
         if not hasattr(self, "_out_host"):  # two pinned mirrors: a step's copy never overwrites unread tokens
             pin = self.device.type == "cuda"
             self._out_host = [(torch.zeros(self.max_batch, dtype=torch.long, pin_memory=pin),
@@ -234,7 +235,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return DecodeLaunch(list(seqs), tokens, tok_host[:n], lp_host[:n], done, self.last_events)
+        return DecodeLaunch(list(seqs), tokens, tok_host[:n], lp_host[:n], done, events)
 
     @staticmethod
     def collect(launch: "DecodeLaunch") -> tuple[list[int], list[float]]:
