@@ -141,6 +141,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--moe-sort-above", type=int, default=None,
                     help="MoE decode steps of more routed entries than this sort them by expert (an A/B of "
                          "moe_kernel.ROUTED_MAX_ENTRIES on the real router; 0: always); the output files get a suffix")
+    ap.add_argument("--linear4bit-max-rows", type=int, default=None,
+                    help="4-bit projection steps of more rows than this dequantise + GEMM instead of the Triton kernel "
+                         "(an A/B of linear4bit.KERNEL_MAX_ROWS); the output files get a suffix")
     args, extra = ap.parse_known_args(argv)
     overrides = overrides_for(args, extra)
     suffix = "".join(f"_{kv.replace('=', '-')}" for kv in args.inductor_config)
@@ -151,6 +154,11 @@ def main(argv=None) -> dict:
 
         moe_kernel.ROUTED_MAX_ENTRIES = args.moe_sort_above  # read at each call (and so at each capture)
         suffix += f"_sort_above_{args.moe_sort_above}"
+    if args.linear4bit_max_rows is not None:
+        from flexgemma.model import linear4bit
+
+        linear4bit.KERNEL_MAX_ROWS = args.linear4bit_max_rows  # read at each call (and so at each capture)
+        suffix += f"_linear4bit_max_rows_{args.linear4bit_max_rows}"
     cfg = compose(overrides)
     device = str(getattr(cfg.device, "value", cfg.device))  # an enum in the typed config ("Device.cuda" as str)
     if device.startswith("cuda"):
@@ -159,7 +167,7 @@ def main(argv=None) -> dict:
     engine = build_engine(cfg, pool_demand(cfg.workload))
     build_s = time.perf_counter() - t0
     work = synthetic(cfg.workload, engine.spec.vocab_size)
-    res = {"model": args.model, "overrides": overrides, "moe_sort_above": args.moe_sort_above,
+    res = {"model": args.model, "overrides": overrides, "moe_sort_above": args.moe_sort_above, "linear4bit_max_rows": args.linear4bit_max_rows,
            "inductor_config": args.inductor_config,
            "batch_sizes": args.batch_sizes, "peak_tb_s": args.peak_tb_s,
            "build_seconds": build_s, "engine": engine.info, "rows": []}

@@ -38,6 +38,15 @@ E2B_GROUPS = {
     "ple_gate": (1536, (256,)),
     "ple_out": (256, (1536,)),
 }
+# 31B's (a sliding layer's q/k/v and o, a full layer's q/k (k = v), the MLP): the RL-batch question is
+# where the kernel (each program of ROW_TILE rows decodes its weights again) loses to one dequantise
+# + GEMM, whose cost does not grow with the rows
+GROUPS = {**E2B_GROUPS,
+          "31b_qkv_sliding": (5376, (8192, 4096, 4096)),
+          "31b_qk_full": (5376, (16384, 2048)),
+          "31b_o_sliding": (8192, (5376,)),
+          "31b_gate_up": (5376, (21504, 21504)),
+          "31b_down": (21504, (5376,))}
 
 
 def time_us(fn, reps: int = 10) -> float:
@@ -58,7 +67,7 @@ def time_us(fn, reps: int = 10) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", default="8,32,64")
-    ap.add_argument("--groups", default=",".join(E2B_GROUPS))
+    ap.add_argument("--groups", default=",".join(E2B_GROUPS), help=f"of {', '.join(GROUPS)}")
     ap.add_argument("--grid-batch-sizes", default="8,64", help="batch sizes that also time the tile grid")
     ap.add_argument("--grid-groups", default="qkv_sliding,o_sliding,gate_up_wide,down_wide",
                     help="groups that time the tile grid")
@@ -73,13 +82,17 @@ def main() -> None:
     # (BLOCK_N, BLOCK_K, num_warps): one K step a program, so K / BLOCK_K programs per feature tile
     grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3)
             for bn, bk, w in ((32, 256, 4), (64, 256, 4), (128, 256, 8), (64, 512, 8), (64, 128, 4), (128, 128, 4))]
+    # past 64 rows: programs of more rows (each decodes its weights once for all of them)
+    grid += [dict(ROW_TILE=rt, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s_)
+             for rt, bn, bk, w, s_ in ((128, 64, 128, 8, 3), (128, 64, 256, 8, 2), (128, 128, 128, 8, 2),
+                                       (256, 64, 64, 8, 2), (256, 128, 64, 8, 2))]
     grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
     grid_groups = set(args.grid_groups.split(","))
     res: dict = {"default": TILES, "runs": []}
     torch.manual_seed(0)
     totals: dict = {}
     for name in args.groups.split(","):
-        k, outs = E2B_GROUPS[name]
+        k, outs = GROUPS[name]
         lin = [torch.nn.Linear(k, n, bias=False, device=dev, dtype=dt) for n in outs]
         dense = torch.cat([m.weight.detach() for m in lin])
         mods = [linear4bit_from(m, s, dev) for m in lin]
@@ -105,10 +118,14 @@ def main() -> None:
                    "bnb_lora_us": time_us(bnb_lora),
                    "bf16_us": time_us(lambda: F.linear(x, dense)),
                    "triton_us": time_us(lambda: group.matmul(x)),
+                   # the engine's path past KERNEL_MAX_ROWS: the group dequantised once, one GEMM
+                   "dequant_gemm_us": time_us(lambda: F.linear(x, group.dequantize())),
                    "triton_lora_us": time_us(lambda: group.matmul(x, F.linear(x, a), b)),
                    "rel_err": rel(group.matmul(x))}
             configs = []
             for tiles in grid if bs in grid_sizes and name in grid_groups else []:
+                if tiles.get("ROW_TILE", 64) > max(64, bs):
+                    continue
                 c = dict(tiles)
                 try:
                     c["rel_err"] = rel(group.matmul(x, tiles=tiles))
@@ -121,14 +138,15 @@ def main() -> None:
                 row["best"] = min(ok, key=lambda c: c["us"])
             row["configs"] = configs
             res["runs"].append(row)
-            for key in ("bnb_us", "bnb_lora_us", "bf16_us", "triton_us", "triton_lora_us"):
+            for key in ("bnb_us", "bnb_lora_us", "bf16_us", "triton_us", "dequant_gemm_us", "triton_lora_us"):
                 totals.setdefault(bs, {}).setdefault(key, 0.0)
                 totals[bs][key] += row[key]
             best = row.get("best")
             print(f"{name:13s} bs {bs:3d} {nbytes / 1e6:6.1f} MB: bnb {row['bnb_us']:7.1f} us, bf16 {row['bf16_us']:7.1f} "
-                  f"us, triton {row['triton_us']:7.1f} us ({nbytes / row['triton_us'] / 1e6:.2f} TB/s), +lora "
+                  f"us, dequant+gemm {row['dequant_gemm_us']:7.1f} us, triton {row['triton_us']:7.1f} us ({nbytes / row['triton_us'] / 1e6:.2f} TB/s), +lora "
                   f"{row['triton_lora_us']:7.1f} us (bnb+lora {row['bnb_lora_us']:7.1f}), rel err {row['rel_err']:.1e}"
-                  + (f"; best {best['us']:7.1f} us {({k_: best[k_] for k_ in TILES})}" if best else ""), flush=True)
+                  + (f"; best {best['us']:7.1f} us {({k_: v for k_, v in best.items() if k_ not in ('us', 'rel_err')})}"
+                     if best else ""), flush=True)
     res["totals_us"] = totals
     for bs, t in totals.items():
         print(f"sum over the groups, bs {bs}: " + ", ".join(f"{k_} {v:8.1f}" for k_, v in t.items()))

@@ -236,7 +236,7 @@ class Linear4bitGroup:
         dq = self.double_quant
         lora = xa is not None
         r = xa.shape[1] if lora else 0
-        block_m = min(ROW_TILE, max(16, triton.next_power_of_2(t)))
+        block_m = min(tiles.get("ROW_TILE", ROW_TILE), max(16, triton.next_power_of_2(t)))
         _linear_4bit_kernel[(n_tiles, split, triton.cdiv(t, block_m))](
             x_ptr=x, w_ptr=self.packed, absmax_ptr=self.absmax, code_ptr=self.code,
             ncode_ptr=self.nested_code if dq else self.absmax, nabsmax_ptr=self.nested_absmax if dq else self.absmax,
