@@ -39,6 +39,7 @@ def test_group_equals_bitsandbytes_modules_interpreted():
             refs = {t: torch.cat([m(x) for m in mods], -1) for t, x in before.items()}
             g = L.Linear4bitGroup(mods)
             print("kept8bit", qt, dq, outs, g.double_quant)
+            print("dequant", qt, torch.equal(g.dequantize(), g.dequantize_bnb()))
             for t, x in before.items():
                 print("err", qt, t, rel(torch.cat(g(x), -1), refs[t]))
                 print("members", qt, t, float((torch.cat([m(x) for m in mods], -1) - refs[t]).abs().max()))
@@ -57,19 +58,24 @@ def test_group_equals_bitsandbytes_modules_interpreted():
     assert all(ln[4] == "True" for ln in lines if ln[0] == "err_split"), out  # the forced tiles did split K
     lora = [(float(ln[3]), float(ln[4])) for ln in lines if ln[0] == "err_lora"]
     assert len(lora) == 15 and all(e < 1e-3 and moved > 0.05 for e, moved in lora), out
+    # the group's own dequantise kernel (steps past KERNEL_MAX_ROWS, prefill) is bitsandbytes' op bit for bit
+    assert [ln[2] for ln in lines if ln[0] == "dequant"] == ["True"] * 5, out
     kept = [ln[-1] for ln in lines if ln[0] == "kept8bit"]
     assert kept == ["True", "True", "False", "False", "False"], out
 
 
 def test_kernel_takes_rl_batches_in_row_tiles_interpreted():
-    """Steps of more than ROW_TILE rows (RL decode batches up to KERNEL_MAX_ROWS) run in the kernel as
-    programs of ROW_TILE rows: each row's output is bit for bit what a step of its tile alone gives
-    (LoRA and split K included), and equals bitsandbytes' modules; past KERNEL_MAX_ROWS, dequantise
-    + GEMM as before."""
+    """With KERNEL_MAX_ROWS raised past ROW_TILE (bench_batches.py --linear4bit-max-rows), steps of
+    more rows run in the kernel as programs of ROW_TILE rows: each row's output is bit for bit what a
+    step of its tile alone gives (LoRA and split K included), and equals bitsandbytes' modules; past
+    KERNEL_MAX_ROWS, dequantise + GEMM. By default (64: on the H200 dequantise + GEMM won past 64
+    rows) a step of 65 rows launches no product kernel."""
     out = run_interpreted("""
         import torch
         from flexgemma.model.quant import Bnb4Settings, linear4bit_from
         from flexgemma.model import linear4bit as L
+        default = L.KERNEL_MAX_ROWS
+        L.KERNEL_MAX_ROWS = 512
         torch.manual_seed(0)
         rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
         s = Bnb4Settings("nf4", True, 64, torch.float16)
@@ -92,12 +98,16 @@ def test_kernel_takes_rl_batches_in_row_tiles_interpreted():
         g.matmul(x)
         y = g.matmul(torch.randn(L.KERNEL_MAX_ROWS + 1, 128).half())
         print("grids", calls, L.ROW_TILE, tuple(y.shape))
+        L.KERNEL_MAX_ROWS = default
+        g.matmul(torch.randn(default + 1, 128).half())
+        print("default", default, len(calls))
     """)
     lines = [ln.split() for ln in out.splitlines()]
     same = [ln for ln in lines if ln[0] == "same"]
     assert len(same) == 3 and all(ln[2] == "True" and float(ln[3]) < 1e-3 for ln in same), out
     grids = next(ln for ln in lines if ln[0] == "grids")
     assert grids[1:] == ["[(2,", "1,", "3)]", "64", "(513,", "96)"], out  # 150 rows: 3 tiles; 513 rows: no kernel
+    assert next(ln for ln in lines if ln[0] == "default")[1:] == ["64", "1"], out  # 65 rows: no product kernel
 
 
 def test_engine_runs_4bit_groups_and_lora_inside_them_interpreted():

@@ -14,8 +14,8 @@ An unmerged LoRA adapter of the group rides in the same kernel: `lora.LowRankGro
 xa = x A^T for every member at once and passes a block-diagonal B, whose product the kernel adds
 to the tile before the single rounding.
 
-Steps with more rows than a decode bucket (prefill) dequantise the group once (bitsandbytes' op)
-and run one GEMM.
+Steps of more than KERNEL_MAX_ROWS rows (large decode batches, prefill) dequantise the group once
+(one kernel here, bit for bit bitsandbytes' op) and run one GEMM.
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ from flexgemma.model.quant import dequantize_blocks
 from flexgemma.model.triton4bit import code4, sum_rows
 
 NESTED_BLOCK = 256  # bitsandbytes double quantisation: one float32 scale per 256 block scales
-# the kernel takes steps of at most this many rows (decode buckets up to RL batches of 512); more
-# (prefill) go dequantise + GEMM. Past ROW_TILE rows, programs of ROW_TILE rows each re-read their
-# feature tile (from L2 mostly) instead of a dequantise that writes and re-reads the whole bf16
-# matrix (4.5 bytes a weight moved against 0.5); tuned on the H200 at <= 64 rows only (RESULTS.md)
-KERNEL_MAX_ROWS = 512
-ROW_TILE = 64  # rows of one program: the tile the kernel was tuned at (a [64, 256] row block in registers)
+# the kernel takes steps of at most this many rows; more (RL decode batches, prefill) dequantise the
+# group once and run one GEMM. Each program of ROW_TILE rows decodes its weights again, so the
+# kernel's time grows with the rows while the dequantise does not: on the H200 the kernel won at 64
+# rows and lost 1.2-4.4x at 128-512 on every group timed but E2B's small q/k/v (31B: 1,335 against
+# 991 tok/s at 128 rows; experiments/RESULTS.md); an A/B: bench_batches.py --linear4bit-max-rows
+KERNEL_MAX_ROWS = 64
+ROW_TILE = 64  # rows of one program: the tile the kernel was tuned at (128 and 256 were slower on the H200)
 # tile options: output features and K elements of a program. On the H200 (experiments/RESULTS.md,
 # session 5, bench_linear4bit.py) programs that looped over K steps ran at 0.03-0.1 TB/s whatever the
 # tiles; one 64 x 256 step a program (K split across programs, partials summed by a second kernel)
@@ -102,6 +103,35 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
         tl.store(out_ptr + (rows[:, None] * split + tl.program_id(1)) * N + cols[None, :], acc, mask=inside)
     else:
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+# bytes of one dequantise program (2 weights a byte); not tuned
+DEQUANT_BLOCK = 2048
+
+
+@triton.jit(do_not_specialize=["n_bytes"])
+def _dequant_4bit_kernel(w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, n_bytes,
+                         QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Bytes [pid*BLOCK, (pid+1)*BLOCK) of a 4-bit matrix -> its 2*BLOCK weights in out's dtype, decoded
+    as the product kernel above decodes them (float32 code x the block's float32 scale, rounded once),
+    the high nibble first. One kernel reading 0.5 bytes and writing 2 a weight, where bitsandbytes'
+    op needs the scales decoded first (a separate pass over the 8-bit codes)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n_bytes
+    byte = tl.load(w_ptr + i, mask=ok, other=0).to(tl.int32)
+    blk = i // (QBLOCK // 2)
+    if DOUBLE_QUANT:
+        code8 = tl.load(absmax_ptr + blk, mask=ok, other=0).to(tl.int32)
+        scale = tl.load(ncode_ptr + code8) * tl.load(nabsmax_ptr + blk // NESTED, mask=ok, other=0.0) \
+            + tl.load(noffset_ptr + blk // NESTED, mask=ok, other=0.0)
+    else:
+        scale = tl.load(absmax_ptr + blk, mask=ok, other=0.0)
+    dt = out_ptr.dtype.element_ty
+    hi = (tl.load(code_ptr + (byte >> 4)) * scale).to(dt)
+    lo = (tl.load(code_ptr + (byte & 15)) * scale).to(dt)
+    j = tl.program_id(0) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
+    tl.store(out_ptr + j, tl.reshape(tl.join(hi, lo), (2 * BLOCK,)), mask=j < 2 * n_bytes)
 
 
 def _linear4bit_type():
@@ -208,7 +238,20 @@ class Linear4bitGroup:
         return self.nested_code[self.absmax.long()] * per_block(self.nested_absmax) + per_block(self.nested_offset)
 
     def dequantize(self) -> torch.Tensor:
-        """[out, in] weights in the compute dtype (bitsandbytes' registered 4-bit dequantise op)."""
+        """[out, in] weights in the compute dtype, by one Triton kernel (bitsandbytes' op, with the
+        8-bit scales decoded by torch first, took 1.3-2x as long as the GEMM it feeds: RESULTS.md)."""
+        n = self.packed.numel()
+        out = torch.empty(2 * n, dtype=self.dtype, device=self.packed.device)
+        dq = self.double_quant
+        _dequant_4bit_kernel[(triton.cdiv(n, DEQUANT_BLOCK),)](
+            self.packed, self.absmax, self.code, self.nested_code if dq else self.absmax,
+            self.nested_absmax if dq else self.absmax, self.nested_offset if dq else self.absmax, out, n,
+            QBLOCK=self.block_size, NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCK=DEQUANT_BLOCK)
+        return out.view(self.out_features, self.in_features)
+
+    def dequantize_bnb(self) -> torch.Tensor:
+        """The same weights by bitsandbytes' registered dequantise op (the reference the tests and
+        bench_linear4bit.py compare with)."""
         return dequantize_blocks(self.packed, self.scales(), self.block_size, self.quant_type,
                                  self.dtype).view(self.out_features, self.in_features)
 
