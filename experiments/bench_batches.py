@@ -110,7 +110,9 @@ def fmt(v, digits: int = 2) -> str:
 
 def markdown(res: dict) -> str:
     info = res["engine"]
-    head = (f"{res['model']} ({info.get('weights', '?')}, {info.get('dtype', '?')}), one build at max_batch_size "
+    frac = info.get("quant/fraction_4bit", 0.0)
+    quant = f", {frac:.0%} of the weights 4-bit ({info.get('linear4bit_kernel', '?')} projections)" if frac else ""
+    head = (f"{res['model']} ({info.get('weights', '?')}, {info.get('dtype', '?')}{quant}), one build at max_batch_size "
             f"{max(res['batch_sizes'])}: buckets {info.get('cudagraph_buckets')}, capture {fmt(info.get('capture_seconds'))} s, "
             f"graph pool {fmt(info.get('graph_pool_gib'))} GiB, warm-up {fmt(info.get('warmup_seconds'))} s, build "
             f"{fmt(res['build_seconds'])} s; KV {info.get('kv_bytes_per_token', 0) / 1024:.1f} KiB a token "

@@ -149,19 +149,28 @@ def load_script(name: str):
 
 
 def test_bench_batches_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
-    from flexgemma.model import moe_kernel
+    pytest.importorskip("triton", reason="the 4-bit module is imported for --linear4bit-max-rows")
+    from flexgemma.model import linear4bit, moe_kernel
 
     monkeypatch.setattr(moe_kernel, "ROUTED_MAX_ENTRIES", moe_kernel.ROUTED_MAX_ENTRIES)  # restored after
-    res = load_script("bench_batches").main([
+    monkeypatch.setattr(linear4bit, "KERNEL_MAX_ROWS", linear4bit.KERNEL_MAX_ROWS)
+    script = load_script("bench_batches")
+    res = script.main([
         "--model", "tiny", "--device", "cpu", "--batch-sizes", "2,3", "--new-tokens", "3", "--rounds", "2",
-        "--warmup-rounds", "0", "--out", str(tmp_path), "--moe-sort-above", "0", "--inductor-config",
-        "triton.enable_pdl=False", "workload.min_prompt_len=4", "workload.max_prompt_len=12", "kv.page_size=8"])
+        "--warmup-rounds", "0", "--out", str(tmp_path), "--moe-sort-above", "0", "--linear4bit-max-rows", "32",
+        "--inductor-config", "triton.enable_pdl=False", "workload.min_prompt_len=4", "workload.max_prompt_len=12",
+        "kv.page_size=8"])
     assert [r["batch"] for r in res["rows"]] == [2, 3] and res["engine"]["device"] == "cpu"
     assert all(r["tok_s_median"] > 0 and r["limit_tok_s"] > 0 and len(r["tok_s_rounds"]) == 2 for r in res["rows"])
     assert moe_kernel.ROUTED_MAX_ENTRIES == 0 and res["moe_sort_above"] == 0
-    table = (tmp_path / "bench_batches_tiny_triton.enable_pdl-False_sort_above_0.md").read_text()
+    assert linear4bit.KERNEL_MAX_ROWS == 32 and res["linear4bit_max_rows"] == 32
+    name = "bench_batches_tiny_triton.enable_pdl-False_sort_above_0_linear4bit_max_rows_32"
+    table = (tmp_path / f"{name}.md").read_text()
     assert "| batch | tok/s | first/median |" in table and table.count("\n| ") == 3  # header + two rows
-    assert (tmp_path / "bench_batches_tiny_triton.enable_pdl-False_sort_above_0.json").is_file()
+    assert (tmp_path / f"{name}.json").is_file()
+    assert "4-bit" not in table.splitlines()[0]  # a bf16 build says nothing of 4-bit weights; a bnb4 one does:
+    res["engine"].update({"quant/fraction_4bit": 0.93, "linear4bit_kernel": "triton"})
+    assert "93% of the weights 4-bit (triton projections)" in script.markdown(res).splitlines()[0]
 
 
 def test_profile_generate_times_a_round_on_the_cpu(tmp_path):
