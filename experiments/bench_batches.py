@@ -146,6 +146,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--linear4bit-max-rows", type=int, default=None,
                     help="4-bit projection steps of more rows than this dequantise + GEMM instead of the Triton kernel "
                          "(an A/B of linear4bit.KERNEL_MAX_ROWS); the output files get a suffix")
+    ap.add_argument("--linear4bit-dequant", choices=("bnb", "triton"), default=None,
+                    help="how 4-bit groups dequantise past the kernel's rows (an A/B of linear4bit.DEQUANT_KERNEL); "
+                         "the output files get a suffix")
+    ap.add_argument("--attention-row-factor", type=int, default=None,
+                    help="flex decode attention compiled at max_batch_size, then this factor smaller each time (an "
+                         "A/B of cuda_graphs.ATTENTION_ROW_FACTOR, 4; 2 pads a step to at most twice its rows); "
+                         "the output files get a suffix")
     args, extra = ap.parse_known_args(argv)
     overrides = overrides_for(args, extra)
     suffix = "".join(f"_{kv.replace('=', '-')}" for kv in args.inductor_config)
@@ -161,6 +168,16 @@ def main(argv=None) -> dict:
 
         linear4bit.KERNEL_MAX_ROWS = args.linear4bit_max_rows  # read at each call (and so at each capture)
         suffix += f"_linear4bit_max_rows_{args.linear4bit_max_rows}"
+    if args.linear4bit_dequant is not None:
+        from flexgemma.model import linear4bit
+
+        linear4bit.DEQUANT_KERNEL = args.linear4bit_dequant
+        suffix += f"_dequant_{args.linear4bit_dequant}"
+    if args.attention_row_factor is not None:
+        from flexgemma.engine import cuda_graphs
+
+        cuda_graphs.ATTENTION_ROW_FACTOR = args.attention_row_factor  # read when the build compiles attention
+        suffix += f"_attention_rows_x{args.attention_row_factor}"
     cfg = compose(overrides)
     device = str(getattr(cfg.device, "value", cfg.device))  # an enum in the typed config ("Device.cuda" as str)
     if device.startswith("cuda"):
@@ -170,6 +187,7 @@ def main(argv=None) -> dict:
     build_s = time.perf_counter() - t0
     work = synthetic(cfg.workload, engine.spec.vocab_size)
     res = {"model": args.model, "overrides": overrides, "moe_sort_above": args.moe_sort_above, "linear4bit_max_rows": args.linear4bit_max_rows,
+           "linear4bit_dequant": args.linear4bit_dequant, "attention_row_factor": args.attention_row_factor,
            "inductor_config": args.inductor_config,
            "batch_sizes": args.batch_sizes, "peak_tb_s": args.peak_tb_s,
            "build_seconds": build_s, "engine": engine.info, "rows": []}

@@ -119,8 +119,9 @@ def main() -> None:
                    "bf16_us": time_us(lambda: F.linear(x, dense)),
                    "triton_us": time_us(lambda: group.matmul(x)),
                    # the engine's path past KERNEL_MAX_ROWS: the group dequantised once, one GEMM
-                   "dequant_gemm_us": time_us(lambda: F.linear(x, group.dequantize())),
-                   "dequant_us": time_us(group.dequantize),  # the group's kernel alone
+                   "dequant_gemm_us": time_us(lambda: F.linear(x, group.dequantize_bnb())),
+                   "dequant_triton_gemm_us": time_us(lambda: F.linear(x, group.dequantize_triton())),
+                   "dequant_us": time_us(group.dequantize_triton),  # the group's kernel alone
                    "dequant_bnb_us": time_us(group.dequantize_bnb),  # bitsandbytes' op (+ torch's scale decode)
                    "triton_lora_us": time_us(lambda: group.matmul(x, F.linear(x, a), b)),
                    "rel_err": rel(group.matmul(x))}
@@ -140,14 +141,15 @@ def main() -> None:
                 row["best"] = min(ok, key=lambda c: c["us"])
             row["configs"] = configs
             res["runs"].append(row)
-            for key in ("bnb_us", "bnb_lora_us", "bf16_us", "triton_us", "dequant_gemm_us", "dequant_us", "dequant_bnb_us",
-                        "triton_lora_us"):
+            for key in ("bnb_us", "bnb_lora_us", "bf16_us", "triton_us", "dequant_gemm_us", "dequant_triton_gemm_us",
+                        "dequant_us", "dequant_bnb_us", "triton_lora_us"):
                 totals.setdefault(bs, {}).setdefault(key, 0.0)
                 totals[bs][key] += row[key]
             best = row.get("best")
             print(f"{name:13s} bs {bs:3d} {nbytes / 1e6:6.1f} MB: bnb {row['bnb_us']:7.1f} us, bf16 {row['bf16_us']:7.1f} "
-                  f"us, dequant+gemm {row['dequant_gemm_us']:7.1f} us (dequant {row['dequant_us']:6.1f}, bnb's "
-                  f"{row['dequant_bnb_us']:6.1f}), triton {row['triton_us']:7.1f} us ({nbytes / row['triton_us'] / 1e6:.2f} TB/s), +lora "
+                  f"us, dequant+gemm {row['dequant_gemm_us']:7.1f} us (with the triton dequant "
+                  f"{row['dequant_triton_gemm_us']:7.1f}; dequant alone {row['dequant_bnb_us']:6.1f} vs "
+                  f"{row['dequant_us']:6.1f}), triton {row['triton_us']:7.1f} us ({nbytes / row['triton_us'] / 1e6:.2f} TB/s), +lora "
                   f"{row['triton_lora_us']:7.1f} us (bnb+lora {row['bnb_lora_us']:7.1f}), rel err {row['rel_err']:.1e}"
                   + (f"; best {best['us']:7.1f} us {({k_: v for k_, v in best.items() if k_ not in ('us', 'rel_err')})}"
                      if best else ""), flush=True)

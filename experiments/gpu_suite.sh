@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq kernels_large moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq batches_31b_bnb4_tdq attn_rows_ab kernels_large moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -71,7 +71,7 @@ run batches_31b 330 bash -c 'python3 experiments/bench_batches.py --model 31b --
 run batches_31b_bnb4 330 bash -c 'python3 experiments/bench_batches.py --model 31b --batch-sizes 64,128 --new-tokens 256 \
   --rounds 3 --warmup-rounds 0 --out "$WORK/batches_bnb4" quant=bnb4; cat "$WORK"/batches_bnb4/*31b*.md'
 # 4-bit projections at RL batch sizes (31B bnb4 ran 60 ms a step at 64 rows and 111 at 128: the kernel's
-# programs of 64 rows each decode their weights again): the kernel, programs of 128/256 rows, and the
+# programs of 64 rows each decode their weights again and write float32 partials): the kernel, programs of 128/256 rows, and the
 # group dequantised once + one GEMM (whose cost does not grow with the rows), 31B's and E2B's groups
 run linear4bit_rows 240 python3 experiments/bench_linear4bit.py --groups 31b_qkv_sliding,31b_qk_full,31b_o_sliding,31b_gate_up,31b_down,qkv_sliding,gate_up_wide,down_wide \
   --batch-sizes 16,32,64,128,256,512 --grid-batch-sizes 128,256,512 --grid-groups 31b_gate_up,31b_down,gate_up_wide \
@@ -79,6 +79,14 @@ run linear4bit_rows 240 python3 experiments/bench_linear4bit.py --groups 31b_qkv
 # 31B bnb4 with steps past N rows dequantised + one GEMM (N=32: both sizes) against the default
 run batches_31b_bnb4_dq 330 bash -c 'python3 experiments/bench_batches.py --model 31b --batch-sizes 64,128 --new-tokens 256 \
   --rounds 3 --warmup-rounds 0 --linear4bit-max-rows ${DQ_ROWS:-32} --out "$WORK/batches_bnb4" quant=bnb4; cat "$WORK"/batches_bnb4/*31b*.md'
+# 31B bnb4 with the groups dequantised by the kernel here instead of bitsandbytes' op (the same bits)
+run batches_31b_bnb4_tdq 330 bash -c 'python3 experiments/bench_batches.py --model 31b --batch-sizes 64,128 --new-tokens 256 \
+  --rounds 3 --warmup-rounds 0 --linear4bit-dequant triton --out "$WORK/batches_bnb4" quant=bnb4; cat "$WORK"/batches_bnb4/*31b*.md'
+# flex decode attention compiled at every 2x of the rows instead of 4x: E4B's 64 rows in a 128-row build
+# (7,478 tok/s against 8,090 in a 64-row build), each variant a build (~2.3 min each)
+run attn_rows_ab 330 bash -c 'for f in 4 2; do python3 experiments/bench_batches.py --model e4b --batch-sizes 64,128 \
+  --new-tokens 512 --rounds 3 --warmup-rounds 0 --attention-row-factor $f --out "$WORK/batches_attn_rows"; done;
+  cat "$WORK"/batches_attn_rows/*.md'
 # the kernels past the sizes they were tuned at: 4-bit projections up to 512 rows (programs of 64 rows)
 # against bitsandbytes' dequantise + GEMM, routed experts past 1,024 entries (sorted) against torch's path
 run kernels_large 300 bash -c 'python3 experiments/bench_linear4bit.py --batch-sizes 64,128,256,512 \

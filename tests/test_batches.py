@@ -67,6 +67,9 @@ def test_attention_row_sizes():
     assert attention_row_sizes(64) == [16, 64]
     assert attention_row_sizes(8) == [8]
     assert attention_row_sizes(200) == [50, 200]
+    assert attention_row_sizes(128, factor=2) == [16, 32, 64, 128]
+    with pytest.raises(ValueError, match="at least 2"):
+        attention_row_sizes(64, factor=1)
 
 
 def test_decode_attention_padded_to_a_row_count_gives_the_same_tokens():
@@ -153,18 +156,25 @@ def test_bench_batches_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
     from flexgemma.model import linear4bit, moe_kernel
 
     monkeypatch.setattr(moe_kernel, "ROUTED_MAX_ENTRIES", moe_kernel.ROUTED_MAX_ENTRIES)  # restored after
+    from flexgemma.engine import cuda_graphs
+
     monkeypatch.setattr(linear4bit, "KERNEL_MAX_ROWS", linear4bit.KERNEL_MAX_ROWS)
+    monkeypatch.setattr(linear4bit, "DEQUANT_KERNEL", linear4bit.DEQUANT_KERNEL)
+    monkeypatch.setattr(cuda_graphs, "ATTENTION_ROW_FACTOR", cuda_graphs.ATTENTION_ROW_FACTOR)
     script = load_script("bench_batches")
     res = script.main([
         "--model", "tiny", "--device", "cpu", "--batch-sizes", "2,3", "--new-tokens", "3", "--rounds", "2",
         "--warmup-rounds", "0", "--out", str(tmp_path), "--moe-sort-above", "0", "--linear4bit-max-rows", "32",
+        "--linear4bit-dequant", "triton", "--attention-row-factor", "2",
         "--inductor-config", "triton.enable_pdl=False", "workload.min_prompt_len=4", "workload.max_prompt_len=12",
         "kv.page_size=8"])
     assert [r["batch"] for r in res["rows"]] == [2, 3] and res["engine"]["device"] == "cpu"
     assert all(r["tok_s_median"] > 0 and r["limit_tok_s"] > 0 and len(r["tok_s_rounds"]) == 2 for r in res["rows"])
     assert moe_kernel.ROUTED_MAX_ENTRIES == 0 and res["moe_sort_above"] == 0
     assert linear4bit.KERNEL_MAX_ROWS == 32 and res["linear4bit_max_rows"] == 32
-    name = "bench_batches_tiny_triton.enable_pdl-False_sort_above_0_linear4bit_max_rows_32"
+    assert linear4bit.DEQUANT_KERNEL == "triton" and cuda_graphs.ATTENTION_ROW_FACTOR == 2
+    name = ("bench_batches_tiny_triton.enable_pdl-False_sort_above_0_linear4bit_max_rows_32_dequant_triton"
+            "_attention_rows_x2")
     table = (tmp_path / f"{name}.md").read_text()
     assert "| batch | tok/s | first/median |" in table and table.count("\n| ") == 3  # header + two rows
     assert (tmp_path / f"{name}.json").is_file()

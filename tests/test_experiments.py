@@ -55,3 +55,15 @@ def test_batch_too_large_for_workload_is_a_clear_error(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert r.returncode != 0 and "workload.num_prompts=8" in r.stderr
+
+
+def test_gpu_suite_lists_its_stages_in_order_and_parses():
+    """experiments/gpu_suite.sh: the header's stage list is every `run NAME` in file order (stages run in
+    file order whatever the command line says, so a call's plan is read from the header), and bash
+    parses the script."""
+    import re
+
+    text = (ROOT / "experiments" / "gpu_suite.sh").read_text()
+    header = re.search(r"^# Stages \(in this order\): (.*)$", text, re.M).group(1).split()
+    assert header == re.findall(r"^run (\w+) ", text, re.M)
+    assert subprocess.run(["bash", "-n", str(ROOT / "experiments" / "gpu_suite.sh")]).returncode == 0

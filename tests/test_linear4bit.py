@@ -39,7 +39,7 @@ def test_group_equals_bitsandbytes_modules_interpreted():
             refs = {t: torch.cat([m(x) for m in mods], -1) for t, x in before.items()}
             g = L.Linear4bitGroup(mods)
             print("kept8bit", qt, dq, outs, g.double_quant)
-            print("dequant", qt, torch.equal(g.dequantize(), g.dequantize_bnb()))
+            print("dequant", qt, torch.equal(g.dequantize_triton(), g.dequantize_bnb()))
             for t, x in before.items():
                 print("err", qt, t, rel(torch.cat(g(x), -1), refs[t]))
                 print("members", qt, t, float((torch.cat([m(x) for m in mods], -1) - refs[t]).abs().max()))
@@ -99,8 +99,16 @@ def test_kernel_takes_rl_batches_in_row_tiles_interpreted():
         y = g.matmul(torch.randn(L.KERNEL_MAX_ROWS + 1, 128).half())
         print("grids", calls, L.ROW_TILE, tuple(y.shape))
         L.KERNEL_MAX_ROWS = default
-        g.matmul(torch.randn(default + 1, 128).half())
+        x65 = torch.randn(default + 1, 128).half()
+        y_bnb = g.matmul(x65)
         print("default", default, len(calls))
+        L.DEQUANT_KERNEL = "triton"
+        print("dequant_kernel", torch.equal(g.matmul(x65), y_bnb), len(calls))
+        L.DEQUANT_KERNEL = "cublas"
+        try:
+            g.matmul(x65)
+        except ValueError as e:
+            print("bad", "DEQUANT_KERNEL='cublas'" in str(e))
     """)
     lines = [ln.split() for ln in out.splitlines()]
     same = [ln for ln in lines if ln[0] == "same"]
@@ -108,6 +116,9 @@ def test_kernel_takes_rl_batches_in_row_tiles_interpreted():
     grids = next(ln for ln in lines if ln[0] == "grids")
     assert grids[1:] == ["[(2,", "1,", "3)]", "64", "(513,", "96)"], out  # 150 rows: 3 tiles; 513 rows: no kernel
     assert next(ln for ln in lines if ln[0] == "default")[1:] == ["64", "1"], out  # 65 rows: no product kernel
+    # the dequantise kernel in its place gives the same output bit for bit; an unknown way is named
+    assert next(ln for ln in lines if ln[0] == "dequant_kernel")[1:] == ["True", "1"], out
+    assert next(ln for ln in lines if ln[0] == "bad")[1:] == ["True"], out
 
 
 def test_engine_runs_4bit_groups_and_lora_inside_them_interpreted():

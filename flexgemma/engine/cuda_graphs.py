@@ -42,10 +42,20 @@ def resolve_buckets(buckets, max_batch: int) -> list[int]:
     return auto_buckets(max_batch) if buckets is None else [int(b) for b in buckets]
 
 
-def attention_row_sizes(max_batch: int, factor: int = 4, smallest: int = 16) -> list[int]:
-    """The row counts flex decode attention is compiled at: max_batch, then a quarter of it each time
-    down to `smallest` (512: 32, 128, 512; 64: 16, 64). A step pads its queries to the next one up:
-    at most 4x the rows, and two compiles (one per head_dim) a size, not two per bucket."""
+# each row count flex decode attention is compiled at is this factor below the next (bench_batches.py
+# --attention-row-factor is an A/B: a step padded to more rows gets fewer KV splits a row, e.g. E4B at
+# 64 rows in a 128-row build ran 7.68 ms a step against 7.24 in a 64-row build; not yet separated)
+ATTENTION_ROW_FACTOR = 4
+
+
+def attention_row_sizes(max_batch: int, factor: int = 0, smallest: int = 16) -> list[int]:
+    """The row counts flex decode attention is compiled at: max_batch, then a quarter of it
+    (ATTENTION_ROW_FACTOR) each time down to `smallest` (512: 32, 128, 512; 64: 16, 64). A step pads
+    its queries to the next one up: at most 4x the rows, and two compiles (one per head_dim) a
+    size, not two per bucket."""
+    factor = factor or ATTENTION_ROW_FACTOR
+    if factor < 2:
+        raise ValueError(f"attention row factor {factor}: at least 2")
     sizes = [max_batch]
     while sizes[-1] // factor >= smallest:
         sizes.append(sizes[-1] // factor)

@@ -15,7 +15,7 @@ xa = x A^T for every member at once and passes a block-diagonal B, whose product
 to the tile before the single rounding.
 
 Steps of more than KERNEL_MAX_ROWS rows (large decode batches, prefill) dequantise the group once
-(one kernel here, bit for bit bitsandbytes' op) and run one GEMM.
+(bitsandbytes' op, or a kernel here that gives the same bits: DEQUANT_KERNEL) and run one GEMM.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from flexgemma.model.triton4bit import code4, sum_rows
 
 NESTED_BLOCK = 256  # bitsandbytes double quantisation: one float32 scale per 256 block scales
 # the kernel takes steps of at most this many rows; more (RL decode batches, prefill) dequantise the
-# group once and run one GEMM. Each program of ROW_TILE rows decodes its weights again, so the
-# kernel's time grows with the rows while the dequantise does not: on the H200 the kernel won at 64
+# group once and run one GEMM. Each program of ROW_TILE rows decodes its weights again and writes
+# float32 partials for its rows, so the kernel's time grows with the rows while the dequantise's does not: on the H200 the kernel won at 64
 # rows and lost 1.2-4.4x at 128-512 on every group timed but E2B's small q/k/v (31B: 1,335 against
 # 991 tok/s at 128 rows; experiments/RESULTS.md); an A/B: bench_batches.py --linear4bit-max-rows
 KERNEL_MAX_ROWS = 64
@@ -105,8 +105,12 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-# bytes of one dequantise program (2 weights a byte); not tuned
-DEQUANT_BLOCK = 2048
+# how a group dequantises (steps past KERNEL_MAX_ROWS, prefill): "bnb", bitsandbytes' op after torch
+# decodes the 8-bit scales (measured: 1.9 TB/s on 31B's gate/up), or "triton", one kernel here (the
+# same weights bit for bit; not yet timed on a GPU: bench_linear4bit.py, bench_batches.py
+# --linear4bit-dequant)
+DEQUANT_KERNEL = "bnb"
+DEQUANT_BLOCK = 2048  # bytes of one dequantise program (2 weights a byte); not tuned
 
 
 @triton.jit(do_not_specialize=["n_bytes"])
@@ -238,8 +242,16 @@ class Linear4bitGroup:
         return self.nested_code[self.absmax.long()] * per_block(self.nested_absmax) + per_block(self.nested_offset)
 
     def dequantize(self) -> torch.Tensor:
-        """[out, in] weights in the compute dtype, by one Triton kernel (bitsandbytes' op, with the
-        8-bit scales decoded by torch first, took 1.3-2x as long as the GEMM it feeds: RESULTS.md)."""
+        """[out, in] weights in the compute dtype, by DEQUANT_KERNEL's way."""
+        if DEQUANT_KERNEL == "triton":
+            return self.dequantize_triton()
+        if DEQUANT_KERNEL == "bnb":
+            return self.dequantize_bnb()
+        raise ValueError(f"linear4bit.DEQUANT_KERNEL={DEQUANT_KERNEL!r}: bnb or triton")
+
+    def dequantize_triton(self) -> torch.Tensor:
+        """The weights by one Triton kernel (bitsandbytes' op, with the 8-bit scales decoded by torch
+        first, took 1.3-2.7x as long as the GEMM it feeds on 31B's groups: RESULTS.md)."""
         n = self.packed.numel()
         out = torch.empty(2 * n, dtype=self.dtype, device=self.packed.device)
         dq = self.double_quant
@@ -250,8 +262,7 @@ class Linear4bitGroup:
         return out.view(self.out_features, self.in_features)
 
     def dequantize_bnb(self) -> torch.Tensor:
-        """The same weights by bitsandbytes' registered dequantise op (the reference the tests and
-        bench_linear4bit.py compare with)."""
+        """The same weights by bitsandbytes' registered dequantise op."""
         return dequantize_blocks(self.packed, self.scales(), self.block_size, self.quant_type,
                                  self.dtype).view(self.out_features, self.in_features)
 
