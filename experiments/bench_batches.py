@@ -112,8 +112,8 @@ def markdown(res: dict) -> str:
     info = res["engine"]
     frac = info.get("quant/fraction_4bit", 0.0)
     quant = f", {frac:.0%} of the weights 4-bit ({info.get('linear4bit_kernel', '?')} projections)" if frac else ""
-    head = (f"{res['model']} ({info.get('weights', '?')}, {info.get('dtype', '?')}{quant}), one build at max_batch_size "
-            f"{max(res['batch_sizes'])}: buckets {info.get('cudagraph_buckets')}, capture {fmt(info.get('capture_seconds'))} s, "
+    head = (f"{res['model']} ({info.get('weights', '?')}, {info.get('dtype', '?')}{quant}), one build at "
+            f"max_batch_size {max(res['batch_sizes'])}: buckets {info.get('cudagraph_buckets')}, capture {fmt(info.get('capture_seconds'))} s, "
             f"graph pool {fmt(info.get('graph_pool_gib'))} GiB, warm-up {fmt(info.get('warmup_seconds'))} s, build "
             f"{fmt(res['build_seconds'])} s; KV {info.get('kv_bytes_per_token', 0) / 1024:.1f} KiB a token "
             f"({info.get('kv_bytes_per_token_full_layers', 0) / 1024:.1f} KiB past the sliding window). "

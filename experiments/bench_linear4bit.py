@@ -149,7 +149,8 @@ def main() -> None:
             print(f"{name:13s} bs {bs:3d} {nbytes / 1e6:6.1f} MB: bnb {row['bnb_us']:7.1f} us, bf16 {row['bf16_us']:7.1f} "
                   f"us, dequant+gemm {row['dequant_gemm_us']:7.1f} us (with the triton dequant "
                   f"{row['dequant_triton_gemm_us']:7.1f}; dequant alone {row['dequant_bnb_us']:6.1f} vs "
-                  f"{row['dequant_us']:6.1f}), triton {row['triton_us']:7.1f} us ({nbytes / row['triton_us'] / 1e6:.2f} TB/s), +lora "
+                  f"{row['dequant_us']:6.1f}), triton {row['triton_us']:7.1f} us "
+                  f"({nbytes / row['triton_us'] / 1e6:.2f} TB/s), +lora "
                   f"{row['triton_lora_us']:7.1f} us (bnb+lora {row['bnb_lora_us']:7.1f}), rel err {row['rel_err']:.1e}"
                   + (f"; best {best['us']:7.1f} us {({k_: v for k_, v in best.items() if k_ not in ('us', 'rel_err')})}"
                      if best else ""), flush=True)

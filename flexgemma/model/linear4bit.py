@@ -33,9 +33,10 @@ from flexgemma.model.triton4bit import code4, sum_rows
 NESTED_BLOCK = 256  # bitsandbytes double quantisation: one float32 scale per 256 block scales
 # the kernel takes steps of at most this many rows; more (RL decode batches, prefill) dequantise the
 # group once and run one GEMM. Each program of ROW_TILE rows decodes its weights again and writes
-# float32 partials for its rows, so the kernel's time grows with the rows while the dequantise's does not: on the H200 the kernel won at 64
-# rows and lost 1.2-4.4x at 128-512 on every group timed but E2B's small q/k/v (31B: 1,335 against
-# 991 tok/s at 128 rows; experiments/RESULTS.md); an A/B: bench_batches.py --linear4bit-max-rows
+# float32 partials for its rows, so the kernel's time grows with the rows and the dequantise's does
+# not: on the H200 the kernel won at 64 rows and lost 1.2-4.4x at 128-512 on every group timed but
+# E2B's small q/k/v (31B bnb4 at 128 rows: 1,335 tok/s against 991; experiments/RESULTS.md).
+# An A/B: bench_batches.py --linear4bit-max-rows
 KERNEL_MAX_ROWS = 64
 ROW_TILE = 64  # rows of one program: the tile the kernel was tuned at (128 and 256 were slower on the H200)
 # tile options: output features and K elements of a program. On the H200 (experiments/RESULTS.md,
@@ -251,7 +252,7 @@ class Linear4bitGroup:
 
     def dequantize_triton(self) -> torch.Tensor:
         """The weights by one Triton kernel (bitsandbytes' op, with the 8-bit scales decoded by torch
-        first, took 1.3-2.7x as long as the GEMM it feeds on 31B's groups: RESULTS.md)."""
+        first, took 2.3-2.7x as long as the GEMM it feeds on 31B's groups at 128 rows: RESULTS.md)."""
         n = self.packed.numel()
         out = torch.empty(2 * n, dtype=self.dtype, device=self.packed.device)
         dq = self.double_quant
