@@ -1,13 +1,15 @@
-"""E2B's 4-bit projection groups at decode batch sizes, alone on the GPU: bitsandbytes' Linear4bit
-modules (dequantise + GEMM, one member at a time), the bf16 fused GEMM they stand in for, and
+"""E2B's and 31B's 4-bit projection groups at decode batch sizes, alone on the GPU: bitsandbytes'
+Linear4bit modules (dequantise + GEMM, one member at a time), the bf16 fused GEMM they stand in for,
 `linear4bit.Linear4bitGroup` (one Triton kernel a group, `engine.linear4bit_kernel=triton`) over a
-grid of tile options, with and without an unmerged LoRA r32 inside.
+grid of tile options, with and without an unmerged LoRA r32 inside, and the group's path past
+KERNEL_MAX_ROWS (dequantised once, by bitsandbytes' op or the group's own kernel, then one GEMM).
 
     python experiments/bench_linear4bit.py --batch-sizes 8,32,64 --out linear4bit.json
+    python experiments/bench_linear4bit.py --groups 31b_gate_up,31b_down --batch-sizes 64,128,256 --grid-batch-sizes 0
 
 Weights are random NF4 with double quantisation (quant=bnb4's defaults). Reported: median
-microseconds a call replayed from a CUDA graph (CUDA events) and the 4-bit bytes divided by that time (the H200 streams ~4.3
-TB/s); the bf16 GEMM's bytes are four times the 4-bit ones.
+microseconds a call replayed from a CUDA graph (CUDA events) and the 4-bit bytes divided by that
+time (the H200 streams ~4.3 TB/s); the bf16 GEMM's bytes are four times the 4-bit ones.
 """
 
 from __future__ import annotations
