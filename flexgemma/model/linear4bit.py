@@ -254,6 +254,9 @@ class Linear4bitGroup:
         """The weights by one Triton kernel (bitsandbytes' op, with the 8-bit scales decoded by torch
         first, took 2.3-2.7x as long as the GEMM it feeds on 31B's groups at 128 rows: RESULTS.md)."""
         n = self.packed.numel()
+        if 2 * n >= 2 ** 31:  # the kernel indexes weights in int32
+            raise ValueError(f"Linear4bitGroup.dequantize_triton: {2 * n:,} weights in one group; the kernel takes "
+                             f"fewer than 2**31 (use linear4bit.DEQUANT_KERNEL='bnb')")
         out = torch.empty(2 * n, dtype=self.dtype, device=self.packed.device)
         dq = self.double_quant
         _dequant_4bit_kernel[(triton.cdiv(n, DEQUANT_BLOCK),)](
