@@ -84,6 +84,9 @@ def main() -> None:
     # (BLOCK_N, BLOCK_K, num_warps): one K step a program, so K / BLOCK_K programs per feature tile
     grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3)
             for bn, bk, w in ((32, 256, 4), (64, 256, 4), (128, 256, 8), (64, 512, 8), (64, 128, 4), (128, 128, 4))]
+    # several K steps a program (fewer float32 partials: at 64 rows 31B's gate/up writes 231 MB of them)
+    grid += [dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, K_STEPS=ks) for ks in (2, 4)]
+    grid += [dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=3, K_STEPS=ks) for ks in (2, 4)]
     # past 64 rows: programs of more rows (each decodes its weights once for all of them)
     grid += [dict(ROW_TILE=rt, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s_)
              for rt, bn, bk, w, s_ in ((128, 64, 128, 8, 3), (128, 64, 256, 8, 2), (128, 128, 128, 8, 2),

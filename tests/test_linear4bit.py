@@ -67,7 +67,8 @@ def test_group_equals_bitsandbytes_modules_interpreted():
 def test_kernel_takes_rl_batches_in_row_tiles_interpreted():
     """With KERNEL_MAX_ROWS raised past ROW_TILE (bench_batches.py --linear4bit-max-rows), steps of
     more rows run in the kernel as programs of ROW_TILE rows: each row's output is bit for bit what a
-    step of its tile alone gives (LoRA and split K included), and equals bitsandbytes' modules; past
+    step of its tile alone gives (LoRA, split K and programs of several K steps included), and
+    equals bitsandbytes' modules; past
     KERNEL_MAX_ROWS, dequantise + GEMM. By default (64: on the H200 dequantise + GEMM won past 64
     rows) a step of 65 rows launches no product kernel."""
     out = run_interpreted("""
@@ -85,7 +86,8 @@ def test_kernel_takes_rl_batches_in_row_tiles_interpreted():
         xa, b = torch.randn(150, 16).half(), (torch.randn(96, 16) * 0.2).half()
         ref = torch.cat([m(x) for m in mods], -1)
         tiles = [slice(0, 64), slice(64, 128), slice(128, 150)]
-        for name, kw in (("plain", {}), ("split", dict(tiles=dict(BLOCK_N=16, BLOCK_K=32)))):
+        for name, kw in (("plain", {}), ("split", dict(tiles=dict(BLOCK_N=16, BLOCK_K=32))),
+                         ("steps", dict(tiles=dict(BLOCK_N=16, BLOCK_K=32, K_STEPS=2)))):  # 2 programs of 2 steps
             whole = g.matmul(x, **kw)
             parts = torch.cat([g.matmul(x[t], **kw) for t in tiles])
             print("same", name, torch.equal(whole, parts), rel(whole, ref))
@@ -112,7 +114,7 @@ def test_kernel_takes_rl_batches_in_row_tiles_interpreted():
     """)
     lines = [ln.split() for ln in out.splitlines()]
     same = [ln for ln in lines if ln[0] == "same"]
-    assert len(same) == 3 and all(ln[2] == "True" and float(ln[3]) < 1e-3 for ln in same), out
+    assert len(same) == 4 and all(ln[2] == "True" and float(ln[3]) < 1e-3 for ln in same), out
     grids = next(ln for ln in lines if ln[0] == "grids")
     assert grids[1:] == ["[(2,", "1,", "3)]", "64", "(513,", "96)"], out  # 150 rows: 3 tiles; 513 rows: no kernel
     assert next(ln for ln in lines if ln[0] == "default")[1:] == ["64", "1"], out  # 65 rows: no product kernel

@@ -50,30 +50,13 @@ TILES = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)
 
 # Shapes are runtime arguments, not constexprs: one compilation serves every group and batch of a
 # tile size (with K a constexpr, E2B's bnb4 + LoRA build compiled ~40 variants at ~2.5 s each).
-@triton.jit(do_not_specialize=["M", "R", "split"])
-def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, xa_ptr, b_ptr,
-                        out_ptr, M, N, R, stride_x, stride_xa, row_bytes, row_blocks, split,
-                        PARTIAL: tl.constexpr, QBLOCK: tl.constexpr, SCALES: tl.constexpr, NESTED: tl.constexpr,
-                        DOUBLE_QUANT: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (j, s, m): rows [m*BLOCK_M, (m+1)*BLOCK_M) of x [M, K] against features [j*BLOCK_N, (j+1)*BLOCK_N) of the 4-bit W [N, K]
-    (rows of row_bytes = K/2 bytes and row_blocks = K/QBLOCK scales) over the K step
-    [s*BLOCK_K, (s+1)*BLOCK_K), one step a program (split = K / BLOCK_K programs along K). The step
-    reads BLOCK_K contiguous elements of each row (split into even and odd halves in registers: they
-    meet the bytes' high and low nibbles) and BLOCK_K/2 bytes of each feature, decoded as
-    bitsandbytes dequantises (float32 code x the block's float32 scale, rounded to x's dtype), SCALES
-    quantisation blocks a step (1 where a block is longer than the step). Without PARTIAL (one step
-    in all) the tile is stored in out's dtype, otherwise as float32 partials at out[m, s, :] for
-    sum_rows. With LORA the
-    first step adds xa @ B^T (xa [M, R], B [N, R]). Double-quantised scales are 8-bit codes decoded as
-    bitsandbytes does (code x the 256-block's scale + offset; here one offset per 256-block, so
-    matrices with different offsets can sit in one)."""
+@triton.jit
+def _step_product(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, rows, valid, cols, ok,
+                  k0, stride_x, row_bytes, row_blocks, QBLOCK: tl.constexpr, SCALES: tl.constexpr,
+                  NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """x[rows, k0:k0+BLOCK_K] @ W[cols, k0:k0+BLOCK_K]^T, float32 [BLOCK_M, BLOCK_N] (see the kernel)."""
     dt = x_ptr.dtype.element_ty
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < N
-    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = rows < M
-    k0 = tl.program_id(1) * BLOCK_K
     a = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None],
                 other=0.0)
     a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
@@ -91,7 +74,37 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
                     (BLOCK_N, BLOCK_K // 2))
     lo = tl.reshape(tl.reshape(tl.load(code_ptr + (byte & 15)), (BLOCK_N, SCALES, BLOCK_K // 2 // SCALES)) * scale,
                     (BLOCK_N, BLOCK_K // 2))
-    acc = tl.dot(a_even, tl.trans(hi.to(dt))) + tl.dot(a_odd, tl.trans(lo.to(dt)))
+    return tl.dot(a_even, tl.trans(hi.to(dt))) + tl.dot(a_odd, tl.trans(lo.to(dt)))
+
+
+@triton.jit(do_not_specialize=["M", "R", "split"])
+def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, xa_ptr, b_ptr,
+                        out_ptr, M, N, R, stride_x, stride_xa, row_bytes, row_blocks, split,
+                        PARTIAL: tl.constexpr, QBLOCK: tl.constexpr, SCALES: tl.constexpr, NESTED: tl.constexpr,
+                        DOUBLE_QUANT: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        K_STEPS: tl.constexpr):
+    """Program (j, s, m): rows [m*BLOCK_M, (m+1)*BLOCK_M) of x [M, K] against features
+    [j*BLOCK_N, (j+1)*BLOCK_N) of the 4-bit W [N, K] (rows of row_bytes = K/2 bytes and row_blocks =
+    K/QBLOCK scales) over K_STEPS steps of BLOCK_K from s*K_STEPS*BLOCK_K (split = K / (K_STEPS *
+    BLOCK_K) programs along K). A step reads BLOCK_K contiguous elements of each row (split into even
+    and odd halves in registers: they meet the bytes' high and low nibbles) and BLOCK_K/2 bytes of
+    each feature, decoded as bitsandbytes dequantises (float32 code x the block's float32 scale,
+    rounded to x's dtype), SCALES quantisation blocks a step (1 where a block is longer than the
+    step). Without PARTIAL (one program along K) the tile is stored in out's dtype, otherwise as
+    float32 partials at out[m, s, :] for sum_rows. With LORA the first program along K adds xa @ B^T
+    (xa [M, R], B [N, R]). Double-quantised scales are 8-bit codes decoded as bitsandbytes does (code
+    x the 256-block's scale + offset; here one offset per 256-block, so matrices with different
+    offsets can sit in one)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for st in tl.static_range(K_STEPS):
+        acc += _step_product(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, rows, valid,
+                             cols, ok, (tl.program_id(1) * K_STEPS + st) * BLOCK_K, stride_x, row_bytes, row_blocks,
+                             QBLOCK, SCALES, NESTED, DOUBLE_QUANT, BLOCK_M, BLOCK_N, BLOCK_K)
     if LORA:
         if tl.program_id(1) == 0:
             r = tl.arange(0, BLOCK_R)
@@ -288,7 +301,11 @@ class Linear4bitGroup:
         # a K step: BLOCK_K elements, or fewer where K is not a multiple (a power of two dividing K: K is
         # whole quantisation blocks, so the step is whole blocks or a part of one); one step a program
         block_k = min(tiles["BLOCK_K"], k & -k)
-        split = k // block_k
+        # K steps a program: the most that divide K's steps, up to K_STEPS (each program along K writes
+        # a float32 partial per row and feature, which at 64 rows outweigh 31B's 4-bit weights)
+        steps = k // block_k
+        k_steps = max(d for d in range(1, tiles.get("K_STEPS", 1) + 1) if steps % d == 0)
+        split = steps // k_steps
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
         dst = out if split == 1 else torch.empty(t * split, n, dtype=torch.float32, device=x.device)
         dq = self.double_quant
@@ -302,7 +319,7 @@ class Linear4bitGroup:
             out_ptr=dst, M=t, N=n, R=r, stride_x=x.stride(0), stride_xa=xa.stride(0) if lora else 0,
             row_bytes=k // 2, row_blocks=k // q, split=split, PARTIAL=split > 1, QBLOCK=q, SCALES=max(1, block_k // q), NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, LORA=lora,
             BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k,
+            BLOCK_K=block_k, K_STEPS=k_steps,
             num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
         )
         return out if split == 1 else sum_rows(dst, out)
