@@ -87,6 +87,10 @@ def main() -> None:
     # several K steps a program (fewer float32 partials: at 64 rows 31B's gate/up writes 231 MB of them)
     grid += [dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, K_STEPS=ks) for ks in (2, 4)]
     grid += [dict(BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=3, K_STEPS=ks) for ks in (2, 4)]
+    # and both: 128 rows a program over several K steps (each weight decoded once per 128 rows, a
+    # quarter or an eighth of the partials)
+    grid += [dict(ROW_TILE=128, BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=2, K_STEPS=4),
+             dict(ROW_TILE=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=2, K_STEPS=8)]
     # past 64 rows: programs of more rows (each decodes its weights once for all of them)
     grid += [dict(ROW_TILE=rt, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s_)
              for rt, bn, bk, w, s_ in ((128, 64, 128, 8, 3), (128, 64, 256, 8, 2), (128, 128, 128, 8, 2),

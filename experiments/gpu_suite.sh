@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq linear4bit_ksteps batches_31b_bnb4_tdq attn_rows_ab kernels_large moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq linear4bit_ksteps batches_31b_bnb4_tdq attn_rows_ab attn_31b_sweep kernels_large moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -82,7 +82,7 @@ run batches_31b_bnb4_dq 330 bash -c 'python3 experiments/bench_batches.py --mode
 # the 4-bit kernel with several K steps a program (fewer float32 partials) at decode sizes, 31B's and
 # E2B's groups; the dequantise kernel beside bitsandbytes' op
 run linear4bit_ksteps 240 python3 experiments/bench_linear4bit.py --groups 31b_qkv_sliding,31b_o_sliding,31b_gate_up,31b_down,qkv_sliding,gate_up_wide,down_wide \
-  --batch-sizes 8,32,64,128 --grid-batch-sizes 8,32,64 --grid-groups 31b_gate_up,31b_down,gate_up_wide,down_wide \
+  --batch-sizes 8,32,64,128 --grid-batch-sizes 8,32,64,128 --grid-groups 31b_gate_up,31b_down,gate_up_wide,down_wide \
   --out "$WORK/linear4bit_ksteps.json"
 # 31B bnb4 with the groups dequantised by the kernel here instead of bitsandbytes' op (the same bits)
 run batches_31b_bnb4_tdq 330 bash -c 'python3 experiments/bench_batches.py --model 31b --batch-sizes 64,128 --new-tokens 256 \
@@ -92,6 +92,11 @@ run batches_31b_bnb4_tdq 330 bash -c 'python3 experiments/bench_batches.py --mod
 run attn_rows_ab 330 bash -c 'for f in 4 2; do python3 experiments/bench_batches.py --model e4b --batch-sizes 64,128 \
   --new-tokens 512 --rounds 3 --warmup-rounds 0 --attention-row-factor $f --out "$WORK/batches_attn_rows"; done;
   cat "$WORK"/batches_attn_rows/*.md'
+# 31B bf16 at 64 rows (1,791 tok/s, 0.5% under its floor): flex decode's BLOCK_N on the head_dim-256
+# sliding layers, tuned on E2B (one KV head, 8 query heads a KV head) where 31B has 16 KV heads of 2
+run attn_31b_sweep 450 bash -c 'for bn in 64 16 32; do python3 experiments/bench_batches.py --model 31b --batch-sizes 64 \
+  --new-tokens 256 --rounds 3 --warmup-rounds 0 --out "$WORK/attn31b_bn$bn" attn.decode.block_n=$bn; done;
+  cat "$WORK"/attn31b_bn*/*.md'
 # the kernels past the sizes they were tuned at: 4-bit projections up to 512 rows (programs of 64 rows)
 # against bitsandbytes' dequantise + GEMM, routed experts past 1,024 entries (sorted) against torch's path
 run kernels_large 300 bash -c 'python3 experiments/bench_linear4bit.py --batch-sizes 64,128,256,512 \
