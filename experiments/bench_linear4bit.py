@@ -76,7 +76,12 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from flexgemma.model import linear4bit
     from flexgemma.model.linear4bit import TILES, Linear4bitGroup
+
+    # the "triton" columns time the kernel at every size (the engine takes it up to KERNEL_MAX_ROWS
+    # rows only; the dequant columns time its path beyond)
+    linear4bit.KERNEL_MAX_ROWS = max(512, *[int(b) for b in args.batch_sizes.split(",")])
     from flexgemma.model.quant import Bnb4Settings, linear4bit_from
 
     dev, dt = torch.device("cuda"), torch.bfloat16
