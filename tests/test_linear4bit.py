@@ -263,6 +263,41 @@ def test_gpu_group_equals_bitsandbytes_inside_a_graph(double_quant):
             assert rel(y, ref()) < 1e-2, (k, outs, t)
 
 
+@pytest.mark.gpu
+def test_gpu_dequantise_kernel_and_k_steps():
+    """On the GPU in bf16 (E2B's and 31B's widths): the group's dequantise kernel gives bitsandbytes'
+    op's weights bit for bit (so steps past KERNEL_MAX_ROWS give the same output either way, inside a
+    graph too), and the product kernel with several K steps a program stays within bf16 rounding of
+    bitsandbytes' modules."""
+    from flexgemma.model import linear4bit as L
+    from flexgemma.model.quant import Bnb4Settings, linear4bit_from
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    for double_quant in (False, True):
+        s = Bnb4Settings("nf4", double_quant, 64, torch.bfloat16)
+        for k, outs in [(1536, (12288, 12288)), (5376, (8192, 4096, 4096)), (21504, (5376,))]:
+            mods = [linear4bit_from(torch.nn.Linear(k, n, bias=False).bfloat16(), s, dev) for n in outs]
+            g = L.Linear4bitGroup(mods)
+            assert torch.equal(g.dequantize_triton(), g.dequantize_bnb()), (double_quant, k, outs)
+            x = torch.randn(200, k, device=dev, dtype=torch.bfloat16)
+            graph = torch.cuda.CUDAGraph()
+            old = L.DEQUANT_KERNEL
+            try:
+                L.DEQUANT_KERNEL = "triton"
+                with torch.cuda.graph(graph):
+                    y = g.matmul(x)
+            finally:
+                L.DEQUANT_KERNEL = old
+            graph.replay()
+            assert torch.equal(y, g.matmul(x))  # bitsandbytes' op, eagerly
+            for t in (8, 64):
+                ref = torch.cat([m(x[:t]) for m in mods], -1).float()
+                for steps in (2, 4):
+                    got = g.matmul(x[:t], tiles=dict(K_STEPS=steps))
+                    assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2, (k, t, steps)
+
+
 def agree(x, y, n: int) -> int:
     """How many of the first n tokens of two outputs are equal before they first differ."""
     k = 0

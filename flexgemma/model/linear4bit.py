@@ -275,7 +275,8 @@ class Linear4bitGroup:
         _dequant_4bit_kernel[(triton.cdiv(n, DEQUANT_BLOCK),)](
             self.packed, self.absmax, self.code, self.nested_code if dq else self.absmax,
             self.nested_absmax if dq else self.absmax, self.nested_offset if dq else self.absmax, out, n,
-            QBLOCK=self.block_size, NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCK=DEQUANT_BLOCK)
+            QBLOCK=self.block_size, NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCK=DEQUANT_BLOCK,
+            enable_fp_fusion=False)  # the scale's multiply and add rounded apart, as torch's ops round them
         return out.view(self.out_features, self.in_features)
 
     def dequantize_bnb(self) -> torch.Tensor:
