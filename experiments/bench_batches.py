@@ -186,8 +186,9 @@ def main(argv=None) -> dict:
     engine = build_engine(cfg, pool_demand(cfg.workload))
     build_s = time.perf_counter() - t0
     work = synthetic(cfg.workload, engine.spec.vocab_size)
-    res = {"model": args.model, "overrides": overrides, "moe_sort_above": args.moe_sort_above, "linear4bit_max_rows": args.linear4bit_max_rows,
-           "linear4bit_dequant": args.linear4bit_dequant, "attention_row_factor": args.attention_row_factor,
+    res = {"model": args.model, "overrides": overrides, "moe_sort_above": args.moe_sort_above,
+           "linear4bit_max_rows": args.linear4bit_max_rows, "linear4bit_dequant": args.linear4bit_dequant,
+           "attention_row_factor": args.attention_row_factor,
            "inductor_config": args.inductor_config,
            "batch_sizes": args.batch_sizes, "peak_tb_s": args.peak_tb_s,
            "build_seconds": build_s, "engine": engine.info, "rows": []}
