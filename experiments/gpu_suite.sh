@@ -87,11 +87,14 @@ run linear4bit_ksteps 240 python3 experiments/bench_linear4bit.py --groups 31b_q
 # 31B bnb4 with the groups dequantised by the kernel here instead of bitsandbytes' op (the same bits)
 run batches_31b_bnb4_tdq 330 bash -c 'python3 experiments/bench_batches.py --model 31b --batch-sizes 64,128 --new-tokens 256 \
   --rounds 3 --warmup-rounds 0 --linear4bit-dequant triton --out "$WORK/batches_bnb4" quant=bnb4; cat "$WORK"/batches_bnb4/*31b*.md'
-# flex decode attention compiled at every 2x of the rows instead of 4x: E4B's 64 rows in a 128-row build
-# (7,478 tok/s against 8,090 in a 64-row build), each variant a build (~2.3 min each)
-run attn_rows_ab 330 bash -c 'for f in 4 2; do python3 experiments/bench_batches.py --model e4b --batch-sizes 64,128 \
+# E4B's 64 rows in a 128-row build (7,478 tok/s against 8,090 in a 64-row build): attention padded to
+# 128 rows gets 1 KV split a row where 64 rows get 2 (torch's get_split_k). Variants, a build each
+# (~2.3 min): the default; flex decode compiled at every 2x of the rows; SPLIT_KV=2 at every size
+run attn_rows_ab 450 bash -c 'for f in 4 2; do python3 experiments/bench_batches.py --model e4b --batch-sizes 64,128 \
   --new-tokens 512 --rounds 3 --warmup-rounds 0 --attention-row-factor $f --out "$WORK/batches_attn_rows"; done;
-  cat "$WORK"/batches_attn_rows/*.md'
+  python3 experiments/bench_batches.py --model e4b --batch-sizes 64,128 --new-tokens 512 --rounds 3 --warmup-rounds 0 \
+  --out "$WORK/batches_attn_split2" +attn.decode.extra.SPLIT_KV=2;
+  cat "$WORK"/batches_attn_rows/*.md "$WORK"/batches_attn_split2/*.md'
 # 31B bf16 at 64 rows (1,791 tok/s, 0.5% under its floor): flex decode's BLOCK_N on the head_dim-256
 # sliding layers, tuned on E2B (one KV head, 8 query heads a KV head) where 31B has 16 KV heads of 2
 run attn_31b_sweep 450 bash -c 'for bn in 64 16 32; do python3 experiments/bench_batches.py --model 31b --batch-sizes 64 \
