@@ -305,7 +305,7 @@ class Linear4bitGroup:
         # K steps a program: the most that divide K's steps, up to K_STEPS (each program along K writes
         # a float32 partial per row and feature, which at 64 rows outweigh 31B's 4-bit weights)
         steps = k // block_k
-        k_steps = max(d for d in range(1, tiles.get("K_STEPS", 1) + 1) if steps % d == 0)
+        k_steps = max(d for d in range(1, max(1, tiles.get("K_STEPS", 1)) + 1) if steps % d == 0)
         split = steps // k_steps
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
         dst = out if split == 1 else torch.empty(t * split, n, dtype=torch.float32, device=x.device)
