@@ -17,6 +17,7 @@ bandwidth (H200: 4.8 TB/s) give a step time and so a tok/s no engine can beat at
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -127,6 +128,27 @@ def markdown(res: dict) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+# A/B flags: each sets a module constant that the engine reads when it builds or runs a step, and
+# names the output files: (argument, module, constant, file-name suffix)
+KNOBS = (
+    ("moe_sort_above", "flexgemma.model.moe_kernel", "ROUTED_MAX_ENTRIES", "_sort_above_{}"),
+    ("linear4bit_max_rows", "flexgemma.model.linear4bit", "KERNEL_MAX_ROWS", "_linear4bit_max_rows_{}"),
+    ("linear4bit_dequant", "flexgemma.model.linear4bit", "DEQUANT_KERNEL", "_dequant_{}"),
+    ("attention_row_factor", "flexgemma.engine.cuda_graphs", "ATTENTION_ROW_FACTOR", "_attention_rows_x{}"),
+)
+
+
+def set_knobs(args) -> str:
+    """Sets the constants of the A/B flags given; returns their file-name suffix."""
+    suffix = ""
+    for name, module, constant, fmt in KNOBS:
+        value = getattr(args, name)
+        if value is not None:
+            setattr(importlib.import_module(module), constant, value)
+            suffix += fmt.format(value)
+    return suffix
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="e2b")
@@ -158,26 +180,7 @@ def main(argv=None) -> dict:
     suffix = "".join(f"_{kv.replace('=', '-')}" for kv in args.inductor_config)
     for kv in args.inductor_config:
         set_inductor_option(kv)
-    if args.moe_sort_above is not None:
-        from flexgemma.model import moe_kernel
-
-        moe_kernel.ROUTED_MAX_ENTRIES = args.moe_sort_above  # read at each call (and so at each capture)
-        suffix += f"_sort_above_{args.moe_sort_above}"
-    if args.linear4bit_max_rows is not None:
-        from flexgemma.model import linear4bit
-
-        linear4bit.KERNEL_MAX_ROWS = args.linear4bit_max_rows  # read at each call (and so at each capture)
-        suffix += f"_linear4bit_max_rows_{args.linear4bit_max_rows}"
-    if args.linear4bit_dequant is not None:
-        from flexgemma.model import linear4bit
-
-        linear4bit.DEQUANT_KERNEL = args.linear4bit_dequant
-        suffix += f"_dequant_{args.linear4bit_dequant}"
-    if args.attention_row_factor is not None:
-        from flexgemma.engine import cuda_graphs
-
-        cuda_graphs.ATTENTION_ROW_FACTOR = args.attention_row_factor  # read when the build compiles attention
-        suffix += f"_attention_rows_x{args.attention_row_factor}"
+    suffix += set_knobs(args)
     cfg = compose(overrides)
     device = str(getattr(cfg.device, "value", cfg.device))  # an enum in the typed config ("Device.cuda" as str)
     if device.startswith("cuda"):
@@ -186,9 +189,7 @@ def main(argv=None) -> dict:
     engine = build_engine(cfg, pool_demand(cfg.workload))
     build_s = time.perf_counter() - t0
     work = synthetic(cfg.workload, engine.spec.vocab_size)
-    res = {"model": args.model, "overrides": overrides, "moe_sort_above": args.moe_sort_above,
-           "linear4bit_max_rows": args.linear4bit_max_rows, "linear4bit_dequant": args.linear4bit_dequant,
-           "attention_row_factor": args.attention_row_factor,
+    res = {"model": args.model, "overrides": overrides, **{name: getattr(args, name) for name, *_ in KNOBS},
            "inductor_config": args.inductor_config,
            "batch_sizes": args.batch_sizes, "peak_tb_s": args.peak_tb_s,
            "build_seconds": build_s, "engine": engine.info, "rows": []}
