@@ -51,6 +51,20 @@ TILES = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)
 # Shapes are runtime arguments, not constexprs: one compilation serves every group and batch of a
 # tile size (with K a constexpr, E2B's bnb4 + LoRA build compiled ~40 variants at ~2.5 s each).
 @triton.jit
+def _block_scale(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, blk, mask, NESTED: tl.constexpr,
+                 DOUBLE_QUANT: tl.constexpr):
+    """The float32 scales of quantisation blocks `blk`: stored as they are, or 8-bit codes decoded as
+    bitsandbytes does (code x the 256-block's scale + its offset)."""
+    if DOUBLE_QUANT:
+        code8 = tl.load(absmax_ptr + blk, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(ncode_ptr + code8) * tl.load(nabsmax_ptr + blk // NESTED, mask=mask, other=0.0) \
+            + tl.load(noffset_ptr + blk // NESTED, mask=mask, other=0.0)
+    else:
+        scale = tl.load(absmax_ptr + blk, mask=mask, other=0.0)
+    return scale
+
+
+@triton.jit
 def _step_product(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, rows, valid, cols, ok,
                   k0, stride_x, row_bytes, row_blocks, QBLOCK: tl.constexpr, SCALES: tl.constexpr,
                   NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -63,13 +77,8 @@ def _step_product(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, no
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     byte = tl.load(w_ptr + cols[:, None] * row_bytes + kb[None, :], mask=ok[:, None], other=0).to(tl.int32)
     blk = cols[:, None] * row_blocks + (k0 // QBLOCK + tl.arange(0, SCALES))[None, :]  # [BLOCK_N, SCALES]
-    if DOUBLE_QUANT:  # bitsandbytes' decode of 8-bit block scales
-        code8 = tl.load(absmax_ptr + blk, mask=ok[:, None], other=0).to(tl.int32)
-        scale = tl.load(ncode_ptr + code8) * tl.load(nabsmax_ptr + blk // NESTED, mask=ok[:, None], other=0.0) \
-            + tl.load(noffset_ptr + blk // NESTED, mask=ok[:, None], other=0.0)
-    else:
-        scale = tl.load(absmax_ptr + blk, mask=ok[:, None], other=0.0)
-    scale = scale[:, :, None]
+    scale = _block_scale(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, blk, ok[:, None], NESTED,
+                         DOUBLE_QUANT)[:, :, None]
     hi = tl.reshape(tl.reshape(tl.load(code_ptr + (byte >> 4)), (BLOCK_N, SCALES, BLOCK_K // 2 // SCALES)) * scale,
                     (BLOCK_N, BLOCK_K // 2))
     lo = tl.reshape(tl.reshape(tl.load(code_ptr + (byte & 15)), (BLOCK_N, SCALES, BLOCK_K // 2 // SCALES)) * scale,
@@ -138,13 +147,8 @@ def _dequant_4bit_kernel(w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, no
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n_bytes
     byte = tl.load(w_ptr + i, mask=ok, other=0).to(tl.int32)
-    blk = i // (QBLOCK // 2)
-    if DOUBLE_QUANT:
-        code8 = tl.load(absmax_ptr + blk, mask=ok, other=0).to(tl.int32)
-        scale = tl.load(ncode_ptr + code8) * tl.load(nabsmax_ptr + blk // NESTED, mask=ok, other=0.0) \
-            + tl.load(noffset_ptr + blk // NESTED, mask=ok, other=0.0)
-    else:
-        scale = tl.load(absmax_ptr + blk, mask=ok, other=0.0)
+    scale = _block_scale(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, i // (QBLOCK // 2), ok, NESTED,
+                         DOUBLE_QUANT)
     dt = out_ptr.dtype.element_ty
     hi = (tl.load(code_ptr + (byte >> 4)) * scale).to(dt)
     lo = (tl.load(code_ptr + (byte & 15)) * scale).to(dt)
