@@ -68,8 +68,12 @@ run batches_26b_bnb4 330 bash -c 'python3 experiments/bench_batches.py --model 2
   --rounds 3 --warmup-rounds 0 --out "$WORK/batches_bnb4" quant=bnb4; cat "$WORK"/batches_bnb4/*.md'
 run batches_31b 330 bash -c 'python3 experiments/bench_batches.py --model 31b --batch-sizes 32,64 --new-tokens 256 \
   --rounds 3 --warmup-rounds 0 --out "$WORK/batches"; cat "$WORK"/batches/bench_batches_31b.md'
-run batches_31b_bnb4 330 bash -c 'python3 experiments/bench_batches.py --model 31b --batch-sizes 64,128 --new-tokens 256 \
-  --rounds 3 --warmup-rounds 0 --out "$WORK/batches_bnb4" quant=bnb4; cat "$WORK"/batches_bnb4/*31b*.md'
+batches_31b_bnb4() {  # extra bench_batches flags...: 31B bnb4 at 64 and 128 rows, one build
+  python3 experiments/bench_batches.py --model 31b --batch-sizes 64,128 --new-tokens 256 --rounds 3 --warmup-rounds 0 \
+    "$@" --out "$WORK/batches_bnb4" quant=bnb4 && cat "$WORK"/batches_bnb4/*31b*.md
+}
+export -f batches_31b_bnb4
+run batches_31b_bnb4 330 bash -c 'batches_31b_bnb4'
 # 4-bit projections at RL batch sizes (31B bnb4 ran 60 ms a step at 64 rows and 111 at 128: the kernel's
 # programs of 64 rows each decode their weights again and write float32 partials): the kernel, programs of 128/256 rows, and the
 # group dequantised once + one GEMM (whose cost does not grow with the rows), 31B's and E2B's groups
@@ -77,16 +81,14 @@ run linear4bit_rows 240 python3 experiments/bench_linear4bit.py --groups 31b_qkv
   --batch-sizes 16,32,64,128,256,512 --grid-batch-sizes 128,256,512 --grid-groups 31b_gate_up,31b_down,gate_up_wide \
   --out "$WORK/linear4bit_rows.json"
 # 31B bnb4 with steps past N rows dequantised + one GEMM (N=32: both sizes) against the default
-run batches_31b_bnb4_dq 330 bash -c 'python3 experiments/bench_batches.py --model 31b --batch-sizes 64,128 --new-tokens 256 \
-  --rounds 3 --warmup-rounds 0 --linear4bit-max-rows ${DQ_ROWS:-32} --out "$WORK/batches_bnb4" quant=bnb4; cat "$WORK"/batches_bnb4/*31b*.md'
+run batches_31b_bnb4_dq 330 bash -c 'batches_31b_bnb4 --linear4bit-max-rows ${DQ_ROWS:-32}'
 # the 4-bit kernel with several K steps a program (fewer float32 partials) at decode sizes, 31B's and
 # E2B's groups; the dequantise kernel beside bitsandbytes' op
 run linear4bit_ksteps 240 python3 experiments/bench_linear4bit.py --groups 31b_qkv_sliding,31b_o_sliding,31b_gate_up,31b_down,qkv_sliding,gate_up_wide,down_wide \
   --batch-sizes 8,32,64,128 --grid-batch-sizes 8,32,64,128 --grid-groups 31b_gate_up,31b_down,gate_up_wide,down_wide \
   --out "$WORK/linear4bit_ksteps.json"
 # 31B bnb4 with the groups dequantised by the kernel here instead of bitsandbytes' op (the same bits)
-run batches_31b_bnb4_tdq 330 bash -c 'python3 experiments/bench_batches.py --model 31b --batch-sizes 64,128 --new-tokens 256 \
-  --rounds 3 --warmup-rounds 0 --linear4bit-dequant triton --out "$WORK/batches_bnb4" quant=bnb4; cat "$WORK"/batches_bnb4/*31b*.md'
+run batches_31b_bnb4_tdq 330 bash -c 'batches_31b_bnb4 --linear4bit-dequant triton'
 # E4B's 64 rows in a 128-row build (7,478 tok/s against 8,090 in a 64-row build): attention padded to
 # 128 rows gets 1 KV split a row where 64 rows get 2 (torch's get_split_k). Variants, a build each
 # (~2.3 min): the default; flex decode compiled at every 2x of the rows; SPLIT_KV=2 at every size
