@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter
+from typing import Optional
 
 import torch
 
@@ -48,12 +49,12 @@ def resolve_buckets(buckets, max_batch: int) -> list[int]:
 ATTENTION_ROW_FACTOR = 4
 
 
-def attention_row_sizes(max_batch: int, factor: int = 0, smallest: int = 16) -> list[int]:
+def attention_row_sizes(max_batch: int, factor: Optional[int] = None, smallest: int = 16) -> list[int]:
     """The row counts flex decode attention is compiled at: max_batch, then a quarter of it
     (ATTENTION_ROW_FACTOR) each time down to `smallest` (512: 32, 128, 512; 64: 16, 64). A step pads
     its queries to the next one up: at most 4x the rows, and two compiles (one per head_dim) a
     size, not two per bucket."""
-    factor = factor or ATTENTION_ROW_FACTOR
+    factor = ATTENTION_ROW_FACTOR if factor is None else factor
     if factor < 2:
         raise ValueError(f"attention row factor {factor}: at least 2")
     sizes = [max_batch]
