@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq linear4bit_ksteps batches_31b_bnb4_tdq attn_rows_ab attn_31b_sweep kernels_large moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq linear4bit_ksteps dequant_grid batches_31b_bnb4_tdq attn_rows_ab attn_31b_sweep kernels_large moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -87,6 +87,9 @@ run batches_31b_bnb4_dq 330 bash -c 'batches_31b_bnb4 --linear4bit-max-rows ${DQ
 run linear4bit_ksteps 240 python3 experiments/bench_linear4bit.py --groups 31b_qkv_sliding,31b_o_sliding,31b_gate_up,31b_down,qkv_sliding,gate_up_wide,down_wide \
   --batch-sizes 8,32,64,128 --grid-batch-sizes 8,32,64,128 --grid-groups 31b_gate_up,31b_down,gate_up_wide,down_wide \
   --out "$WORK/linear4bit_ksteps.json"
+# the dequantise kernel's options (bytes a program, warps, a table of code pairs) on 31B's and E2B's
+# groups, each checked bit for bit against bitsandbytes' op (the first version: 1.9 TB/s, as fast as it)
+run dequant_grid 150 python3 experiments/bench_dequant4bit.py --out "$WORK/dequant_grid.json"
 # 31B bnb4 with the groups dequantised by the kernel here instead of bitsandbytes' op (the same bits)
 run batches_31b_bnb4_tdq 330 bash -c 'batches_31b_bnb4 --linear4bit-dequant triton'
 # E4B's 64 rows in a 128-row build (7,478 tok/s against 8,090 in a 64-row build): attention padded to

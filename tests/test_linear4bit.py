@@ -29,6 +29,7 @@ def test_group_equals_bitsandbytes_modules_interpreted():
         calls = []
         real = L.sum_rows
         L.sum_rows = lambda *a: calls.append(1) or real(*a)
+        tiles0 = dict(L.DEQUANT_TILES)
         rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
         for qt, dq, k, outs in [("nf4", True, 256, (128, 64, 64)), ("fp4", True, 512, (96, 48)),
                                 ("nf4", False, 192, (64, 32)), ("fp4", False, 128, (80,)),
@@ -39,7 +40,13 @@ def test_group_equals_bitsandbytes_modules_interpreted():
             refs = {t: torch.cat([m(x) for m in mods], -1) for t, x in before.items()}
             g = L.Linear4bitGroup(mods)
             print("kept8bit", qt, dq, outs, g.double_quant)
-            print("dequant", qt, torch.equal(g.dequantize_triton(), g.dequantize_bnb()))
+            ref_w = g.dequantize_bnb()
+            same = []
+            for opts in ({}, dict(BYTES=32, PAIR_LUT=True), dict(BYTES=8192, PAIR_LUT=True)):  # small: a block a program
+                L.DEQUANT_TILES = {**tiles0, **opts}
+                same.append(torch.equal(g.dequantize_triton(), ref_w))
+            L.DEQUANT_TILES = tiles0
+            print("dequant", qt, all(same))
             for t, x in before.items():
                 print("err", qt, t, rel(torch.cat(g(x), -1), refs[t]))
                 print("members", qt, t, float((torch.cat([m(x) for m in mods], -1) - refs[t]).abs().max()))
@@ -58,7 +65,8 @@ def test_group_equals_bitsandbytes_modules_interpreted():
     assert all(ln[4] == "True" for ln in lines if ln[0] == "err_split"), out  # the forced tiles did split K
     lora = [(float(ln[3]), float(ln[4])) for ln in lines if ln[0] == "err_lora"]
     assert len(lora) == 15 and all(e < 1e-3 and moved > 0.05 for e, moved in lora), out
-    # the group's own dequantise kernel (steps past KERNEL_MAX_ROWS, prefill) is bitsandbytes' op bit for bit
+    # the group's own dequantise kernel (steps past KERNEL_MAX_ROWS, prefill) is bitsandbytes' op bit for
+    # bit, with the default options, a block a program, many blocks a program, the table of code pairs
     assert [ln[2] for ln in lines if ln[0] == "dequant"] == ["True"] * 5, out
     kept = [ln[-1] for ln in lines if ln[0] == "kept8bit"]
     assert kept == ["True", "True", "False", "False", "False"], out
@@ -279,7 +287,14 @@ def test_gpu_dequantise_kernel_and_k_steps():
         for k, outs in [(1536, (12288, 12288)), (5376, (8192, 4096, 4096)), (21504, (5376,))]:
             mods = [linear4bit_from(torch.nn.Linear(k, n, bias=False).bfloat16(), s, dev) for n in outs]
             g = L.Linear4bitGroup(mods)
-            assert torch.equal(g.dequantize_triton(), g.dequantize_bnb()), (double_quant, k, outs)
+            ref_w = g.dequantize_bnb()
+            for opts in ({}, dict(BYTES=8192, num_warps=8, PAIR_LUT=True)):
+                old_tiles = L.DEQUANT_TILES
+                L.DEQUANT_TILES = {**old_tiles, **opts}
+                try:
+                    assert torch.equal(g.dequantize_triton(), ref_w), (double_quant, k, outs, opts)
+                finally:
+                    L.DEQUANT_TILES = old_tiles
             x = torch.randn(200, k, device=dev, dtype=torch.bfloat16)
             graph = torch.cuda.CUDAGraph()
             old = L.DEQUANT_KERNEL

@@ -130,30 +130,46 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
 
 # how a group dequantises (steps past KERNEL_MAX_ROWS, prefill): "bnb", bitsandbytes' op after torch
 # decodes the 8-bit scales (measured: 1.9 TB/s on 31B's gate/up), or "triton", one kernel here (the
-# same weights bit for bit; not yet timed on a GPU: bench_linear4bit.py, bench_batches.py
+# same weights bit for bit; bench_linear4bit.py, bench_dequant4bit.py, bench_batches.py
 # --linear4bit-dequant)
 DEQUANT_KERNEL = "bnb"
-DEQUANT_BLOCK = 2048  # bytes of one dequantise program (2 weights a byte); not tuned
+# the dequantise kernel's options: bytes of one program (whole quantisation blocks, each block's scale
+# decoded once), warps, and PAIR_LUT: one 8-byte load from a 256-entry table of code pairs a byte
+# instead of a 4-byte load a nibble. The first version (one scale decode a byte, 2,048 bytes, 4 warps)
+# ran 31B's gate/up at 1.9 TB/s, as fast as bitsandbytes' op: bench_dequant4bit.py times the grid.
+DEQUANT_TILES = dict(BYTES=2048, num_warps=4, PAIR_LUT=False)
 
 
-@triton.jit(do_not_specialize=["n_bytes"])
-def _dequant_4bit_kernel(w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, n_bytes,
-                         QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """Bytes [pid*BLOCK, (pid+1)*BLOCK) of a 4-bit matrix -> its 2*BLOCK weights in out's dtype, decoded
-    as the product kernel above decodes them (float32 code x the block's float32 scale, rounded once),
-    the high nibble first. One kernel reading 0.5 bytes and writing 2 a weight, where bitsandbytes'
-    op needs the scales decoded first (a separate pass over the 8-bit codes)."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < n_bytes
-    byte = tl.load(w_ptr + i, mask=ok, other=0).to(tl.int32)
-    scale = _block_scale(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, i // (QBLOCK // 2), ok, NESTED,
-                         DOUBLE_QUANT)
+@triton.jit(do_not_specialize=["n_blocks"])
+def _dequant_4bit_kernel(w_ptr, absmax_ptr, code_ptr, pair_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr,
+                         n_blocks, QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr,
+                         BLOCKS: tl.constexpr, PAIR_LUT: tl.constexpr):
+    """Quantisation blocks [pid*BLOCKS, (pid+1)*BLOCKS) of a 4-bit matrix (QBLOCK/2 bytes each) -> their
+    weights in out's dtype, decoded as the product kernel above decodes them (float32 code x the
+    block's float32 scale, rounded once), the high nibble first. One kernel reading 0.5 bytes and
+    writing 2 a weight, where bitsandbytes' op needs the scales decoded first (a separate pass)."""
+    blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    ok = blk < n_blocks
+    scale = _block_scale(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, blk, ok, NESTED, DOUBLE_QUANT)[:, None]
+    byte = tl.load(w_ptr + blk[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :], mask=ok[:, None],
+                   other=0).to(tl.int32)
+    if PAIR_LUT:  # pair_ptr[b] = bits of code[b >> 4] << 32 | bits of code[b & 15]
+        pair = tl.load(pair_ptr + byte)
+        hi_code = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        lo_code = pair.to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        hi_code = tl.load(code_ptr + (byte >> 4))
+        lo_code = tl.load(code_ptr + (byte & 15))
     dt = out_ptr.dtype.element_ty
-    hi = (tl.load(code_ptr + (byte >> 4)) * scale).to(dt)
-    lo = (tl.load(code_ptr + (byte & 15)) * scale).to(dt)
-    j = tl.program_id(0) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
-    tl.store(out_ptr + j, tl.reshape(tl.join(hi, lo), (2 * BLOCK,)), mask=j < 2 * n_bytes)
+    w = tl.reshape(tl.join((hi_code * scale).to(dt), (lo_code * scale).to(dt)), (BLOCKS, QBLOCK))
+    tl.store(out_ptr + blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :], w, mask=ok[:, None])
+
+
+def code_pairs(code: torch.Tensor) -> torch.Tensor:
+    """int64 [256]: for byte b, the float32 bits of code[b >> 4] (high half) and code[b & 15] (low)."""
+    bits = code.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    b = torch.arange(256, device=code.device)
+    return (bits[b >> 4] << 32) | bits[b & 15]
 
 
 def _linear4bit_type():
@@ -230,6 +246,7 @@ class Linear4bitGroup:
         else:
             self.absmax = self._concat_rebind([q.absmax.float() for q in qs], lambda i, t: setattr(qs[i], "absmax", t))
         self.code = code4(self.quant_type, self.device)  # float32: weights decode as bitsandbytes decodes them
+        self.code_pairs = code_pairs(self.code)
 
     @staticmethod
     @torch.no_grad()
@@ -276,10 +293,14 @@ class Linear4bitGroup:
                              f"fewer than 2**31 (use linear4bit.DEQUANT_KERNEL='bnb')")
         out = torch.empty(2 * n, dtype=self.dtype, device=self.packed.device)
         dq = self.double_quant
-        _dequant_4bit_kernel[(triton.cdiv(n, DEQUANT_BLOCK),)](
-            self.packed, self.absmax, self.code, self.nested_code if dq else self.absmax,
-            self.nested_absmax if dq else self.absmax, self.nested_offset if dq else self.absmax, out, n,
-            QBLOCK=self.block_size, NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCK=DEQUANT_BLOCK,
+        q = self.block_size
+        blocks = max(1, DEQUANT_TILES["BYTES"] // (q // 2))  # a power of two: q and BYTES are
+        n_blocks = 2 * n // q
+        _dequant_4bit_kernel[(triton.cdiv(n_blocks, blocks),)](
+            self.packed, self.absmax, self.code, self.code_pairs, self.nested_code if dq else self.absmax,
+            self.nested_absmax if dq else self.absmax, self.nested_offset if dq else self.absmax, out, n_blocks,
+            QBLOCK=q, NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCKS=blocks, PAIR_LUT=DEQUANT_TILES["PAIR_LUT"],
+            num_warps=DEQUANT_TILES["num_warps"],
             enable_fp_fusion=False)  # the scale's multiply and add rounded apart, as torch's ops round them
         return out.view(self.out_features, self.in_features)
 

@@ -1,0 +1,71 @@
+"""The 4-bit group dequantise kernel's options (linear4bit.DEQUANT_TILES) on the GPU: bytes a program,
+warps, and the table of code pairs, per group, beside bitsandbytes' op; every option's weights are
+checked bit for bit against bitsandbytes' before it is timed. Past KERNEL_MAX_ROWS rows (31B bnb4 at
+128) a decode step dequantises every 4-bit group and runs one GEMM: the dequantise is ~60% of its time.
+
+    python experiments/bench_dequant4bit.py --groups 31b_gate_up,31b_down --out dequant.json
+"""
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_linear4bit import GROUPS, time_us  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--groups", default="31b_qkv_sliding,31b_o_sliding,31b_gate_up,31b_down,gate_up_wide,down_wide")
+    ap.add_argument("--bytes", default="1024,2048,4096,8192", help="bytes of one program")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from flexgemma.model import linear4bit as L
+    from flexgemma.model.quant import Bnb4Settings, linear4bit_from
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    s = Bnb4Settings("nf4", True, 64, dt)
+    default = dict(L.DEQUANT_TILES)
+    grid = [dict(BYTES=b, num_warps=w, PAIR_LUT=p) for b, w, p in itertools.product(
+        [int(v) for v in args.bytes.split(",")], [int(v) for v in args.warps.split(",")], (False, True))]
+    torch.manual_seed(0)
+    res: dict = {"default": default, "groups": {}}
+    totals: dict = {}
+    for name in args.groups.split(","):
+        k, outs = GROUPS[name]
+        mods = [linear4bit_from(torch.nn.Linear(k, n, bias=False, device=dev, dtype=dt), s, dev) for n in outs]
+        group = L.Linear4bitGroup(mods)
+        moved = group.packed.numel() * 5  # 0.5 byte read and 2 written a weight, 2 weights a byte
+        ref = group.dequantize_bnb()
+        rows = {"bnb": time_us(group.dequantize_bnb)}
+        for opts in grid:
+            L.DEQUANT_TILES = {**default, **opts}
+            try:
+                if not torch.equal(group.dequantize_triton(), ref):
+                    raise AssertionError(f"{name} {opts}: not bitsandbytes' weights")
+                rows[json.dumps(opts)] = time_us(group.dequantize_triton)
+            finally:
+                L.DEQUANT_TILES = default
+        for key, us in rows.items():
+            totals[key] = totals.get(key, 0.0) + us
+        best = min((v, key) for key, v in rows.items() if key != "bnb")
+        print(f"{name:16s} {moved / 1e6:7.1f} MB moved: bnb {rows['bnb']:7.1f} us ({moved / rows['bnb'] / 1e6:.2f} TB/s), "
+              f"default {rows[json.dumps(default)]:7.1f} us, best {best[0]:7.1f} us "
+              f"({moved / best[0] / 1e6:.2f} TB/s) {best[1]}", flush=True)
+        res["groups"][name] = rows
+        del group, mods, ref
+    res["totals_us"] = totals
+    for key, us in sorted(totals.items(), key=lambda kv: kv[1]):
+        print(f"sum over the groups {us:8.1f} us  {key}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
