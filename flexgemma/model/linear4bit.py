@@ -132,7 +132,7 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
 # decodes the 8-bit scales (measured: 1.9 TB/s on 31B's gate/up), or "triton", one kernel here (the
 # same weights bit for bit; bench_linear4bit.py, bench_dequant4bit.py, bench_batches.py
 # --linear4bit-dequant)
-DEQUANT_KERNEL = "bnb"
+DEQUANT_KERNEL = "triton"
 # the dequantise kernel's options: bytes of one program (whole quantisation blocks, each block's scale
 # decoded once), warps, and PAIR_LUT: one 8-byte load from a 256-entry table of code pairs a byte
 # instead of a 4-byte load a nibble. The first version (one scale decode a byte, 2,048 bytes, 4 warps)
