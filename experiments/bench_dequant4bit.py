@@ -1,5 +1,5 @@
-"""The 4-bit group dequantise kernel's options (linear4bit.DEQUANT_TILES) on the GPU: bytes a program,
-warps, and the table of code pairs, per group, beside bitsandbytes' op; every option's weights are
+"""The 4-bit group dequantise kernel's options (linear4bit.DEQUANT_TILES) on the GPU: bytes a program
+and warps, per group, beside bitsandbytes' op; every option's weights are
 checked bit for bit against bitsandbytes' before it is timed. Past KERNEL_MAX_ROWS rows (31B bnb4 at
 128) a decode step dequantises every 4-bit group and runs one GEMM: the dequantise is ~60% of its time.
 
@@ -32,8 +32,8 @@ def main() -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     s = Bnb4Settings("nf4", True, 64, dt)
     default = dict(L.DEQUANT_TILES)
-    grid = [dict(BYTES=b, num_warps=w, PAIR_LUT=p) for b, w, p in itertools.product(
-        [int(v) for v in args.bytes.split(",")], [int(v) for v in args.warps.split(",")], (False, True))]
+    grid = [dict(BYTES=b, num_warps=w) for b, w in itertools.product(
+        [int(v) for v in args.bytes.split(",")], [int(v) for v in args.warps.split(",")])]
     torch.manual_seed(0)
     res: dict = {"default": default, "groups": {}}
     totals: dict = {}

@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq linear4bit_ksteps dequant_grid batches_31b_bnb4_tdq attn_rows_ab attn_31b_sweep kernels_large moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq linear4bit_ksteps dequant_grid batches_31b_bnb4_tdq batches_31b_bnb4_bdq attn_rows_ab attn_31b_sweep kernels_large moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b profile_31b_64 gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_bs8 moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -87,11 +87,13 @@ run batches_31b_bnb4_dq 330 bash -c 'batches_31b_bnb4 --linear4bit-max-rows ${DQ
 run linear4bit_ksteps 240 python3 experiments/bench_linear4bit.py --groups 31b_qkv_sliding,31b_o_sliding,31b_gate_up,31b_down,qkv_sliding,gate_up_wide,down_wide \
   --batch-sizes 8,32,64,128 --grid-batch-sizes 8,32,64,128 --grid-groups 31b_gate_up,31b_down,gate_up_wide,down_wide \
   --out "$WORK/linear4bit_ksteps.json"
-# the dequantise kernel's options (bytes a program, warps, a table of code pairs) on 31B's and E2B's
-# groups, each checked bit for bit against bitsandbytes' op (the first version: 1.9 TB/s, as fast as it)
+# the dequantise kernel's options (bytes a program, warps) on 31B's and E2B's groups, each checked bit
+# for bit against bitsandbytes' op (sixth session: 3.6-4.0 TB/s on 31B's groups, the op 1.6-1.9)
 run dequant_grid 150 python3 experiments/bench_dequant4bit.py --out "$WORK/dequant_grid.json"
-# 31B bnb4 with the groups dequantised by the kernel here instead of bitsandbytes' op (the same bits)
+# 31B bnb4 with the groups dequantised by the kernel here (the default since the sixth session) and by
+# bitsandbytes' op (the same bits), one build each
 run batches_31b_bnb4_tdq 330 bash -c 'batches_31b_bnb4 --linear4bit-dequant triton'
+run batches_31b_bnb4_bdq 330 bash -c 'batches_31b_bnb4 --linear4bit-dequant bnb'
 # E4B's 64 rows in a 128-row build (7,478 tok/s against 8,090 in a 64-row build): attention padded to
 # 128 rows gets 1 KV split a row where 64 rows get 2 (torch's get_split_k). Variants, a build each
 # (~2.3 min): the default; flex decode compiled at every 2x of the rows; SPLIT_KV=2 at every size
@@ -100,8 +102,9 @@ run attn_rows_ab 450 bash -c 'for f in 4 2; do python3 experiments/bench_batches
   python3 experiments/bench_batches.py --model e4b --batch-sizes 64,128 --new-tokens 512 --rounds 3 --warmup-rounds 0 \
   --out "$WORK/batches_attn_split2" +attn.decode.extra.SPLIT_KV=2;
   cat "$WORK"/batches_attn_rows/*.md "$WORK"/batches_attn_split2/*.md'
-# 31B bf16 at 64 rows (1,791 tok/s, 0.5% under its floor): flex decode's BLOCK_N on the head_dim-256
-# sliding layers, tuned on E2B (one KV head, 8 query heads a KV head) where 31B has 16 KV heads of 2
+# 31B bf16 at 64 rows (1,770-1,791 tok/s, under its 1,800 floor): flex decode's BLOCK_N on the
+# head_dim-256 sliding layers, tuned on E2B (one KV head of 8 query heads; 31B: 16 KV heads of 2).
+# Sixth session: 64 1,720, 16 1,732, 32 (the default) 1,770
 run attn_31b_sweep 450 bash -c 'for bn in 64 16 32; do python3 experiments/bench_batches.py --model 31b --batch-sizes 64 \
   --new-tokens 256 --rounds 3 --warmup-rounds 0 --out "$WORK/attn31b_bn$bn" attn.decode.block_n=$bn; done;
   cat "$WORK"/attn31b_bn*/*.md'
@@ -134,6 +137,10 @@ run moe_grid_rl 200 python3 experiments/bench_moe_kernel.py --batch-sizes 128,25
 # between steps, and the host's per-step work (is the engine host-bound at 256 rows?)
 run gen_profile_e2b 200 python3 experiments/profile_generate.py --model e2b --batch 256 --new-tokens 512 \
   --out "$WORK/gen_profile_e2b.json"
+# 31B bf16's decode step at 64 rows by kernel (27.6 ms against 17.9 for its bytes at 4.8 TB/s; the bf16
+# GEMMs alone ~15 ms): how much is attention over 24.5 GB of KV, how much glue
+run profile_31b_64 200 python3 experiments/profile_decode.py +model=31b +experiment=rl_batch_31b \
+  cudagraph.buckets=[64] --batch 64 --context 416 --out "$WORK/profile_31b_64.json"
 run gen_profile_26b 200 python3 experiments/profile_generate.py --model 26b_a4b --batch 128 --new-tokens 256 \
   --out "$WORK/gen_profile_26b.json"
 
@@ -266,6 +273,9 @@ run e2b 240 python3 $bench +model=e2b +experiment=speed_e2b --both-loops --hf-ro
 run e2b_quick 150 python3 $bench +model=e2b +experiment=speed_e2b workload.rounds=3 --no-hf --out "$WORK/e2b_quick.json"
 run moe 330 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 --batch-sizes 8,16,32,64 \
   --hf-batch-sizes 8 --hf-rounds 1 --parity 4 --parity-tokens 32 --out "$WORK/moe.json"
+# the issue's batch-8 figure (936) came from an 8-sequence build: graphs and pool for 8
+run moe_bs8 150 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=8 engine.max_batch_size=8 \
+  --batch-sizes 8 --no-hf --out "$WORK/moe_bs8.json"
 run moe_quick 200 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 --batch-sizes 8,16,32,64 \
   --no-hf --out "$WORK/moe_quick.json"
 run moe_grouped 300 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 \

@@ -69,9 +69,11 @@ def _cpu_model() -> str:
 
 
 def _git_sha() -> str:
+    """The commit, with "-dirty" when the checkout has changes it does not hold (then the commit alone
+    does not say what ran)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
+        cmd = ["git", "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"]  # the commit, never a tag
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=5, cwd=Path(__file__).resolve().parent)
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -15,7 +15,8 @@ xa = x A^T for every member at once and passes a block-diagonal B, whose product
 to the tile before the single rounding.
 
 Steps of more than KERNEL_MAX_ROWS rows (large decode batches, prefill) dequantise the group once
-(bitsandbytes' op, or a kernel here that gives the same bits: DEQUANT_KERNEL) and run one GEMM.
+(a kernel here, bitsandbytes' weights bit for bit at twice the speed of its op; DEQUANT_KERNEL) and
+run one GEMM.
 """
 
 from __future__ import annotations
@@ -128,22 +129,23 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-# how a group dequantises (steps past KERNEL_MAX_ROWS, prefill): "bnb", bitsandbytes' op after torch
-# decodes the 8-bit scales (measured: 1.9 TB/s on 31B's gate/up), or "triton", one kernel here (the
-# same weights bit for bit; bench_linear4bit.py, bench_dequant4bit.py, bench_batches.py
-# --linear4bit-dequant)
+# how a group dequantises (steps past KERNEL_MAX_ROWS, prefill): "triton", the kernel below, or "bnb",
+# bitsandbytes' op after torch decodes the 8-bit scales; the same weights bit for bit. On the H200
+# (experiments/RESULTS.md, sixth session) the kernel moved 3.6-4.0 TB/s on 31B's groups against the
+# op's 1.6-1.9 (31B's gate/up 145 vs 305 us) and took 31B bnb4 at 128 rows from 1,354 to 1,708 tok/s.
+# A/B: bench_batches.py --linear4bit-dequant bnb
 DEQUANT_KERNEL = "triton"
-# the dequantise kernel's options: bytes of one program (whole quantisation blocks, each block's scale
-# decoded once), warps, and PAIR_LUT: one 8-byte load from a 256-entry table of code pairs a byte
-# instead of a 4-byte load a nibble. The first version (one scale decode a byte, 2,048 bytes, 4 warps)
-# ran 31B's gate/up at 1.9 TB/s, as fast as bitsandbytes' op: bench_dequant4bit.py times the grid.
-DEQUANT_TILES = dict(BYTES=2048, num_warps=4, PAIR_LUT=False)
+# the dequantise kernel's options: bytes of one program (whole quantisation blocks) and warps. Best of
+# bench_dequant4bit.py's grid (1,024-8,192 bytes, 4 or 8 warps) summed over 31B's and E2B's groups.
+# A first version decoded a block's scale once per byte (four gathers a byte) and ran at 1.9 TB/s; a
+# table of code pairs (one 8-byte load a byte instead of a 4-byte load a nibble) was 15-25% slower.
+DEQUANT_TILES = dict(BYTES=2048, num_warps=4)
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
-def _dequant_4bit_kernel(w_ptr, absmax_ptr, code_ptr, pair_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr,
-                         n_blocks, QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr,
-                         BLOCKS: tl.constexpr, PAIR_LUT: tl.constexpr):
+def _dequant_4bit_kernel(w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, n_blocks,
+                         QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr,
+                         BLOCKS: tl.constexpr):
     """Quantisation blocks [pid*BLOCKS, (pid+1)*BLOCKS) of a 4-bit matrix (QBLOCK/2 bytes each) -> their
     weights in out's dtype, decoded as the product kernel above decodes them (float32 code x the
     block's float32 scale, rounded once), the high nibble first. One kernel reading 0.5 bytes and
@@ -153,23 +155,11 @@ def _dequant_4bit_kernel(w_ptr, absmax_ptr, code_ptr, pair_ptr, ncode_ptr, nabsm
     scale = _block_scale(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, blk, ok, NESTED, DOUBLE_QUANT)[:, None]
     byte = tl.load(w_ptr + blk[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :], mask=ok[:, None],
                    other=0).to(tl.int32)
-    if PAIR_LUT:  # pair_ptr[b] = bits of code[b >> 4] << 32 | bits of code[b & 15]
-        pair = tl.load(pair_ptr + byte)
-        hi_code = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        lo_code = pair.to(tl.int32).to(tl.float32, bitcast=True)
-    else:
-        hi_code = tl.load(code_ptr + (byte >> 4))
-        lo_code = tl.load(code_ptr + (byte & 15))
+    hi_code = tl.load(code_ptr + (byte >> 4))
+    lo_code = tl.load(code_ptr + (byte & 15))
     dt = out_ptr.dtype.element_ty
     w = tl.reshape(tl.join((hi_code * scale).to(dt), (lo_code * scale).to(dt)), (BLOCKS, QBLOCK))
     tl.store(out_ptr + blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :], w, mask=ok[:, None])
-
-
-def code_pairs(code: torch.Tensor) -> torch.Tensor:
-    """int64 [256]: for byte b, the float32 bits of code[b >> 4] (high half) and code[b & 15] (low)."""
-    bits = code.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    b = torch.arange(256, device=code.device)
-    return (bits[b >> 4] << 32) | bits[b & 15]
 
 
 def _linear4bit_type():
@@ -246,7 +236,6 @@ class Linear4bitGroup:
         else:
             self.absmax = self._concat_rebind([q.absmax.float() for q in qs], lambda i, t: setattr(qs[i], "absmax", t))
         self.code = code4(self.quant_type, self.device)  # float32: weights decode as bitsandbytes decodes them
-        self.code_pairs = code_pairs(self.code)
 
     @staticmethod
     @torch.no_grad()
@@ -285,8 +274,9 @@ class Linear4bitGroup:
         raise ValueError(f"linear4bit.DEQUANT_KERNEL={DEQUANT_KERNEL!r}: bnb or triton")
 
     def dequantize_triton(self) -> torch.Tensor:
-        """The weights by one Triton kernel (bitsandbytes' op, with the 8-bit scales decoded by torch
-        first, took 2.3-2.7x as long as the GEMM it feeds on 31B's groups at 128 rows: RESULTS.md)."""
+        """The weights by one Triton kernel, each program whole quantisation blocks whose scales it
+        decodes once (bitsandbytes' op, after torch decodes the 8-bit scales, took twice as long on
+        31B's groups: RESULTS.md)."""
         n = self.packed.numel()
         if 2 * n >= 2 ** 31:  # the kernel indexes weights in int32
             raise ValueError(f"Linear4bitGroup.dequantize_triton: {2 * n:,} weights in one group; the kernel takes "
@@ -297,10 +287,9 @@ class Linear4bitGroup:
         blocks = max(1, DEQUANT_TILES["BYTES"] // (q // 2))  # a power of two: q and BYTES are
         n_blocks = 2 * n // q
         _dequant_4bit_kernel[(triton.cdiv(n_blocks, blocks),)](
-            self.packed, self.absmax, self.code, self.code_pairs, self.nested_code if dq else self.absmax,
+            self.packed, self.absmax, self.code, self.nested_code if dq else self.absmax,
             self.nested_absmax if dq else self.absmax, self.nested_offset if dq else self.absmax, out, n_blocks,
-            QBLOCK=q, NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCKS=blocks, PAIR_LUT=DEQUANT_TILES["PAIR_LUT"],
-            num_warps=DEQUANT_TILES["num_warps"],
+            QBLOCK=q, NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCKS=blocks, num_warps=DEQUANT_TILES["num_warps"],
             enable_fp_fusion=False)  # the scale's multiply and add rounded apart, as torch's ops round them
         return out.view(self.out_features, self.in_features)
 
