@@ -111,7 +111,8 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
     """4-bit experts (NF4 and FP4, with and without double quantisation), decoded inside the GEMM
     kernels (fused) or dequantised into slots first, equal bitsandbytes' own dequantisation followed
     by the plain loop, with one and with several 16-row tiles per expert; padding slots (fewer
-    experts than slots) are skipped; rows that are not whole quantisation blocks take the slots."""
+    experts than slots) are skipped; rows that are not whole quantisation blocks take the slots; the
+    slot dequantise is bitsandbytes' weights bit for bit."""
     out = run_interpreted("""
         import torch
         from transformers.activations import GELUTanh
@@ -135,6 +136,17 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
                         got = decode_experts(x, idx, w, pg, pd, up_tiles=dict(BLOCK_N=32, BLOCK_K=32),
                                              down_tiles=dict(BLOCK_N=64), packed_mode=mode).float()
                         print("err", mode, float((got - ref).norm() / ref.norm()))
+                    # the slot dequantise gives bitsandbytes' weights bit for bit: 6 blocks an expert in
+                    # programs of 4 (the last one partial) or of 64, and an expert of one block
+                    ids = torch.tensor([3, -1, 0], dtype=torch.int32)
+                    for shape in ((e, 3, 128), (e, 1, 64)):
+                        pw = PackedExpertWeight.pack((torch.randn(*shape) * 0.1).half(), s, cpu)
+                        for nbytes in (128, moe_kernel.DEQUANT_BYTES):
+                            old, moe_kernel.DEQUANT_BYTES = moe_kernel.DEQUANT_BYTES, nbytes
+                            got = moe_kernel.dequantize_slots(pw, ids, torch.float16)
+                            moe_kernel.DEQUANT_BYTES = old
+                            want = pw.dequantize(torch.tensor([3, 0]))
+                            print("slots bitwise", shape[2], torch.equal(got[0], want[0]) and torch.equal(got[2], want[1]))
                     selected = decode_experts(x, idx, w, pg, pd, code_lookup="select").float()
                     print("select equals table", torch.equal(selected, decode_experts(x, idx, w, pg, pd).float()))
         x, idx, w = x[:5], idx[:5], w[:5]
@@ -159,6 +171,8 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
     errs = [float(line.split()[2]) for line in out.splitlines() if line.startswith("err")]
     assert len(errs) == 18 and max(errs) < 5e-3, out
     assert out.count("err fused") == 8 and out.count("select equals table True") == 8, out
+    assert out.count("slots bitwise") == 32 and "False" not in "".join(
+        ln for ln in out.splitlines() if ln.startswith("slots bitwise")), out
     assert "slots [1, 4, -1, -1] [-1, 0, -1, -1, 1, -1]" in out, out
     assert "fits False" in out and "refused packed_mode=fused needs rows of whole quantisation blocks" in out, out
 

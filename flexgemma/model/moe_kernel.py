@@ -50,27 +50,24 @@ BLOCK_M = 16  # entries of one expert per tile: tl.dot's smallest M (the default
 @triton.jit
 def _dequant_kernel(packed_ptr, absmax_ptr, code4_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, ids_ptr, out_ptr,
                     BYTES: tl.constexpr, stride_pe, stride_ae, stride_ne, QBLOCK: tl.constexpr,
-                    NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (s, j): bytes [j*BLOCK, (j+1)*BLOCK) of 4-bit expert ids[s] -> their 2*BLOCK weights
-    at slot s of out (code[nibble] x the block's scale, the scale decoded when double quantised;
-    bitsandbytes packs the first of a pair in the high nibble). Slots with id < 0 are padding."""
+                    NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, BLOCKS: tl.constexpr):
+    """Program (s, j): quantisation blocks [j*BLOCKS, (j+1)*BLOCKS) of 4-bit expert ids[s] (QBLOCK/2
+    bytes each) -> their weights at slot s of out (code[nibble] x the block's scale, each block's
+    scale decoded once; bitsandbytes packs the first of a pair in the high nibble). Slots with id < 0
+    are padding."""
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot)
-    b = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = (b < BYTES) & (expert >= 0)
+    live = expert >= 0
     expert = tl.maximum(expert, 0)
-    byte = tl.load(packed_ptr + expert * stride_pe + b, mask=ok, other=0).to(tl.int32)
-    blk = (2 * b) // QBLOCK
-    if DOUBLE_QUANT:
-        code8 = tl.load(absmax_ptr + expert * stride_ae + blk, mask=ok, other=0).to(tl.int32)
-        scale = tl.load(ncode_ptr + code8) * tl.load(nabsmax_ptr + expert * stride_ne + blk // NESTED,
-                                                       mask=ok, other=0.0) + tl.load(noffset_ptr + expert)
-    else:
-        scale = tl.load(absmax_ptr + expert * stride_ae + blk, mask=ok, other=0.0)
-    dst = out_ptr + slot * (2 * BYTES) + 2 * b
+    blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, expert, blk,
+                          live & (blk * (QBLOCK // 2) < BYTES), stride_ae, stride_ne, NESTED, DOUBLE_QUANT)[:, None]
+    b = blk[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :]
+    byte = tl.load(packed_ptr + expert * stride_pe + b, mask=live & (b < BYTES), other=0).to(tl.int32)
     dt = out_ptr.dtype.element_ty
-    tl.store(dst, (tl.load(code4_ptr + (byte >> 4)) * scale).to(dt), mask=ok)
-    tl.store(dst + 1, (tl.load(code4_ptr + (byte & 15)) * scale).to(dt), mask=ok)
+    w = tl.join((tl.load(code4_ptr + (byte >> 4)) * scale).to(dt), (tl.load(code4_ptr + (byte & 15)) * scale).to(dt))
+    o = blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+    tl.store(out_ptr + slot * (2 * BYTES) + o, tl.reshape(w, (BLOCKS, QBLOCK)), mask=live & (o < 2 * BYTES))
 
 
 @triton.jit
@@ -319,7 +316,9 @@ def block_m_for(n_flat: int, experts: int, packed: bool) -> int:
     return min(64, max(BLOCK_M, triton.next_power_of_2(2 * -(-n_flat // experts))))
 
 
-DEQUANT_BLOCK = 1024  # packed bytes per program of the 4-bit dequantise kernel
+# packed bytes per program of the 4-bit dequantise kernel, whole quantisation blocks: the dense groups'
+# kernel of this form (linear4bit.DEQUANT_TILES) was best at 2,048 on the H200, 2.1x bitsandbytes' op
+DEQUANT_BYTES = 2048
 
 
 def dequantize_slots(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -331,11 +330,13 @@ def dequantize_slots(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     dq = bool(w.double_quant)
     absmax = w.absmax
     nested = w.nested_absmax if dq else absmax  # placeholders when not double-quantised (never read)
-    _dequant_kernel[(ids.shape[0], triton.cdiv(nbytes, DEQUANT_BLOCK))](
+    blocks = max(1, DEQUANT_BYTES // (w.block_size // 2))
+    _dequant_kernel[(ids.shape[0], triton.cdiv(triton.cdiv(nbytes, w.block_size // 2), blocks))](
         packed_ptr=w.packed, absmax_ptr=absmax, code4_ptr=code4(w.quant_type, w.packed.device),
         ncode_ptr=w.nested_code if dq else absmax, nabsmax_ptr=nested, noffset_ptr=w.nested_offset if dq else absmax,
         ids_ptr=ids, out_ptr=out, BYTES=nbytes, stride_pe=w.packed.stride(0), stride_ae=absmax.stride(0),
-        stride_ne=nested.stride(0), QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCK=DEQUANT_BLOCK)
+        stride_ne=nested.stride(0), QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCKS=blocks,
+        enable_fp_fusion=False)  # the scale's multiply and add rounded apart, as bitsandbytes' decode rounds them
     return out
 
 
