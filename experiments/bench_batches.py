@@ -36,8 +36,8 @@ from flexgemma.tracking import environment  # noqa: E402
 from flexgemma.workload import pool_demand, synthetic  # noqa: E402
 
 GB = 1e9
-COLUMNS = ["batch", "tok/s", "first/median", "step ms", "GPU idle %", "peak GB", "limit tok/s", "% of limit",
-           "compiled in rounds"]
+COLUMNS = ["batch", "tok/s", "first/median", "step ms", "prefill s", "GPU idle %", "peak GB", "limit tok/s",
+           "% of limit", "compiled in rounds"]
 
 
 def overrides_for(args, extra: list[str]) -> list[str]:
@@ -71,9 +71,12 @@ def measure(engine, prompts, params, warmup: int, rounds: int, peak_tb_s: float,
     limit = bs * peak_tb_s * 1e12 / step_bytes  # tok/s if a decode step only read its bytes at peak bandwidth
     med = statistics.median(tok_s)
     idle = [r.gpu_idle_pct for r in timed if r.gpu_idle_pct is not None]
+    prefill_s = statistics.median(r.prefill_time for r in timed)  # the part of a round decode steps do not explain
     return {
         "batch": bs, "tok_s_rounds": tok_s, "tok_s_median": med, "first_round_ratio": tok_s[0] / med,
         "first_round_within_5pct": tok_s[0] >= 0.95 * med, "decode_step_ms": step_s * 1e3,
+        "prefill_seconds": prefill_s, "prefill_tok_s": timed[-1].prefill_tokens / prefill_s if prefill_s else None,
+        "decode_steps": timed[-1].decode_steps,
         "gpu_idle_pct": statistics.median(idle) if idle else None,  # between chained decode steps (host-bound)
         "peak_allocated_gb": torch.cuda.max_memory_allocated() / GB if cuda else None,
         "weight_gb_per_step": w_bytes / GB, "kv_gb_per_step": kv_bytes / GB,
@@ -122,7 +125,7 @@ def markdown(res: dict) -> str:
     rows = ["| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * len(COLUMNS)]
     for r in res["rows"]:
         rows.append("| " + " | ".join([str(r["batch"]), fmt(r["tok_s_median"], 1), fmt(r["first_round_ratio"], 3),
-                                       fmt(r["decode_step_ms"]), fmt(r["gpu_idle_pct"], 1),
+                                       fmt(r["decode_step_ms"]), fmt(r["prefill_seconds"]), fmt(r["gpu_idle_pct"], 1),
                                        fmt(r["peak_allocated_gb"]), fmt(r["limit_tok_s"], 0),
                                        fmt(r["pct_of_limit"], 1), str(r["compiled_in_rounds"])]) + " |")
     return head + "\n".join(rows) + "\n"
@@ -198,7 +201,8 @@ def main(argv=None) -> dict:
                       args.peak_tb_s, device)
         res["rows"].append(row)
         print(f"bs {bs:4d}: {row['tok_s_median']:10.1f} tok/s, first/median {row['first_round_ratio']:.3f}, "
-              f"step {row['decode_step_ms']:.2f} ms, {row['pct_of_limit']:.1f}% of the bandwidth limit", flush=True)
+              f"step {row['decode_step_ms']:.2f} ms, prefill {row['prefill_seconds']:.2f} s, "
+              f"{row['pct_of_limit']:.1f}% of the bandwidth limit", flush=True)
     res["environment"] = environment()
     table = markdown(res)
     print(table, flush=True)

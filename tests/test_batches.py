@@ -170,13 +170,15 @@ def test_bench_batches_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
         "kv.page_size=8"])
     assert [r["batch"] for r in res["rows"]] == [2, 3] and res["engine"]["device"] == "cpu"
     assert all(r["tok_s_median"] > 0 and r["limit_tok_s"] > 0 and len(r["tok_s_rounds"]) == 2 for r in res["rows"])
+    # how a round splits: its prefill steps' seconds (under the round's) and its decode steps
+    assert all(0 < r["prefill_seconds"] < min(r["round_seconds"]) and r["decode_steps"] >= 2 for r in res["rows"])
     assert moe_kernel.ROUTED_MAX_ENTRIES == 0 and res["moe_sort_above"] == 0
     assert linear4bit.KERNEL_MAX_ROWS == 32 and res["linear4bit_max_rows"] == 32
     assert linear4bit.DEQUANT_KERNEL == "triton" and cuda_graphs.ATTENTION_ROW_FACTOR == 2
     name = ("bench_batches_tiny_triton.enable_pdl-False_sort_above_0_linear4bit_max_rows_32_dequant_triton"
             "_attention_rows_x2")
     table = (tmp_path / f"{name}.md").read_text()
-    assert "| batch | tok/s | first/median |" in table and table.count("\n| ") == 3  # header + two rows
+    assert "| batch | tok/s | first/median | step ms | prefill s |" in table and table.count("\n| ") == 3  # header + 2 rows
     assert (tmp_path / f"{name}.json").is_file()
     assert "4-bit" not in table.splitlines()[0]  # a bf16 build says nothing of 4-bit weights; a bnb4 one does:
     res["engine"].update({"quant/fraction_4bit": 0.93, "linear4bit_kernel": "triton"})
