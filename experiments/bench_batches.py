@@ -135,6 +135,7 @@ def markdown(res: dict) -> str:
 # names the output files: (argument, module, constant, file-name suffix)
 KNOBS = (
     ("moe_sort_above", "flexgemma.model.moe_kernel", "ROUTED_MAX_ENTRIES", "_sort_above_{}"),
+    ("moe_fused_max_entries", "flexgemma.model.moe_kernel", "FUSED_MAX_ENTRIES", "_fused_max_{}"),
     ("linear4bit_max_rows", "flexgemma.model.linear4bit", "KERNEL_MAX_ROWS", "_linear4bit_max_rows_{}"),
     ("linear4bit_dequant", "flexgemma.model.linear4bit", "DEQUANT_KERNEL", "_dequant_{}"),
     ("attention_row_factor", "flexgemma.engine.cuda_graphs", "ATTENTION_ROW_FACTOR", "_attention_rows_x{}"),
@@ -168,6 +169,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--moe-sort-above", type=int, default=None,
                     help="MoE decode steps of more routed entries than this sort them by expert (an A/B of "
                          "moe_kernel.ROUTED_MAX_ENTRIES on the real router; 0: always); the output files get a suffix")
+    ap.add_argument("--moe-fused-max-entries", type=int, default=None,
+                    help="4-bit MoE decode steps of more routed entries than this dequantise the routed experts "
+                         "into slots instead of decoding them inside the kernels (an A/B of "
+                         "moe_kernel.FUSED_MAX_ENTRIES); the output files get a suffix")
     ap.add_argument("--linear4bit-max-rows", type=int, default=None,
                     help="4-bit projection steps of more rows than this dequantise + GEMM instead of the Triton kernel "
                          "(an A/B of linear4bit.KERNEL_MAX_ROWS); the output files get a suffix")
