@@ -136,6 +136,7 @@ def markdown(res: dict) -> str:
 KNOBS = (
     ("moe_sort_above", "flexgemma.model.moe_kernel", "ROUTED_MAX_ENTRIES", "_sort_above_{}"),
     ("moe_fused_max_entries", "flexgemma.model.moe_kernel", "FUSED_MAX_ENTRIES", "_fused_max_{}"),
+    ("moe_dequant", "flexgemma.model.moe_kernel", "DEQUANT_KERNEL", "_moe_dequant_{}"),
     ("linear4bit_max_rows", "flexgemma.model.linear4bit", "KERNEL_MAX_ROWS", "_linear4bit_max_rows_{}"),
     ("linear4bit_dequant", "flexgemma.model.linear4bit", "DEQUANT_KERNEL", "_dequant_{}"),
     ("attention_row_factor", "flexgemma.engine.cuda_graphs", "ATTENTION_ROW_FACTOR", "_attention_rows_x{}"),
@@ -173,6 +174,9 @@ def main(argv=None) -> dict:
                     help="4-bit MoE decode steps of more routed entries than this dequantise the routed experts "
                          "into slots instead of decoding them inside the kernels (an A/B of "
                          "moe_kernel.FUSED_MAX_ENTRIES); the output files get a suffix")
+    ap.add_argument("--moe-dequant", choices=("bnb", "triton"), default=None,
+                    help="how 4-bit experts dequantise in prefill-sized steps (an A/B of moe_kernel.DEQUANT_KERNEL); "
+                         "the output files get a suffix")
     ap.add_argument("--linear4bit-max-rows", type=int, default=None,
                     help="4-bit projection steps of more rows than this dequantise + GEMM instead of the Triton kernel "
                          "(an A/B of linear4bit.KERNEL_MAX_ROWS); the output files get a suffix")

@@ -70,7 +70,7 @@ def test_big_steps_sort_their_entries_and_give_the_same_numbers_interpreted():
         import torch
         from transformers.activations import GELUTanh
         from flexgemma.model import moe_kernel as M
-        from flexgemma.model.moe import experts_loop
+        from flexgemma.model.moe import experts_grouped, experts_loop
         from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
         torch.manual_seed(0)
         e, h, i, k, t = 8, 64, 64, 4, 300  # 1,200 entries: past ROUTED_MAX_ENTRIES
@@ -112,12 +112,13 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
     kernels (fused) or dequantised into slots first, equal bitsandbytes' own dequantisation followed
     by the plain loop, with one and with several 16-row tiles per expert; padding slots (fewer
     experts than slots) are skipped; rows that are not whole quantisation blocks take the slots; the
-    slot dequantise is bitsandbytes' weights bit for bit."""
+    slot dequantise is bitsandbytes' weights bit for bit, and torch's path (prefill) gives the same
+    output through it as through bitsandbytes' op."""
     out = run_interpreted("""
         import torch
         from transformers.activations import GELUTanh
         from flexgemma.model import moe_kernel
-        from flexgemma.model.moe import experts_loop
+        from flexgemma.model.moe import experts_grouped, experts_loop
         from flexgemma.model.moe_kernel import decode_experts
         from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
         torch.manual_seed(0)
@@ -147,6 +148,15 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
                             moe_kernel.DEQUANT_BYTES = old
                             want = pw.dequantize(torch.tensor([3, 0]))
                             print("slots bitwise", shape[2], torch.equal(got[0], want[0]) and torch.equal(got[2], want[1]))
+                    # torch's path (prefill-sized steps: the kernel object takes none here) with the kernel
+                    # object's one-pass dequantise gives the same output as with the weights' own, for
+                    # every expert (t x k >= E) and for the routed ones only (t x k < E)
+                    old, moe_kernel.KERNEL_MAX_ENTRIES = moe_kernel.KERNEL_MAX_ENTRIES, 0
+                    for rows in (t, 2):
+                        args = (x[:rows], idx[:rows], w[:rows], pg, pd, GELUTanh())
+                        print("prefill path", rows, torch.equal(experts_grouped(*args, moe_kernel.TritonExperts()),
+                                                                experts_grouped(*args)))
+                    moe_kernel.KERNEL_MAX_ENTRIES = old
                     selected = decode_experts(x, idx, w, pg, pd, code_lookup="select").float()
                     print("select equals table", torch.equal(selected, decode_experts(x, idx, w, pg, pd).float()))
         x, idx, w = x[:5], idx[:5], w[:5]
@@ -171,6 +181,8 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
     errs = [float(line.split()[2]) for line in out.splitlines() if line.startswith("err")]
     assert len(errs) == 18 and max(errs) < 5e-3, out
     assert out.count("err fused") == 8 and out.count("select equals table True") == 8, out
+    assert out.count("prefill path") == 16 and "False" not in "".join(
+        ln for ln in out.splitlines() if ln.startswith("prefill path")), out
     assert out.count("slots bitwise") == 32 and "False" not in "".join(
         ln for ln in out.splitlines() if ln.startswith("slots bitwise")), out
     assert "slots [1, 4, -1, -1] [-1, 0, -1, -1, 1, -1]" in out, out

@@ -90,9 +90,11 @@ def experts_grouped(
             experts = routed_experts(counts, t * k)
             group_counts = counts[experts]
         offsets = torch.cumsum(group_counts, 0).to(torch.int32)
-        h = _expert_mm(rows, gate_up.dequantize(experts), offsets)
+        # the kernel object dequantises in one pass where it can (the same bits), else the weights' own way
+        dequantize = kernel.dequantize if kernel is not None else (lambda w, ids: w.dequantize(ids))
+        h = _expert_mm(rows, dequantize(gate_up, experts), offsets)
         g, u = h.chunk(2, dim=-1)
-        h = _expert_mm(act(g) * u, down.dequantize(experts), offsets)
+        h = _expert_mm(act(g) * u, dequantize(down, experts), offsets)
     h = (h * top_k_weights.reshape(-1)[order, None]).to(x.dtype)  # float32 router weights, as transformers
     # each token's k rows, in expert order, added one after another: transformers' per-expert index_add
     # arithmetic without its atomics on the GPU (index_add_ there sums in whatever order threads land)

@@ -319,6 +319,10 @@ def block_m_for(n_flat: int, experts: int, packed: bool) -> int:
 # packed bytes per program of the 4-bit dequantise kernel, whole quantisation blocks: the dense groups'
 # kernel of this form (linear4bit.DEQUANT_TILES) was best at 2,048 on the H200, 2.1x bitsandbytes' op
 DEQUANT_BYTES = 2048
+# how torch's path (prefill-sized steps) dequantises 4-bit experts: "triton", dequantize_slots (one
+# pass), or "bnb", PackedExpertWeight.dequantize (a gather of the bytes, the scales decoded by torch,
+# bitsandbytes' op). The same bits. Not yet timed on a GPU: bench_batches.py --moe-dequant
+DEQUANT_KERNEL = "triton"
 
 
 def dequantize_slots(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -500,3 +504,14 @@ class TritonExperts:
 
     def __call__(self, x, top_k_index, top_k_weights, gate_up, down) -> torch.Tensor:
         return decode_experts(x, top_k_index, top_k_weights, gate_up, down)
+
+    @staticmethod
+    def dequantize(w, experts: Optional[torch.Tensor]) -> torch.Tensor:
+        """Torch's path (prefill-sized steps) over 4-bit experts: [S, R, C] weights of `experts` ([S]
+        ids; all when None) by DEQUANT_KERNEL's way, bitsandbytes' weights bit for bit either way."""
+        if DEQUANT_KERNEL == "bnb":
+            return w.dequantize(experts)
+        if DEQUANT_KERNEL != "triton":
+            raise ValueError(f"moe_kernel.DEQUANT_KERNEL={DEQUANT_KERNEL!r}: triton or bnb")
+        ids = torch.arange(w.shape[0], device=w.packed.device) if experts is None else experts
+        return dequantize_slots(w, ids.to(torch.int32), w.dtype)
