@@ -124,8 +124,8 @@ run moe_slots_ab 200 python3 experiments/bench_moe_kernel.py --batch-sizes 32,64
 run batches_26b_bnb4_slots 400 bash -c 'for f in 2048 512; do python3 experiments/bench_batches.py --model 26b_a4b \
   --batch-sizes 128 --new-tokens 256 --rounds 3 --warmup-rounds 0 --moe-fused-max-entries $f --out "$WORK/batches_bnb4" \
   quant=bnb4; done; cat "$WORK"/batches_bnb4/*fused_max*.md'
-# 26B-A4B bnb4's prefill with the experts dequantised in one pass (the default since the sixth session,
-# CPU-tested only) against bitsandbytes' op after a gather: the tables' "prefill s" column, one build each
+# 26B-A4B bnb4's prefill with the experts dequantised in one pass by the slot kernel (CPU-tested only)
+# against bitsandbytes' op after a gather (the default): the tables' "prefill s" column, one build each
 run moe_dequant_ab 330 bash -c 'for v in triton bnb; do python3 experiments/bench_batches.py --model 26b_a4b \
   --batch-sizes 128 --new-tokens 256 --rounds 3 --warmup-rounds 0 --moe-dequant $v --out "$WORK/batches_bnb4" \
   quant=bnb4; done; cat "$WORK"/batches_bnb4/*moe_dequant*.md'

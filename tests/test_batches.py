@@ -167,7 +167,7 @@ def test_bench_batches_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
     res = script.main([
         "--model", "tiny", "--device", "cpu", "--batch-sizes", "2,3", "--new-tokens", "3", "--rounds", "2",
         "--warmup-rounds", "0", "--out", str(tmp_path), "--moe-sort-above", "0", "--moe-fused-max-entries", "16",
-        "--moe-dequant", "bnb",
+        "--moe-dequant", "triton",
         "--linear4bit-max-rows", "32",
         "--linear4bit-dequant", "triton", "--attention-row-factor", "2",
         "--inductor-config", "triton.enable_pdl=False", "workload.min_prompt_len=4", "workload.max_prompt_len=12",
@@ -178,10 +178,10 @@ def test_bench_batches_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
     assert all(0 < r["prefill_seconds"] < min(r["round_seconds"]) and r["decode_steps"] >= 2 for r in res["rows"])
     assert moe_kernel.ROUTED_MAX_ENTRIES == 0 and res["moe_sort_above"] == 0
     assert moe_kernel.FUSED_MAX_ENTRIES == 16 and res["moe_fused_max_entries"] == 16
-    assert moe_kernel.DEQUANT_KERNEL == "bnb" and res["moe_dequant"] == "bnb"
+    assert moe_kernel.DEQUANT_KERNEL == "triton" and res["moe_dequant"] == "triton"
     assert linear4bit.KERNEL_MAX_ROWS == 32 and res["linear4bit_max_rows"] == 32
     assert linear4bit.DEQUANT_KERNEL == "triton" and cuda_graphs.ATTENTION_ROW_FACTOR == 2
-    name = ("bench_batches_tiny_triton.enable_pdl-False_sort_above_0_fused_max_16_moe_dequant_bnb"
+    name = ("bench_batches_tiny_triton.enable_pdl-False_sort_above_0_fused_max_16_moe_dequant_triton"
             "_linear4bit_max_rows_32_dequant_triton_attention_rows_x2")
     table = (tmp_path / f"{name}.md").read_text()
     assert "| batch | tok/s | first/median | step ms | prefill s |" in table and table.count("\n| ") == 3  # header + 2 rows

@@ -319,10 +319,11 @@ def block_m_for(n_flat: int, experts: int, packed: bool) -> int:
 # packed bytes per program of the 4-bit dequantise kernel, whole quantisation blocks: the dense groups'
 # kernel of this form (linear4bit.DEQUANT_TILES) was best at 2,048 on the H200, 2.1x bitsandbytes' op
 DEQUANT_BYTES = 2048
-# how torch's path (prefill-sized steps) dequantises 4-bit experts: "triton", dequantize_slots (one
-# pass), or "bnb", PackedExpertWeight.dequantize (a gather of the bytes, the scales decoded by torch,
-# bitsandbytes' op). The same bits. Not yet timed on a GPU: bench_batches.py --moe-dequant
-DEQUANT_KERNEL = "triton"
+# how torch's path (prefill-sized steps) dequantises 4-bit experts: "bnb", PackedExpertWeight.dequantize
+# (a gather of the bytes, the scales decoded by torch, bitsandbytes' op), or "triton", dequantize_slots
+# in one pass. The same bits. "bnb" until the kernel is timed on a GPU (bench_batches.py --moe-dequant;
+# the dense groups' kernel of the same form ran 2.1x bitsandbytes' op)
+DEQUANT_KERNEL = "bnb"
 
 
 def dequantize_slots(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
