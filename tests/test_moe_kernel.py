@@ -152,11 +152,12 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
                     # object's one-pass dequantise gives the same output as with the weights' own, for
                     # every expert (t x k >= E) and for the routed ones only (t x k < E)
                     old, moe_kernel.KERNEL_MAX_ENTRIES = moe_kernel.KERNEL_MAX_ENTRIES, 0
+                    old_way, moe_kernel.DEQUANT_KERNEL = moe_kernel.DEQUANT_KERNEL, "triton"
                     for rows in (t, 2):
                         args = (x[:rows], idx[:rows], w[:rows], pg, pd, GELUTanh())
                         print("prefill path", rows, torch.equal(experts_grouped(*args, moe_kernel.TritonExperts()),
                                                                 experts_grouped(*args)))
-                    moe_kernel.KERNEL_MAX_ENTRIES = old
+                    moe_kernel.KERNEL_MAX_ENTRIES, moe_kernel.DEQUANT_KERNEL = old, old_way
                     selected = decode_experts(x, idx, w, pg, pd, code_lookup="select").float()
                     print("select equals table", torch.equal(selected, decode_experts(x, idx, w, pg, pd).float()))
         x, idx, w = x[:5], idx[:5], w[:5]
