@@ -329,3 +329,41 @@ def test_gpu_4bit_experts_take_the_triton_kernels():
         got = experts_grouped(x, idx, w, gate_up, down, act, kernel=TritonExperts()).float()
         ref = experts_loop(x.float(), idx, w, gate_up.dequantize().float(), down.dequantize().float(), act)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_slot_dequantise_is_bitsandbytes_bit_for_bit():
+    """The slot dequantise (decode past FUSED_MAX_ENTRIES; torch's path with DEQUANT_KERNEL="triton")
+    at 26B-A4B's expert shapes in bf16, double-quantised or not: bitsandbytes' weights bit for bit,
+    inside a CUDA graph too, padding slots left alone; torch's path gives the same output either way."""
+    from flexgemma.model import moe_kernel
+    from flexgemma.model.moe import experts_grouped
+    from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    for double_quant in (False, True):
+        s = Bnb4Settings(double_quant=double_quant)
+        gate_up = PackedExpertWeight.pack((torch.randn(8, 1408, 2816) * 0.05).bfloat16(), s, dev)
+        down = PackedExpertWeight.pack((torch.randn(8, 2816, 704) * 0.05).bfloat16(), s, dev)
+        ids = torch.tensor([5, 0, -1, 7], dtype=torch.int32, device=dev)
+        for w in (gate_up, down):
+            want = w.dequantize(torch.tensor([5, 0, 7], device=dev))
+            got = moe_kernel.dequantize_slots(w, ids, torch.bfloat16)  # also Triton's compile before the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = moe_kernel.dequantize_slots(w, ids, torch.bfloat16)
+            replayed[2].fill_(7.0)
+            graph.replay()
+            assert torch.equal(got[[0, 1, 3]], want) and torch.equal(replayed[[0, 1, 3]], want), double_quant
+            assert bool((replayed[2] == 7.0).all())  # the padding slot is not written
+        x = torch.randn(1100, 2816, device=dev, dtype=torch.bfloat16)  # 4,400 entries: torch's path
+        w, idx = torch.softmax(torch.randn(1100, 8, device=dev), -1).topk(4, dim=-1)
+        assert not moe_kernel.TritonExperts.takes(x, idx, GELUTanh(), gate_up, down)
+        old = moe_kernel.DEQUANT_KERNEL
+        try:
+            moe_kernel.DEQUANT_KERNEL = "triton"
+            one_pass = experts_grouped(x, idx, w, gate_up, down, GELUTanh(), kernel=moe_kernel.TritonExperts())
+        finally:
+            moe_kernel.DEQUANT_KERNEL = old
+        assert torch.equal(one_pass, experts_grouped(x, idx, w, gate_up, down, GELUTanh()))
