@@ -1,7 +1,11 @@
-"""The 4-bit group dequantise kernel's options (linear4bit.DEQUANT_TILES) on the GPU: bytes a program
-and warps, per group, beside bitsandbytes' op; every option's weights are
-checked bit for bit against bitsandbytes' before it is timed. Past KERNEL_MAX_ROWS rows (31B bnb4 at
-128) a decode step dequantises every 4-bit group and runs one GEMM: the dequantise is ~60% of its time.
+"""The 4-bit dequantise kernels on the GPU, every option's weights checked bit for bit against
+bitsandbytes' before it is timed.
+
+Dense groups (linear4bit.DEQUANT_TILES: bytes a program, warps) beside bitsandbytes' op: past
+KERNEL_MAX_ROWS rows (31B bnb4 at 128) a decode step dequantises every 4-bit group and runs one GEMM.
+Routed experts (moe_kernel.dequantize_slots at DEQUANT_BYTES a program) beside PackedExpertWeight's
+gather + bitsandbytes' op, at 26B-A4B's shapes, every expert (prefill) and half of them: torch's path
+with moe_kernel.DEQUANT_KERNEL "triton" against "bnb".
 
     python experiments/bench_dequant4bit.py --groups 31b_gate_up,31b_down --out dequant.json
 """
@@ -18,12 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_linear4bit import GROUPS, time_us  # noqa: E402
 
+EXPERT_SHAPES = {"26b_gate_up": (128, 1408, 2816), "26b_down": (128, 2816, 704)}  # 26B-A4B's [E, R, C]
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--groups", default="31b_qkv_sliding,31b_o_sliding,31b_gate_up,31b_down,gate_up_wide,down_wide")
     ap.add_argument("--bytes", default="1024,2048,4096,8192", help="bytes of one program")
     ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--expert-bytes", default="1024,2048,4096", help="moe_kernel.DEQUANT_BYTES to time ('': none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from flexgemma.model import linear4bit as L
@@ -63,8 +70,45 @@ def main() -> None:
     res["totals_us"] = totals
     for key, us in sorted(totals.items(), key=lambda kv: kv[1]):
         print(f"sum over the groups {us:8.1f} us  {key}")
+    if args.expert_bytes:
+        res["experts"] = time_experts([int(v) for v in args.expert_bytes.split(",")], dev, dt)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+def time_experts(bytes_grid: list, dev: torch.device, dt: torch.dtype) -> dict:
+    """EXPERT_SHAPES (NF4, double quantisation): the slot kernel at each bytes-a-program against
+    PackedExpertWeight.dequantize, all experts and every other one."""
+    from flexgemma.model import moe_kernel
+    from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+
+    s = Bnb4Settings("nf4", True, 64, dt)
+    out: dict = {}
+    default = moe_kernel.DEQUANT_BYTES
+    for name, shape in EXPERT_SHAPES.items():
+        w = PackedExpertWeight.pack(torch.randn(*shape, device=dev, dtype=dt) * 0.02, s, dev)
+        n = shape[0]
+        for label, experts in (("all", None), ("half", torch.arange(0, n, 2, device=dev))):
+            ref = w.dequantize(experts)
+            ids = (torch.arange(n, device=dev) if experts is None else experts).to(torch.int32)
+            moved = ref.numel() * 2.5  # 0.5 byte read and 2 written a weight
+            row = {"bnb": time_us(lambda: w.dequantize(experts))}
+            for nbytes in bytes_grid:
+                moe_kernel.DEQUANT_BYTES = nbytes
+                try:
+                    if not torch.equal(moe_kernel.dequantize_slots(w, ids, dt), ref):
+                        raise AssertionError(f"{name} {label} {nbytes} bytes: not bitsandbytes' weights")
+                    row[f"slots_{nbytes}"] = time_us(lambda: moe_kernel.dequantize_slots(w, ids, dt))
+                finally:
+                    moe_kernel.DEQUANT_BYTES = default
+            best = min((v, k) for k, v in row.items() if k != "bnb")
+            print(f"{name:12s} {label:4s} {moved / 1e6:7.1f} MB moved: gather + bnb {row['bnb']:7.1f} us "
+                  f"({moved / row['bnb'] / 1e6:.2f} TB/s), slots {row[f'slots_{default}']:7.1f} us, best "
+                  f"{best[0]:7.1f} us ({moved / best[0] / 1e6:.2f} TB/s) {best[1]}", flush=True)
+            out[f"{name}/{label}"] = row
+            del ref
+        del w
+    return out
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ run linear4bit_ksteps 240 python3 experiments/bench_linear4bit.py --groups 31b_q
   --batch-sizes 8,32,64,128 --grid-batch-sizes 8,32,64,128 --grid-groups 31b_gate_up,31b_down,gate_up_wide,down_wide \
   --out "$WORK/linear4bit_ksteps.json"
 # the dequantise kernel's options (bytes a program, warps) on 31B's and E2B's groups, each checked bit
-# for bit against bitsandbytes' op (sixth session: 3.6-4.0 TB/s on 31B's groups, the op 1.6-1.9)
+# for bit against bitsandbytes' op (sixth session: 3.6-4.0 TB/s on 31B's groups, the op 1.6-1.9); then
+# the experts' slot kernel against a gather + bitsandbytes' op at 26B-A4B's shapes
 run dequant_grid 150 python3 experiments/bench_dequant4bit.py --out "$WORK/dequant_grid.json"
 # 31B bnb4 with the groups dequantised by the kernel here (the default since the sixth session) and by
 # bitsandbytes' op (the same bits), one build each
