@@ -12,6 +12,8 @@ number as JSON: tok/s (median of the timed rounds), the first round's speed over
 decode step, peak memory, and the share of the bandwidth limit: bytes one decode step reads
 (weights, MoE experts as routed at that batch, + the KV of the median context) over the GPU's peak
 bandwidth (H200: 4.8 TB/s) give a step time and so a tok/s no engine can beat at that batch.
+--results experiments/RESULTS.md appends the table as a lab-history entry (date, command, hardware,
+versions, commit).
 """
 
 from __future__ import annotations
@@ -187,6 +189,8 @@ def main(argv=None) -> dict:
                     help="flex decode attention compiled at max_batch_size, then this factor smaller each time (an "
                          "A/B of cuda_graphs.ATTENTION_ROW_FACTOR, 4; 2 pads a step to at most twice its rows); "
                          "the output files get a suffix")
+    ap.add_argument("--results", default=None, help="also append the table, with date, command, hardware, versions "
+                                                    "and commit, to this markdown file (experiments/RESULTS.md)")
     args, extra = ap.parse_known_args(argv)
     overrides = overrides_for(args, extra)
     suffix = "".join(f"_{kv.replace('=', '-')}" for kv in args.inductor_config)
@@ -220,7 +224,23 @@ def main(argv=None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"bench_batches_{args.model}{suffix}.md").write_text(table)
         (out / f"bench_batches_{args.model}{suffix}.json").write_text(json.dumps(res, indent=1, default=str))
+    if args.results:
+        append_to_results(Path(args.results), res, table, argv if argv is not None else sys.argv[1:])
     return res
+
+
+def append_to_results(path: Path, res: dict, table: str, argv: list) -> None:
+    """The table as a lab-history entry at the end of `path` (experiments/RESULTS.md): date, the exact
+    command, hardware, versions and commit, then the table."""
+    env = res["environment"]
+    hardware = env["env/gpu"] if env.get("env/gpu") not in (None, "none") else env.get("env/cpu", "?")
+    versions = ", ".join(f"{k.split('/', 1)[1]} {env[k]}" for k in ("env/torch", "env/triton", "env/transformers")
+                         if env.get(k))
+    entry = (f"\n### bench_batches: {res['model']}, batches {', '.join(map(str, res['batch_sizes']))} "
+             f"({time.strftime('%Y-%m-%d')})\n\n{hardware}; {versions}; "
+             f"commit {env.get('env/git_sha', '?')}.\n\n    python experiments/bench_batches.py {' '.join(argv)}\n\n{table}")
+    with path.open("a") as f:
+        f.write(entry)
 
 
 if __name__ == "__main__":

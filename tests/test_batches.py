@@ -170,8 +170,8 @@ def test_bench_batches_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
         "--moe-dequant", "triton",
         "--linear4bit-max-rows", "32",
         "--linear4bit-dequant", "triton", "--attention-row-factor", "2",
-        "--inductor-config", "triton.enable_pdl=False", "workload.min_prompt_len=4", "workload.max_prompt_len=12",
-        "kv.page_size=8"])
+        "--inductor-config", "triton.enable_pdl=False", "--results", str(tmp_path / "RESULTS.md"),
+        "workload.min_prompt_len=4", "workload.max_prompt_len=12", "kv.page_size=8"])
     assert [r["batch"] for r in res["rows"]] == [2, 3] and res["engine"]["device"] == "cpu"
     assert all(r["tok_s_median"] > 0 and r["limit_tok_s"] > 0 and len(r["tok_s_rounds"]) == 2 for r in res["rows"])
     # how a round splits: its prefill steps' seconds (under the round's) and its decode steps
@@ -186,6 +186,12 @@ def test_bench_batches_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
     table = (tmp_path / f"{name}.md").read_text()
     assert "| batch | tok/s | first/median | step ms | prefill s |" in table and table.count("\n| ") == 3  # header + 2 rows
     assert (tmp_path / f"{name}.json").is_file()
+    # the lab-history entry: date, the exact command, hardware, versions, commit, then the same table
+    entry = (tmp_path / "RESULTS.md").read_text()
+    assert entry.startswith("\n### bench_batches: tiny, batches 2, 3 (") and table in entry, entry
+    assert "python experiments/bench_batches.py --model tiny --device cpu" in entry and "torch " in entry, entry
+    assert f"\n\n{res['environment']['env/cpu']}; torch " in entry, entry  # the hardware: no GPU here
+    assert "commit " + res["environment"]["env/git_sha"] in entry, entry
     assert "4-bit" not in table.splitlines()[0]  # a bf16 build says nothing of 4-bit weights; a bnb4 one does:
     res["engine"].update({"quant/fraction_4bit": 0.93, "linear4bit_kernel": "triton"})
     assert "93% of the weights 4-bit (triton projections)" in script.markdown(res).splitlines()[0]
