@@ -9,8 +9,8 @@ workload (prompts of 64-512 tokens, EOS ignored): warm-up rounds, then >= 3 time
 The preset +experiment=rl_batch_MODEL sets the workload where one exists (e2b, e4b, 26b_a4b, 31b);
 other models run workload=rollout64. Writes a markdown table (for experiments/RESULTS.md) and every
 number as JSON: tok/s (median of the timed rounds), the first round's speed over the median's, the
-decode step, the prefill seconds, peak memory, and the share of the bandwidth limit: bytes one decode step reads
-(weights, MoE experts as routed at that batch, + the KV of the median context) over the GPU's peak
+decode step, the prefill seconds, peak memory, and the share of the bandwidth limit: bytes one
+decode step reads (weights, MoE experts as routed at that batch, + the KV of the median context) over the GPU's peak
 bandwidth (H200: 4.8 TB/s) give a step time and so a tok/s no engine can beat at that batch.
 --results experiments/RESULTS.md appends the table as a lab-history entry (date, command, hardware,
 versions, commit).
@@ -238,7 +238,8 @@ def append_to_results(path: Path, res: dict, table: str, argv: list) -> None:
                          if env.get(k))
     entry = (f"\n### bench_batches: {res['model']}, batches {', '.join(map(str, res['batch_sizes']))} "
              f"({time.strftime('%Y-%m-%d')})\n\n{hardware}; {versions}; "
-             f"commit {env.get('env/git_sha', '?')}.\n\n    python experiments/bench_batches.py {' '.join(argv)}\n\n{table}")
+             f"commit {env.get('env/git_sha', '?')}.\n\n"
+             f"    python experiments/bench_batches.py {' '.join(argv)}\n\n{table}")
     with path.open("a") as f:
         f.write(entry)
 
