@@ -10,8 +10,9 @@ The preset +experiment=rl_batch_MODEL sets the workload where one exists (e2b, e
 other models run workload=rollout64. Writes a markdown table (for experiments/RESULTS.md) and every
 number as JSON: tok/s (median of the timed rounds), the first round's speed over the median's, the
 decode step, the prefill seconds, peak memory, and the share of the bandwidth limit: bytes one
-decode step reads (weights, MoE experts as routed at that batch, + the KV of the median context) over the GPU's peak
-bandwidth (H200: 4.8 TB/s) give a step time and so a tok/s no engine can beat at that batch.
+decode step reads (weights, MoE experts as routed at that batch, + the KV of the median context)
+over the GPU's peak bandwidth (H200: 4.8 TB/s) give a step time and so a tok/s no engine can beat at
+that batch.
 --results experiments/RESULTS.md appends the table as a lab-history entry (date, command, hardware,
 versions, commit).
 """
