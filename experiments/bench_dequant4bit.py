@@ -62,7 +62,8 @@ def main() -> None:
         for key, us in rows.items():
             totals[key] = totals.get(key, 0.0) + us
         best = min((v, key) for key, v in rows.items() if key != "bnb")
-        print(f"{name:16s} {moved / 1e6:7.1f} MB moved: bnb {rows['bnb']:7.1f} us ({moved / rows['bnb'] / 1e6:.2f} TB/s), "
+        print(f"{name:16s} {moved / 1e6:7.1f} MB moved: bnb {rows['bnb']:7.1f} us "
+              f"({moved / rows['bnb'] / 1e6:.2f} TB/s), "
               f"default {rows[json.dumps(default)]:7.1f} us, best {best[0]:7.1f} us "
               f"({moved / best[0] / 1e6:.2f} TB/s) {best[1]}", flush=True)
         res["groups"][name] = rows

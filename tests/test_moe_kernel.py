@@ -147,7 +147,8 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
                             got = moe_kernel.dequantize_slots(pw, ids, torch.float16)
                             moe_kernel.DEQUANT_BYTES = old
                             want = pw.dequantize(torch.tensor([3, 0]))
-                            print("slots bitwise", shape[2], torch.equal(got[0], want[0]) and torch.equal(got[2], want[1]))
+                            same = torch.equal(got[0], want[0]) and torch.equal(got[2], want[1])
+                            print("slots bitwise", shape[2], same)
                     # torch's path (prefill-sized steps: the kernel object takes none here) with the kernel
                     # object's one-pass dequantise gives the same output as with the weights' own, for
                     # every expert (t x k >= E) and for the routed ones only (t x k < E)
