@@ -115,8 +115,6 @@ run kernels_large 300 bash -c 'python3 experiments/bench_linear4bit.py --batch-s
   --grid-batch-sizes 256 --out "$WORK/linear4bit_large.json" && python3 experiments/bench_moe_kernel.py \
   --batch-sizes 64,128,256,512 --bnb4 --grid-batch-sizes 256 --out "$WORK/moe_kernel_large.json"'
 
-# issue 21, 26B-A4B at 128 rows (1,024 entries: the matched path, each program scanning the whole
-# routing): each expert program finding its entries by a sort outside vs by matching, bf16 and 4-bit
 # the routed 4-bit experts at 32-512 rows, decoded inside the kernels (the default up to 2,048 entries)
 # against dequantised into slots by the sixth session's faster dequantise form (slots_us in the JSON),
 # then 26B-A4B bnb4 at 128 rows through the engine, the default (2,048) against slots past 512 entries
@@ -130,6 +128,8 @@ run batches_26b_bnb4_slots 400 bash -c 'for f in 2048 512; do python3 experiment
 run moe_dequant_ab 330 bash -c 'for v in triton bnb; do python3 experiments/bench_batches.py --model 26b_a4b \
   --batch-sizes 128 --new-tokens 256 --rounds 3 --warmup-rounds 0 --moe-dequant $v --out "$WORK/batches_bnb4" \
   quant=bnb4; done; cat "$WORK"/batches_bnb4/*moe_dequant*.md'
+# issue 21, 26B-A4B at 128 rows (1,024 entries: the matched path, each program scanning the whole
+# routing): each expert program finding its entries by a sort outside vs by matching, bf16 and 4-bit
 run moe_sort_vs_match 200 python3 experiments/bench_moe_kernel.py --batch-sizes 8,32,64,128,256 --bnb4 \
   --grid-batch-sizes 0 --out "$WORK/moe_sort_vs_match.json"
 # entries of one expert per tile (BLOCK_M 16 / 32 / 64) at RL batch sizes, sorted and matched
