@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq linear4bit_ksteps dequant_grid batches_31b_bnb4_tdq batches_31b_bnb4_bdq attn_rows_ab attn_31b_sweep kernels_large moe_slots_ab batches_26b_bnb4_slots moe_dequant_ab moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b profile_31b_64 gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_bs8 moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq linear4bit_ksteps dequant_grid batches_31b_bnb4_tdq batches_31b_bnb4_bdq attn_rows_ab attn_31b_sweep attn_31b_split kernels_large moe_slots_ab batches_26b_bnb4_slots moe_dequant_ab moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b profile_31b_64 gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_bs8 moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -109,6 +109,15 @@ run attn_rows_ab 450 bash -c 'for f in 4 2; do python3 experiments/bench_batches
 run attn_31b_sweep 450 bash -c 'for bn in 64 16 32; do python3 experiments/bench_batches.py --model 31b --batch-sizes 64 \
   --new-tokens 256 --rounds 3 --warmup-rounds 0 --out "$WORK/attn31b_bn$bn" attn.decode.block_n=$bn; done;
   cat "$WORK"/attn31b_bn*/*.md'
+# 31B bf16 at 64 rows, flex decode's KV splits (torch's get_split_k: 132 SMs // (rows x KV heads) x 2,
+# so 1 split at 64 rows for both layer types; the head_dim-512 layers then run 64 x 4 = 256 programs,
+# under two a SM): the default, 4 splits on the full layers, 2 on every layer; a build each
+run attn_31b_split 450 bash -c 'python3 experiments/bench_batches.py --model 31b --batch-sizes 64 --new-tokens 256 \
+  --rounds 3 --warmup-rounds 0 --out "$WORK/attn31b_split_default";
+  python3 experiments/bench_batches.py --model 31b --batch-sizes 64 --new-tokens 256 --rounds 3 --warmup-rounds 0 \
+  --out "$WORK/attn31b_split_full4" +attn.decode.full_attention.extra.SPLIT_KV=4;
+  python3 experiments/bench_batches.py --model 31b --batch-sizes 64 --new-tokens 256 --rounds 3 --warmup-rounds 0 \
+  --out "$WORK/attn31b_split_all2" +attn.decode.extra.SPLIT_KV=2; cat "$WORK"/attn31b_split_*/*.md'
 # the kernels past the sizes they were tuned at: 4-bit projections up to 512 rows (programs of 64 rows)
 # against bitsandbytes' dequantise + GEMM, routed experts past 1,024 entries (sorted) against torch's path
 run kernels_large 300 bash -c 'python3 experiments/bench_linear4bit.py --batch-sizes 64,128,256,512 \
