@@ -70,7 +70,7 @@ def test_big_steps_sort_their_entries_and_give_the_same_numbers_interpreted():
         import torch
         from transformers.activations import GELUTanh
         from flexgemma.model import moe_kernel as M
-        from flexgemma.model.moe import experts_grouped, experts_loop
+        from flexgemma.model.moe import experts_loop
         from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
         torch.manual_seed(0)
         e, h, i, k, t = 8, 64, 64, 4, 300  # 1,200 entries: past ROUTED_MAX_ENTRIES
