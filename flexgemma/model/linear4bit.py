@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from flexgemma.model.quant import dequantize_blocks
-from flexgemma.model.triton4bit import code4, sum_rows
+from flexgemma.model.triton4bit import code4, dequant_blocks, sum_rows
 
 NESTED_BLOCK = 256  # bitsandbytes double quantisation: one float32 scale per 256 block scales
 # the kernel takes steps of at most this many rows; more (RL decode batches, prefill) dequantise the
@@ -152,14 +152,8 @@ def _dequant_4bit_kernel(w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, no
     writing 2 a weight, where bitsandbytes' op needs the scales decoded first (a separate pass)."""
     blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     ok = blk < n_blocks
-    scale = _block_scale(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, blk, ok, NESTED, DOUBLE_QUANT)[:, None]
-    byte = tl.load(w_ptr + blk[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :], mask=ok[:, None],
-                   other=0).to(tl.int32)
-    hi_code = tl.load(code_ptr + (byte >> 4))
-    lo_code = tl.load(code_ptr + (byte & 15))
-    dt = out_ptr.dtype.element_ty
-    w = tl.reshape(tl.join((hi_code * scale).to(dt), (lo_code * scale).to(dt)), (BLOCKS, QBLOCK))
-    tl.store(out_ptr + blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :], w, mask=ok[:, None])
+    scale = _block_scale(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, blk, ok, NESTED, DOUBLE_QUANT)
+    dequant_blocks(w_ptr, code_ptr, out_ptr, blk, ok, scale, QBLOCK, BLOCKS)
 
 
 def _linear4bit_type():

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from flexgemma.model.moe import route as torch_route, routed_experts
-from flexgemma.model.triton4bit import code4, nibble_dot, row_pairs, sum_rows
+from flexgemma.model.triton4bit import code4, dequant_blocks, nibble_dot, row_pairs, sum_rows
 
 BLOCK_M = 16  # entries of one expert per tile: tl.dot's smallest M (the default at up to 64 rows)
 
@@ -60,14 +60,11 @@ def _dequant_kernel(packed_ptr, absmax_ptr, code4_ptr, ncode_ptr, nabsmax_ptr, n
     live = expert >= 0
     expert = tl.maximum(expert, 0)
     blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-    scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, expert, blk,
-                          live & (blk * (QBLOCK // 2) < BYTES), stride_ae, stride_ne, NESTED, DOUBLE_QUANT)[:, None]
-    b = blk[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :]
-    byte = tl.load(packed_ptr + expert * stride_pe + b, mask=live & (b < BYTES), other=0).to(tl.int32)
-    dt = out_ptr.dtype.element_ty
-    w = tl.join((tl.load(code4_ptr + (byte >> 4)) * scale).to(dt), (tl.load(code4_ptr + (byte & 15)) * scale).to(dt))
-    o = blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
-    tl.store(out_ptr + slot * (2 * BYTES) + o, tl.reshape(w, (BLOCKS, QBLOCK)), mask=live & (o < 2 * BYTES))
+    ok = live & (blk < BYTES // (QBLOCK // 2))  # an expert is whole blocks (PackedExpertWeight.pack)
+    scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, expert, blk, ok, stride_ae, stride_ne,
+                          NESTED, DOUBLE_QUANT)
+    dequant_blocks(packed_ptr + expert * stride_pe, code4_ptr, out_ptr + slot * (2 * BYTES), blk, ok, scale, QBLOCK,
+                   BLOCKS)
 
 
 @triton.jit

@@ -1,6 +1,7 @@
-"""bitsandbytes 4-bit bytes as Triton kernels read them: the 4-bit type's code table and the sum of
-float32 partials, which the routed experts' kernels (moe_kernel.py) and the dense 4-bit projections
-(linear4bit.py) share, and the block-at-a-time product the routed kernels use.
+"""bitsandbytes 4-bit bytes as Triton kernels read them: the 4-bit type's code table, whole blocks
+dequantised and the sum of float32 partials, which the routed experts' kernels (moe_kernel.py) and
+the dense 4-bit projections (linear4bit.py) share, and the block-at-a-time product the routed kernels
+use.
 
 A 4-bit matrix [N, K] is stored row-major as N*K/2 bytes; each byte holds two consecutive weights of
 a row, the first in the high nibble; every quantisation block of QBLOCK consecutive weights has one
@@ -59,6 +60,21 @@ def nibble_dot(a_even, a_odd, w_ptr, rows, ok, k0, K: tl.constexpr, code_ptr, QB
     hi = code_values(byte >> 4, code_ptr, SELECT)
     lo = code_values(byte & 15, code_ptr, SELECT)
     return tl.dot(a_even, tl.trans(hi)) + tl.dot(a_odd, tl.trans(lo))
+
+
+@triton.jit
+def dequant_blocks(w_ptr, code_ptr, out_ptr, blk, live, scale, QBLOCK: tl.constexpr, BLOCKS: tl.constexpr):
+    """Quantisation blocks `blk` ([BLOCKS], those with `live` set) of the 4-bit bytes at w_ptr -> their
+    weights in out's dtype at out_ptr: code x the block's float32 scale (`scale` [BLOCKS]) rounded
+    once, the high nibble first, as bitsandbytes dequantises (the dequantise kernels of linear4bit.py
+    and moe_kernel.py)."""
+    byte = tl.load(w_ptr + blk[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :], mask=live[:, None],
+                   other=0).to(tl.int32)
+    dt = out_ptr.dtype.element_ty
+    w = tl.join((tl.load(code_ptr + (byte >> 4)) * scale[:, None]).to(dt),
+                (tl.load(code_ptr + (byte & 15)) * scale[:, None]).to(dt))
+    tl.store(out_ptr + blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :], tl.reshape(w, (BLOCKS, QBLOCK)),
+             mask=live[:, None])
 
 
 @triton.jit
