@@ -164,8 +164,8 @@ run gen_profile_e2b 200 python3 experiments/profile_generate.py --model e2b --ba
 # GEMMs alone ~15 ms): how much is attention over 24.5 GB of KV, how much glue
 run profile_31b_64 200 python3 experiments/profile_decode.py +model=31b +experiment=rl_batch_31b \
   cudagraph.buckets=[64] --batch 64 --context 416 --out "$WORK/profile_31b_64.json"
-# 31B bf16 at 64 (issue 21's one floor not met): the round's prefill/decode split and the host's gaps
-run gen_profile_31b 240 python3 experiments/profile_generate.py --model 31b --batch 64 --new-tokens 256 \
+# 31B bf16 at 64 (issue 21's one floor not met): the round's prefill/decode split, the host's gaps, a prefill step's kernels
+run gen_profile_31b 240 python3 experiments/profile_generate.py --model 31b --batch 64 --new-tokens 256 --profile-prefill \
   --out "$WORK/gen_profile_31b.json"
 run gen_profile_26b 200 python3 experiments/profile_generate.py --model 26b_a4b --batch 128 --new-tokens 256 \
   --out "$WORK/gen_profile_26b.json"

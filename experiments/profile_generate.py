@@ -85,6 +85,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None, help="JSON file for every number")
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="after the timed round, the kernels of the first prefill step of the same prompts")
     args, extra = ap.parse_known_args(argv)
     bench_args = argparse.Namespace(model=args.model, batch_sizes=[args.batch], new_tokens=args.new_tokens,
                                     rounds=1, device=args.device)
@@ -138,9 +140,35 @@ def main(argv=None) -> dict:
     for k, v in res["host_ms_per_call"].items():
         print(f"  host {k:30s} {v:8.3f} ms a call (median), {res['calls'][k]:5d} calls, "
               f"{res['host_s_total'][k]:7.3f} s in all")
+    if args.profile_prefill:
+        res["prefill_kernels"] = profile_first_prefill(engine, prompts, params, cuda)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1, default=str))
     return res
+
+
+def profile_first_prefill(engine, prompts, params, cuda: bool) -> list[dict]:
+    """The kernels of one engine step with every prompt waiting (a prefill of up to
+    engine.max_prefill_tokens tokens); the requests are aborted after it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.reset_prefix_cache()  # the prompts were cached by the rounds before: prefill them again
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        engine.step()
+        sync()
+    wall = time.perf_counter() - t0
+    for i in ids:
+        engine.abort(i)
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"first prefill step: {wall * 1e3:.1f} ms wall (under the profiler), kernels {total:.1f} ms")
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=90))
+    return [{"name": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count} for e in events[:40]]
 
 
 if __name__ == "__main__":
