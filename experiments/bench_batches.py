@@ -143,6 +143,7 @@ KNOBS = (
     ("linear4bit_max_rows", "flexgemma.model.linear4bit", "KERNEL_MAX_ROWS", "_linear4bit_max_rows_{}"),
     ("linear4bit_dequant", "flexgemma.model.linear4bit", "DEQUANT_KERNEL", "_dequant_{}"),
     ("attention_row_factor", "flexgemma.engine.cuda_graphs", "ATTENTION_ROW_FACTOR", "_attention_rows_x{}"),
+    ("prefill_full_blocks", "flexgemma.engine.block_mask", "PREFILL_FULL_BLOCKS", "_full_blocks_{}"),
 )
 
 
@@ -190,6 +191,9 @@ def main(argv=None) -> dict:
                     help="flex decode attention compiled at max_batch_size, then this factor smaller each time (an "
                          "A/B of cuda_graphs.ATTENTION_ROW_FACTOR, 4; 2 pads a step to at most twice its rows); "
                          "the output files get a suffix")
+    ap.add_argument("--prefill-full-blocks", type=int, choices=(0, 1), default=None,
+                    help="1: prefill masks list wholly passing pages as full blocks (no mask_mod on them), 0: all "
+                         "partial (an A/B of block_mask.PREFILL_FULL_BLOCKS); the output files get a suffix")
     ap.add_argument("--results", default=None, help="also append the table, with date, command, hardware, versions "
                                                     "and commit, to this markdown file (experiments/RESULTS.md)")
     args, extra = ap.parse_known_args(argv)

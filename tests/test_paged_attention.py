@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from flexgemma.engine import block_mask
 from flexgemma.engine.block_mask import MaskBuilder
 from flexgemma.engine.kv_cache import KVCache
 from flexgemma.engine.sequence import SamplingParams, Sequence
@@ -105,3 +106,49 @@ def test_shared_layers_read_their_source_pool(spec):
     # pools shaped per layer type: sliding (1 head x 32) and full (1 head x 64)
     assert cache.layer_kv(3)[0].shape == (1, 1, 4 * P, 64) and cache.layer_kv(0)[0].shape == (1, 1, 4 * P, 32)
     assert cache.nbytes == sum(2 * 4 * P * s.num_kv_heads * s.head_dim * 4 for s in spec.kv_layers)
+
+
+def kernel_view(bm, q_len: int, kv_len: int) -> torch.Tensor:
+    """[q_len, kv_len] bool: what the flex kernel lets through for `bm` (it visits only listed
+    blocks; the mask_mod decides inside partial ones, a full one passes whole)."""
+    qb, kb = bm.BLOCK_SIZE
+    q, kv = torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :]
+    truth = bm.mask_mod(0, 0, q, kv)
+    seen = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    lists = [(bm.kv_num_blocks, bm.kv_indices, False), (bm.full_kv_num_blocks, bm.full_kv_indices, True)]
+    for nb, idx, whole in lists:
+        if nb is None:
+            continue
+        for j in range(q_len // qb):
+            for p in idx[0, 0, j, : nb[0, 0, j]].tolist():
+                rows, cols = slice(j * qb, (j + 1) * qb), slice(p * kb, (p + 1) * kb)
+                seen[rows, cols] = True if whole else truth[rows, cols]
+    return seen, truth
+
+
+def test_prefill_full_blocks_pass_the_mask_everywhere(spec, monkeypatch):
+    """Pages listed as full skip the mask_mod in the kernel: each must pass it at every query of
+    its block, and partial + full together must let through exactly what the mask_mod does."""
+    cache = KVCache(spec, num_pages=40, page_size=P, dtype=torch.float32, device=torch.device("cpu"))
+    masks = MaskBuilder(spec, cache, q_block_size=P, max_model_len=128)
+    # a long prompt (whole query blocks of one sequence), one after a cached prefix, a short one
+    lens, computed = [45, 30, 5], [0, 11, 0]
+    page_lists = [[17, 3, 29, 8, 31, 2], [5, 22, 11, 9], [14]]
+    seqs = []
+    for i, (n, pages, c) in enumerate(zip(lens, page_lists, computed)):
+        s = Sequence(seq_id=10 + i, index=i, prompt=list(range(n)), params=SamplingParams(), seed=0)
+        s.pages, s.num_computed = pages, c
+        cache.page_groups[0].assign(pages, 0)
+        seqs.append(s)
+    chunk = [n - c for n, c in zip(lens, computed)]
+    padded = -(-sum(chunk) // P) * P
+    full_pages = {}
+    for layer_type, bm in masks.prefill(seqs, chunk, padded_len=padded).items():
+        seen, truth = kernel_view(bm, padded, masks.kv_len[layer_type])
+        real = sum(chunk)  # padding queries' rows aside
+        assert torch.equal(seen[:real], truth[:real]), layer_type
+        full_pages[layer_type] = int(bm.full_kv_num_blocks.sum())
+    assert all(n > 0 for n in full_pages.values()), full_pages  # both layer types list some
+    monkeypatch.setattr(block_mask, "PREFILL_FULL_BLOCKS", False)
+    for bm in masks.prefill(seqs, chunk, padded_len=padded).values():
+        assert bm.full_kv_num_blocks is None

@@ -28,6 +28,9 @@ from flexgemma.model.spec import ModelSpec
 
 DECODE_Q_BLOCK = 128
 NO_SEQ = -2  # the document id of padding queries: matches no page owner (free pages are -1)
+# prefill masks list the pages a query block passes wholly as full blocks, which the kernel reads
+# without the mask_mod (False: every listed page partial, the form before 2026-12-02; an A/B knob)
+PREFILL_FULL_BLOCKS = True
 
 
 def make_mask_mod(group: PageGroup, q_seq: torch.Tensor, q_pos: torch.Tensor, q_row: torch.Tensor,
@@ -203,23 +206,48 @@ class MaskBuilder:
         masks = {}
         for t, window in self.windows.items():
             group = self.groups[t]
-            # once per query block: sequences sharing prefix pages list the same page, and flex would
-            # visit a listed block twice (its scores counted twice in the softmax)
-            lists = [list(dict.fromkeys(p for s, a, b in seg for p in page_span(group.pages_of(s), a, b, window,
-                                                                                 self.page_size)))
-                     for seg in segments]
-            width = 1 << max(1, max(len(x) for x in lists) - 1).bit_length()  # few distinct widths: few recompiles
-            nb = np.zeros((1, 1, n_blocks), dtype=np.int32)
-            idx = np.zeros((1, 1, n_blocks, width), dtype=np.int32)
-            for j, x in enumerate(lists):
-                nb[0, 0, j] = len(x)
-                idx[0, 0, j, : len(x)] = x
+            partial, full = self._prefill_block_lists(group, segments, window)
+            nb, idx = self._block_arrays(partial)
+            full_nb, full_idx = self._block_arrays(full) if PREFILL_FULL_BLOCKS else (None, None)
             masks[t] = BlockMask.from_kv_blocks(
-                torch.from_numpy(nb).to(self.device),
-                torch.from_numpy(idx).to(self.device),
+                nb, idx, full_nb, full_idx,
                 BLOCK_SIZE=(qb, self.page_size),
                 mask_mod=make_mask_mod(group, q_seq_t, q_pos_t, q_row_t, tables[group.name], window),
                 seq_lengths=(padded_len, self.kv_len[t]),
                 compute_q_blocks=False,
             )
         return masks
+
+    def _prefill_block_lists(self, group: PageGroup, segments, window: Optional[int]):
+        """Per query block, the pages its queries may read: (partial, full). A full page passes the
+        mask everywhere in the block, so the kernel skips the mask_mod on it (that mask_mod gathers a
+        page-table entry per query and slot, the costliest part of a prefill tile): the block's
+        queries all belong to one sequence, the page lies wholly before its first query and, on
+        sliding layers, wholly inside the window of its last."""
+        ps, qb = self.page_size, self.q_block
+        partial, full = [], []
+        for seg in segments:
+            # once per query block: sequences sharing prefix pages list the same page, and flex would
+            # visit a listed block twice (its scores counted twice in the softmax)
+            pages = list(dict.fromkeys(p for s, a, b in seg for p in page_span(group.pages_of(s), a, b, window, ps)))
+            whole = set()
+            if PREFILL_FULL_BLOCKS and len(seg) == 1 and seg[0][2] - seg[0][1] + 1 == qb:
+                s, a, b = seg[0]
+                lo = 0 if window is None else max(0, a - window + 1) // ps
+                spans = group.pages_of(s)[lo: b // ps + 1]
+                whole = {p for i, p in enumerate(spans, start=lo)
+                         if (i + 1) * ps - 1 <= a and (window is None or i * ps > b - window)}
+            partial.append([p for p in pages if p not in whole])
+            full.append([p for p in pages if p in whole])
+        return partial, full
+
+    def _block_arrays(self, lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_num_blocks [1, 1, n] and kv_indices [1, 1, n, width] on the device, width a power of two
+        (few distinct widths: few recompiles)."""
+        width = 1 << max(1, max(len(x) for x in lists) - 1).bit_length()
+        nb = np.zeros((1, 1, len(lists)), dtype=np.int32)
+        idx = np.zeros((1, 1, len(lists), width), dtype=np.int32)
+        for j, x in enumerate(lists):
+            nb[0, 0, j] = len(x)
+            idx[0, 0, j, : len(x)] = x
+        return torch.from_numpy(nb).to(self.device), torch.from_numpy(idx).to(self.device)
