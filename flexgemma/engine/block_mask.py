@@ -207,8 +207,11 @@ class MaskBuilder:
         for t, window in self.windows.items():
             group = self.groups[t]
             partial, full = self._prefill_block_lists(group, segments, window)
-            nb, idx = self._block_arrays(partial)
-            full_nb, full_idx = self._block_arrays(full) if PREFILL_FULL_BLOCKS else (None, None)
+            # one width for both lists: torch's flex kernel addresses the full list with the partial
+            # list's strides (an illegal memory access on the H200 when they differed)
+            width = 1 << max(1, max(len(x) for x in partial + full) - 1).bit_length()  # few widths: few recompiles
+            nb, idx = self._block_arrays(partial, width)
+            full_nb, full_idx = self._block_arrays(full, width) if PREFILL_FULL_BLOCKS else (None, None)
             masks[t] = BlockMask.from_kv_blocks(
                 nb, idx, full_nb, full_idx,
                 BLOCK_SIZE=(qb, self.page_size),
@@ -241,10 +244,8 @@ class MaskBuilder:
             full.append([p for p in pages if p in whole])
         return partial, full
 
-    def _block_arrays(self, lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_num_blocks [1, 1, n] and kv_indices [1, 1, n, width] on the device, width a power of two
-        (few distinct widths: few recompiles)."""
-        width = 1 << max(1, max(len(x) for x in lists) - 1).bit_length()
+    def _block_arrays(self, lists: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_num_blocks [1, 1, n] and kv_indices [1, 1, n, width] on the device."""
         nb = np.zeros((1, 1, len(lists)), dtype=np.int32)
         idx = np.zeros((1, 1, len(lists), width), dtype=np.int32)
         for j, x in enumerate(lists):
