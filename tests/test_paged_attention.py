@@ -148,7 +148,7 @@ def test_prefill_full_blocks_pass_the_mask_everywhere(spec, monkeypatch):
         real = sum(chunk)  # padding queries' rows aside
         assert torch.equal(seen[:real], truth[:real]), layer_type
         full_pages[layer_type] = int(bm.full_kv_num_blocks.sum())
-        # torch's kernel reads the full list with the partial list's strides
+        # torch 2.11's kernel reads the full list with the partial list's strides
         assert bm.full_kv_indices.shape == bm.kv_indices.shape
     assert all(n > 0 for n in full_pages.values()), full_pages  # both layer types list some
     monkeypatch.setattr(block_mask, "PREFILL_FULL_BLOCKS", False)

@@ -207,7 +207,7 @@ class MaskBuilder:
         for t, window in self.windows.items():
             group = self.groups[t]
             partial, full = self._prefill_block_lists(group, segments, window)
-            # one width for both lists: torch's flex kernel addresses the full list with the partial
+            # one width for both lists: torch 2.11's flex kernel addresses the full list with the partial
             # list's strides (an illegal memory access on the H200 when they differed)
             width = 1 << max(1, max(len(x) for x in partial + full) - 1).bit_length()  # few widths: few recompiles
             nb, idx = self._block_arrays(partial, width)
