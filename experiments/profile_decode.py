@@ -49,6 +49,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=544)
     ap.add_argument("--sweep", action="store_true", help="time flex decode kernel options per layer type")
+    ap.add_argument("--prefill-sweep", action="store_true",
+                    help="time flex prefill kernel options per layer type on one packed prefill of the workload's "
+                         "prompts (engine.max_prefill_tokens of them), with the masks' full blocks")
     ap.add_argument("--out", default=None)
     args, overrides = ap.parse_known_args()
     engine = build_engine(compose(overrides))
@@ -97,6 +100,10 @@ def main() -> None:
 
     if args.sweep:
         res["flex_sweep"] = sweep_flex(engine, seqs, rows)
+    if args.prefill_sweep:
+        for s in seqs:
+            engine.scheduler._release_all(s)
+        res["prefill_sweep"] = sweep_prefill(engine, compose(overrides))
     print(json.dumps({k: v for k, v in res.items() if k != "top_kernels"}, indent=1, default=str))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1, default=str))
@@ -130,6 +137,63 @@ def sweep_flex(engine, seqs, rows) -> list[dict]:
             torch._dynamo.reset()
         best = min((r for r in out if r["layer_type"] == layer_type and "ms" in r), key=lambda r: r["ms"])
         print(f"best {layer_type}: {best}")
+    return out
+
+
+def prefill_batch(engine, cfg) -> tuple[list[Sequence], list[int]]:
+    """The workload's first prompts, up to engine.max_prefill_tokens tokens, each with pages for its
+    prompt and nothing computed: one packed prefill chunk, as the engine's first step of a round."""
+    from flexgemma.workload import synthetic
+
+    work = synthetic(cfg.workload, engine.spec.vocab_size)
+    seqs, lens, budget = [], [], int(cfg.engine.max_prefill_tokens)
+    for i, p in enumerate(work.prompts):
+        if sum(lens) + len(p) > budget:
+            break
+        s = Sequence(20_000 + i, i, list(p), SamplingParams(max_new_tokens=8, temperature=0.0), seed=i)
+        if not engine.scheduler.grow(s, len(p)):
+            break
+        seqs.append(s)
+        lens.append(len(p))
+    return seqs, lens
+
+
+def sweep_prefill(engine, cfg) -> list[dict]:
+    """Times compiled flex prefill on each layer type's real pool and packed masks, per kernel
+    option set (the engine's own options first)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    runner = engine.runner
+    seqs, lens = prefill_batch(engine, cfg)
+    padded = -(-sum(lens) // runner.q_block) * runner.q_block
+    masks = runner.masks.prefill(seqs, lens, padded)
+    print(f"prefill sweep: {len(seqs)} prompts, {sum(lens)} tokens (padded {padded})")
+    out = []
+    for layer_type in sorted(masks):
+        spec = next(s for s in engine.spec.layers if s.layer_type == layer_type and s.writes_kv)
+        k, v = runner.cache.layer_kv(spec.index)
+        q = torch.randn(1, spec.num_heads, padded, spec.head_dim, device=k.device, dtype=k.dtype)
+        own = runner.forward.attn[spec.index].options["prefill"]
+        ms_ = (16, 32, 64) if spec.head_dim >= 512 else (64, 128)
+        ns = (16, 32) if spec.head_dim >= 512 else (32, 64)
+        grid = [own] + [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st)
+                        for m, n, w, st in itertools.product(ms_, ns, (4, 8), (1, 2, 3))]
+        for opts in grid:
+            fn = torch.compile(flex_attention, dynamic=False)
+            try:
+                ms = cuda_time_ms(lambda: fn(q, k, v, block_mask=masks[layer_type], scale=1.0, enable_gqa=True,
+                                             kernel_options=opts), iters=10)
+                out.append({"layer_type": layer_type, "head_dim": spec.head_dim, "options": opts, "ms": ms,
+                            "engine_default": opts is own})
+            except Exception as e:  # noqa: BLE001 - record which options do not compile or fit
+                out.append({"layer_type": layer_type, "head_dim": spec.head_dim, "options": opts,
+                            "error": f"{type(e).__name__}: {str(e)[:160]}"})
+            torch._dynamo.reset()
+        timed = [r for r in out if r["layer_type"] == layer_type and "ms" in r]
+        best = min(timed, key=lambda r: r["ms"])
+        mine = next((r for r in timed if r.get("engine_default")), None)
+        print(f"prefill {layer_type}: engine's options {mine and round(mine['ms'], 3)} ms {own}; best "
+              f"{best['ms']:.3f} ms {best['options']}")
     return out
 
 
