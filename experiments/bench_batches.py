@@ -144,6 +144,8 @@ KNOBS = (
     ("linear4bit_dequant", "flexgemma.model.linear4bit", "DEQUANT_KERNEL", "_dequant_{}"),
     ("attention_row_factor", "flexgemma.engine.cuda_graphs", "ATTENTION_ROW_FACTOR", "_attention_rows_x{}"),
     ("prefill_full_blocks", "flexgemma.engine.block_mask", "PREFILL_FULL_BLOCKS", "_full_blocks_{}"),
+    ("moe_up_packed_k", "flexgemma.model.moe_kernel", "UP_PACKED_K", "_up_packed_k_{}"),
+    ("moe_down_packed_k", "flexgemma.model.moe_kernel", "DOWN_PACKED_K", "_down_packed_k_{}"),
 )
 
 
@@ -191,6 +193,11 @@ def main(argv=None) -> dict:
                     help="flex decode attention compiled at max_batch_size, then this factor smaller each time (an "
                          "A/B of cuda_graphs.ATTENTION_ROW_FACTOR, 4; 2 pads a step to at most twice its rows); "
                          "the output files get a suffix")
+    ap.add_argument("--moe-up-packed-k", type=int, default=None,
+                    help="K elements of a fused 4-bit step in the routed experts' up kernel, whole quantisation "
+                         "blocks (an A/B of moe_kernel.UP_PACKED_K; default one block); the output files get a suffix")
+    ap.add_argument("--moe-down-packed-k", type=int, default=None,
+                    help="the same for the down kernel (moe_kernel.DOWN_PACKED_K; 26B-A4B's K of 704 keeps one block)")
     ap.add_argument("--prefill-full-blocks", type=int, choices=(0, 1), default=None,
                     help="1: prefill masks list wholly passing pages as full blocks (no mask_mod on them), 0: all "
                          "partial (an A/B of block_mask.PREFILL_FULL_BLOCKS); the output files get a suffix")

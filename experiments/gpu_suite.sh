@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq linear4bit_ksteps dequant_grid batches_31b_bnb4_tdq batches_31b_bnb4_bdq attn_rows_ab attn_31b_sweep attn_31b_split kernels_large moe_slots_ab batches_26b_bnb4_slots moe_dequant_ab moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b profile_31b_64 prefill_full_tests batches_31b_full_blocks decode_sweep_31b prefill_sweep_31b batches_31b_prefill16k gen_profile_31b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_bs8 moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq linear4bit_ksteps dequant_grid batches_31b_bnb4_tdq batches_31b_bnb4_bdq attn_rows_ab attn_31b_sweep attn_31b_split kernels_large moe_packed_k batches_26b_bnb4_packed_k moe_slots_ab batches_26b_bnb4_slots moe_dequant_ab moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b profile_31b_64 prefill_full_tests batches_31b_full_blocks decode_sweep_31b prefill_sweep_31b batches_31b_prefill16k gen_profile_31b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_bs8 moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -127,6 +127,15 @@ run kernels_large 300 bash -c 'python3 experiments/bench_linear4bit.py --batch-s
 # the routed 4-bit experts at 32-512 rows, decoded inside the kernels (the default up to 2,048 entries)
 # against dequantised into slots by the sixth session's faster dequantise form (slots_us in the JSON),
 # then 26B-A4B bnb4 at 128 rows through the engine, the default (2,048) against slots past 512 entries
+# the fused 4-bit experts with steps of 1, 2 or 4 quantisation blocks (PACKED_K; CPU-tested only,
+# 2026-12-02): its GPU test, the tile grid at 8-128 rows, then 26B-A4B bnb4 at 128 rows with the grid's
+# best up step against one block (set MOE_UP_K), one build each
+run moe_packed_k 330 bash -c 'python3 -m pytest -q -p no:logging -m gpu -s tests/test_moe_kernel.py -k several_blocks;
+  python3 experiments/bench_moe_kernel.py --batch-sizes 8,64,128 --bnb4 --grid-batch-sizes 8,64,128 \
+  --grid-quants bnb4 --block-m "" --out "$WORK/moe_packed_k.json"'
+run batches_26b_bnb4_packed_k 330 bash -c 'for k in ${MOE_UP_K:-256} 64; do python3 experiments/bench_batches.py \
+  --model 26b_a4b --batch-sizes 8,128 --new-tokens 256 --rounds 3 --warmup-rounds 0 --moe-up-packed-k $k \
+  --out "$WORK/batches_bnb4" quant=bnb4; done; cat "$WORK"/batches_bnb4/*packed_k*.md'
 run moe_slots_ab 200 python3 experiments/bench_moe_kernel.py --batch-sizes 32,64,128,256,512 --bnb4 \
   --grid-batch-sizes 0 --block-m "" --out "$WORK/moe_slots_ab.json"
 run batches_26b_bnb4_slots 400 bash -c 'for f in 2048 512; do python3 experiments/bench_batches.py --model 26b_a4b \
