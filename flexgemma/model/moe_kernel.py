@@ -26,7 +26,8 @@ bs 8 / 32, 1.9-2.8x faster than torch's dequantise + grouped GEMM (experiments/R
 at 0.05 TB/s; it addressed the bytes through a division that hides their contiguity from Triton's
 analysis and scaled every weight (our reading, not profiled). Where a row is not whole blocks, the
 experts a step routes to are dequantised into slots by a third kernel and the bf16 kernels read
-them through an expert -> slot map.
+them through an expert -> slot map. A step may also take several blocks (PACKED_K), decoded into
+weights as bitsandbytes decodes them before one product: fewer, larger loads along K (not yet timed).
 
 Imported only when selected: Triton is a GPU dependency (the CPU runs it only through Triton's
 interpreter, TRITON_INTERPRET=1, which the tests use).
