@@ -146,6 +146,7 @@ KNOBS = (
     ("prefill_full_blocks", "flexgemma.engine.block_mask", "PREFILL_FULL_BLOCKS", "_full_blocks_{}"),
     ("moe_up_packed_k", "flexgemma.model.moe_kernel", "UP_PACKED_K", "_up_packed_k_{}"),
     ("moe_down_packed_k", "flexgemma.model.moe_kernel", "DOWN_PACKED_K", "_down_packed_k_{}"),
+    ("moe_up_split_k", "flexgemma.model.moe_kernel", "UP_SPLIT_K", "_up_split_k_{}"),
 )
 
 
@@ -198,6 +199,9 @@ def main(argv=None) -> dict:
                          "blocks (an A/B of moe_kernel.UP_PACKED_K; default one block); the output files get a suffix")
     ap.add_argument("--moe-down-packed-k", type=int, default=None,
                     help="the same for the down kernel (moe_kernel.DOWN_PACKED_K; 26B-A4B's K of 704 keeps one block)")
+    ap.add_argument("--moe-up-split-k", type=int, default=None,
+                    help="the fused 4-bit up kernel's K split across this many programs, partials summed by a "
+                         "second kernel (an A/B of moe_kernel.UP_SPLIT_K, 1); the output files get a suffix")
     ap.add_argument("--prefill-full-blocks", type=int, choices=(0, 1), default=None,
                     help="1: prefill masks list wholly passing pages as full blocks (no mask_mod on them), 0: all "
                          "partial (an A/B of block_mask.PREFILL_FULL_BLOCKS); the output files get a suffix")

@@ -127,15 +127,17 @@ run kernels_large 300 bash -c 'python3 experiments/bench_linear4bit.py --batch-s
 # the routed 4-bit experts at 32-512 rows, decoded inside the kernels (the default up to 2,048 entries)
 # against dequantised into slots by the sixth session's faster dequantise form (slots_us in the JSON),
 # then 26B-A4B bnb4 at 128 rows through the engine, the default (2,048) against slots past 512 entries
-# the fused 4-bit experts with steps of 1, 2 or 4 quantisation blocks (PACKED_K; CPU-tested only,
-# 2026-12-02): its GPU test, the tile grid at 8-128 rows, then 26B-A4B bnb4 at 128 rows with the grid's
-# best up step against one block (set MOE_UP_K), one build each
+# the fused 4-bit experts with steps of 1, 2 or 4 quantisation blocks (PACKED_K) and the up kernel's K
+# split across programs (SPLIT_K; both CPU-tested only, 2026-12-02): the GPU test, the tile grid at
+# 8-128 rows, then 26B-A4B bnb4 with the grid's best up step and split (MOE_UP_K, MOE_UP_SPLIT)
+# against one block, one program along K, one build each
 run moe_packed_k 330 bash -c 'python3 -m pytest -q -p no:logging -m gpu -s tests/test_moe_kernel.py -k several_blocks;
   python3 experiments/bench_moe_kernel.py --batch-sizes 8,64,128 --bnb4 --grid-batch-sizes 8,64,128 \
   --grid-quants bnb4 --block-m "" --out "$WORK/moe_packed_k.json"'
-run batches_26b_bnb4_packed_k 330 bash -c 'for k in ${MOE_UP_K:-256} 64; do python3 experiments/bench_batches.py \
-  --model 26b_a4b --batch-sizes 8,128 --new-tokens 256 --rounds 3 --warmup-rounds 0 --moe-up-packed-k $k \
-  --out "$WORK/batches_bnb4" quant=bnb4; done; cat "$WORK"/batches_bnb4/*packed_k*.md'
+run batches_26b_bnb4_packed_k 330 bash -c 'for ks in "${MOE_UP_K:-256} ${MOE_UP_SPLIT:-1}" "64 1"; do set -- $ks;
+  python3 experiments/bench_batches.py --model 26b_a4b --batch-sizes 8,128 --new-tokens 256 --rounds 3 \
+  --warmup-rounds 0 --moe-up-packed-k $1 --moe-up-split-k $2 --out "$WORK/batches_bnb4" quant=bnb4; done;
+  cat "$WORK"/batches_bnb4/*packed_k*.md'
 run moe_slots_ab 200 python3 experiments/bench_moe_kernel.py --batch-sizes 32,64,128,256,512 --bnb4 \
   --grid-batch-sizes 0 --block-m "" --out "$WORK/moe_slots_ab.json"
 run batches_26b_bnb4_slots 400 bash -c 'for f in 2048 512; do python3 experiments/bench_batches.py --model 26b_a4b \

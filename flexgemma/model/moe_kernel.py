@@ -238,6 +238,65 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
 
 
 @triton.jit
+def _routed_up_split_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, absmax_ptr, code_ptr, ncode_ptr,
+                            nabsmax_ptr, noffset_ptr, part_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr,
+                            stride_x, stride_we, stride_ae, stride_ne, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
+                            DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr, SORTED: tl.constexpr,
+                            NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACKED_K: tl.constexpr,
+                            SPLIT_K: tl.constexpr):
+    """The up kernel's 4-bit products with K split across programs: program (e, j, s) covers K range s
+    of SPLIT_K equal ranges (whole PACKED_K steps) and writes its float32 gate and up sums for expert
+    e's entries at part[s, flat, j-slice] and part[s, flat, I + j-slice]; _up_combine_kernel sums the
+    ranges in order and applies the activation. Many short programs instead of one long loop over K
+    per feature tile (the dense 4-bit kernel's lesson on the H200)."""
+    expert = tl.program_id(0)
+    split = tl.program_id(2)
+    offs, match, rank, start, count = _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED, NFLAT)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < I
+    span: tl.constexpr = H // SPLIT_K
+    m0 = 0
+    while m0 < count:
+        flat, valid = _entry_tile(offs, match, rank, order_ptr, start, m0, count, SORTED, BLOCK_M)
+        token = flat // TOPK
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for st in range(0, span, PACKED_K):  # constant bounds: the split's offset added inside
+            k0 = split * span + st
+            a_even, a_odd = row_pairs(x_ptr + token[:, None] * stride_x, k0, valid, PACKED_K)
+            acc_g += _packed_step(a_even, a_odd, w_ptr, expert, cols, ok, k0, H, stride_we, absmax_ptr, code_ptr,
+                                  ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
+                                  DOUBLE_QUANT, SELECT, PACKED_K)
+            acc_u += _packed_step(a_even, a_odd, w_ptr, expert, cols + I, ok, k0, H, stride_we, absmax_ptr, code_ptr,
+                                  ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
+                                  DOUBLE_QUANT, SELECT, PACKED_K)
+        row = part_ptr + (split * n_flat + flat[:, None]) * (2 * I)
+        inside = valid[:, None] & ok[None, :]
+        tl.store(row + cols[None, :], acc_g, mask=inside)
+        tl.store(row + I + cols[None, :], acc_u, mask=inside)
+        m0 += BLOCK_M
+
+
+@triton.jit
+def _up_combine_kernel(part_ptr, out_ptr, n_flat, I: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (f, j): out[f, j-slice] = act(gate) * up from the SPLIT_K float32 partial sums of
+    flat entry f, summed in order and rounded where the unsplit kernel rounds."""
+    f = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    g = tl.zeros((BLOCK,), dtype=tl.float32)
+    u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for sp in tl.static_range(SPLIT_K):
+        row = part_ptr + (sp * n_flat + f) * (2 * I)
+        g += tl.load(row + cols, mask=ok, other=0.0)
+        u += tl.load(row + I + cols, mask=ok, other=0.0)
+    dt = out_ptr.dtype.element_ty
+    g = g.to(dt).to(tl.float32)
+    h = _gelu_tanh(g).to(dt).to(tl.float32) * u.to(dt).to(tl.float32)
+    tl.store(out_ptr + f * I + cols, h.to(dt), mask=ok)
+
+
+@triton.jit
 def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr,
                         nabsmax_ptr, noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, stride_we, stride_wn,
                         stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr, QBLOCK: tl.constexpr,
@@ -341,6 +400,12 @@ DOWN_TILES = dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
 # grid, bench_batches.py --moe-packed-k
 UP_PACKED_K: Optional[int] = None
 DOWN_PACKED_K: Optional[int] = None
+# the fused 4-bit up kernel's K (H) split across this many programs per feature tile (1: one program
+# loops over all of K), their float32 partial sums added in order by a second kernel. More programs,
+# shorter loops, at the price of writing and reading the partials (26B-A4B at 128 rows: 5.8 MB a
+# split against 254 MB of 4-bit gate/up bytes). Not yet timed: bench_moe_kernel.py's 4-bit grid,
+# bench_batches.py --moe-up-split-k
+UP_SPLIT_K = 1
 
 
 def packed_step(step: Optional[int], w, k: int) -> int:
@@ -352,6 +417,14 @@ def packed_step(step: Optional[int], w, k: int) -> int:
     if step < qb or step % qb or step & (step - 1):
         raise ValueError(f"PACKED_K={step}: a power of two and a multiple of the quantisation block ({qb})")
     return step if k % step == 0 else qb
+
+
+def split_k_for(split: int, k: int, step: int) -> int:
+    """Programs along K for the fused up kernel: `split` where it divides the matrix's steps (k / step),
+    else 1 (one program loops over all of K)."""
+    if not isinstance(split, int) or split < 1:
+        raise ValueError(f"SPLIT_K={split!r}: a positive number of programs along K")
+    return split if (k // step) % split == 0 else 1
 
 
 def block_m_for(n_flat: int, experts: int, packed: bool) -> int:
@@ -497,11 +570,13 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     packed_mode = _packed_mode(gate_up, down, packed_mode, n_flat) if packed else packed_mode
     fused, slotted = packed and packed_mode == "fused", packed and packed_mode == "slots"
     block_m = {"BLOCK_M": block_m_for(n_flat, e, fused)}
-    up_tiles = {**UP_TILES, **block_m, "PACKED_K": UP_PACKED_K, **(up_tiles or {})}
+    up_tiles = {**UP_TILES, **block_m, "PACKED_K": UP_PACKED_K, "SPLIT_K": UP_SPLIT_K, **(up_tiles or {})}
     down_tiles = {**DOWN_TILES, **block_m, "PACKED_K": DOWN_PACKED_K, **(down_tiles or {})}
-    # bf16 / slotted weights: PACKED_K is a placeholder the kernels never read
+    # bf16 / slotted weights: PACKED_K is a placeholder the kernels never read, and K is not split
     up_tiles["PACKED_K"] = packed_step(up_tiles["PACKED_K"], gate_up, h) if fused else 16
     down_tiles["PACKED_K"] = packed_step(down_tiles["PACKED_K"], down, i) if fused else 16
+    split_k = up_tiles.pop("SPLIT_K")
+    split_k = split_k_for(split_k, h, up_tiles["PACKED_K"]) if fused else 1
     x = x.contiguous()
     index = top_k_index.reshape(-1).to(torch.int32)
     weights = top_k_weights.reshape(-1).float()
@@ -513,10 +588,14 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
 
     ops = operands(gate_up, packed_k=up_tiles["PACKED_K"])
     inter = torch.empty(n_flat, i, dtype=x.dtype, device=x.device)
-    _routed_up_kernel[(e, triton.cdiv(i, up_tiles["BLOCK_N"]))](
-        x_ptr=x, index_ptr=index, order_ptr=order, starts_ptr=starts, n_flat=n_flat, slots_ptr=slots, out_ptr=inter,
-        I=i, H=h, TOPK=topk, stride_x=x.stride(0), HAS_SLOTS=slotted, PACKED=fused, SORTED=sort_entries, NFLAT=nflat,
-        **ops, **up_tiles)
+    entries = dict(index_ptr=index, order_ptr=order, starts_ptr=starts, n_flat=n_flat, SORTED=sort_entries,
+                   NFLAT=nflat)
+    if split_k > 1:
+        _up_split(x, ops, entries, inter, e, i, h, topk, split_k, up_tiles)
+    else:
+        _routed_up_kernel[(e, triton.cdiv(i, up_tiles["BLOCK_N"]))](
+            x_ptr=x, slots_ptr=slots, out_ptr=inter, I=i, H=h, TOPK=topk, stride_x=x.stride(0), HAS_SLOTS=slotted,
+            PACKED=fused, **entries, **ops, **up_tiles)
     del ops  # one dequantised matrix alive at a time
     ops = operands(down, packed_k=down_tiles["PACKED_K"])
     out = torch.empty(n_flat, h, dtype=torch.float32, device=x.device)
@@ -526,6 +605,24 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         **ops, **down_tiles)
     summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
     return sum_rows(out, summed)
+
+
+COMBINE_BLOCK = 256
+
+
+def _up_split(x, ops: dict, entries: dict, inter: torch.Tensor, e: int, i: int, h: int, topk: int, split_k: int,
+              tiles: dict) -> None:
+    """The fused 4-bit up projection of e experts with K split over split_k programs, then the in-order
+    sum of their partials and the activation, into inter [n_flat, I]."""
+    n_flat = inter.shape[0]
+    part = torch.empty(split_k, n_flat, 2 * i, dtype=torch.float32, device=x.device)
+    ops = {k: v for k, v in ops.items() if k != "stride_wn"}  # the packed bytes have no row stride here
+    tiles = {k: v for k, v in tiles.items() if k != "BLOCK_K"}
+    _routed_up_split_kernel[(e, triton.cdiv(i, tiles["BLOCK_N"]), split_k)](
+        x_ptr=x, part_ptr=part, I=i, H=h, TOPK=topk, stride_x=x.stride(0), SPLIT_K=split_k, **entries, **ops,
+        **tiles)
+    _up_combine_kernel[(n_flat, triton.cdiv(i, COMBINE_BLOCK))](part, inter, n_flat, I=i, SPLIT_K=split_k,
+                                                                BLOCK=COMBINE_BLOCK)
 
 
 def _entry_lists(index: torch.Tensor, experts: int, sort_entries: bool) -> tuple:
