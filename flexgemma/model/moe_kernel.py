@@ -187,6 +187,28 @@ def _packed_step(a_even, a_odd, w_ptr, widx, rows, ok, k0, K: tl.constexpr, stri
 
 
 @triton.jit
+def _gate_up_range(rows_ptr, valid, w_ptr, widx, cols, ok, k_start, I: tl.constexpr, H: tl.constexpr, stride_we,
+                   absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne,
+                   QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
+                   PACKED_K: tl.constexpr, SPAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """float32 [BLOCK_M, BLOCK_N] products of rows (rows_ptr [BLOCK_M, 1]) with features `cols` of
+    4-bit expert widx's gate (rows [0, I) of gate_up) and up (rows [I, 2I)) over K in [k_start,
+    k_start + SPAN), PACKED_K elements a step (constant loop bounds: the start is added inside)."""
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for st in range(0, SPAN, PACKED_K):
+        k0 = k_start + st
+        a_even, a_odd = row_pairs(rows_ptr, k0, valid, PACKED_K)
+        acc_g += _packed_step(a_even, a_odd, w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr, code_ptr, ncode_ptr,
+                              nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT,
+                              PACKED_K)
+        acc_u += _packed_step(a_even, a_odd, w_ptr, widx, cols + I, ok, k0, H, stride_we, absmax_ptr, code_ptr,
+                              ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
+                              DOUBLE_QUANT, SELECT, PACKED_K)
+    return acc_g, acc_u
+
+
+@triton.jit
 def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr,
                       noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_x,
                       stride_we, stride_wn, stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr,
@@ -208,19 +230,14 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
     while m0 < count:
         flat, valid = _entry_tile(offs, match, rank, order_ptr, start, m0, count, SORTED, BLOCK_M)
         token = flat // TOPK
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if PACKED:
-            ok = cols < I
-            for k0 in range(0, H, PACKED_K):
-                a_even, a_odd = row_pairs(x_ptr + token[:, None] * stride_x, k0, valid, PACKED_K)
-                acc_g += _packed_step(a_even, a_odd, w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr,
-                                      code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK,
-                                      NESTED, DOUBLE_QUANT, SELECT, PACKED_K)
-                acc_u += _packed_step(a_even, a_odd, w_ptr, widx, cols + I, ok, k0, H, stride_we, absmax_ptr,
-                                      code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK,
-                                      NESTED, DOUBLE_QUANT, SELECT, PACKED_K)
+            acc_g, acc_u = _gate_up_range(x_ptr + token[:, None] * stride_x, valid, w_ptr, widx, cols, cols < I, 0, I,
+                                          H, stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
+                                          stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT, PACKED_K, H,
+                                          BLOCK_M, BLOCK_N)
         else:
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, H, BLOCK_K):
                 k = k0 + ks
                 a = tl.load(x_ptr + token[:, None] * stride_x + k[None, :],
@@ -259,17 +276,10 @@ def _routed_up_split_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_p
     while m0 < count:
         flat, valid = _entry_tile(offs, match, rank, order_ptr, start, m0, count, SORTED, BLOCK_M)
         token = flat // TOPK
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for st in range(0, span, PACKED_K):  # constant bounds: the split's offset added inside
-            k0 = split * span + st
-            a_even, a_odd = row_pairs(x_ptr + token[:, None] * stride_x, k0, valid, PACKED_K)
-            acc_g += _packed_step(a_even, a_odd, w_ptr, expert, cols, ok, k0, H, stride_we, absmax_ptr, code_ptr,
-                                  ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
-                                  DOUBLE_QUANT, SELECT, PACKED_K)
-            acc_u += _packed_step(a_even, a_odd, w_ptr, expert, cols + I, ok, k0, H, stride_we, absmax_ptr, code_ptr,
-                                  ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
-                                  DOUBLE_QUANT, SELECT, PACKED_K)
+        acc_g, acc_u = _gate_up_range(x_ptr + token[:, None] * stride_x, valid, w_ptr, expert, cols, ok, split * span,
+                                      I, H, stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
+                                      stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT, PACKED_K, span,
+                                      BLOCK_M, BLOCK_N)
         row = part_ptr + (split * n_flat + flat[:, None]) * (2 * I)
         inside = valid[:, None] & ok[None, :]
         tl.store(row + cols[None, :], acc_g, mask=inside)
