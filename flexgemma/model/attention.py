@@ -62,6 +62,13 @@ def kernel_options(phase_cfg: Any, head_dim: int, page_size: int, dtype: torch.d
     return merged or None
 
 
+# the new K and V normed and written into the pools by one compiled function (glue.kv_norm_write:
+# a kernel each instead of a norm and an index_copy each; 31B's decode step spent 0.35 ms of 27.4 in
+# the index_copy kernels on the H200). False: the norms, then KVPools.write. Not yet timed on the GPU
+# (bench_batches.py --fused-kv-write); the write must stay in place there (no copy of a pool).
+FUSED_KV_WRITE = False
+
+
 class PagedAttention:
     """One layer's attention: projections (as `projections.projection` runs them), fused norm +
     RoPE, the KV write and the attention kernel of the phase."""
@@ -87,9 +94,13 @@ class PagedAttention:
         if s.writes_kv:
             raw_k = k_lin.reshape(t, s.num_kv_heads, s.head_dim)
             raw_v = v_lin.reshape(t, s.num_kv_heads, s.head_dim)
-            k = ops.norm_rope(raw_k, m.k_norm.weight, cos, sin, self.eps)
-            v = ops.rms_norm(raw_v, None, self.eps)  # values: a scale-free norm, no RoPE
-            self.pools.write(s.index, k, v, slots[s.layer_type])  # each layer type's own slots
+            if FUSED_KV_WRITE:
+                ops.kv_norm_write(raw_k, raw_v, m.k_norm.weight, cos, sin, self.eps, *self.pools.layer_kv(s.index),
+                                  slots[s.layer_type])
+            else:
+                k = ops.norm_rope(raw_k, m.k_norm.weight, cos, sin, self.eps)
+                v = ops.rms_norm(raw_v, None, self.eps)  # values: a scale-free norm, no RoPE
+                self.pools.write(s.index, k, v, slots[s.layer_type])  # each layer type's own slots
         kc, vc = self.pools.layer_kv(s.kv_source)
         if decode:
             out = self.k.decode(q, kc, vc, mask, self.options["decode"])

@@ -51,6 +51,15 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: tor
     return x * cos + rotated * sin
 
 
+def kv_norm_write(k: torch.Tensor, v: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  eps: float, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """A layer's new K (norm + RoPE) and V (scale-free norm), k/v [T, kv_heads, D], written into its
+    pools [1, kv_heads, S, D] at flat slots [T]: compiled, each norm and its write are one kernel
+    instead of a norm kernel and an index_copy kernel."""
+    k_pool.index_copy_(2, slots, norm_rope(k, k_weight, cos, sin, eps).transpose(0, 1)[None])
+    v_pool.index_copy_(2, slots, rms_norm(v, None, eps).transpose(0, 1)[None])
+
+
 def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
@@ -78,8 +87,8 @@ def make_ops(counter=None, moe_kernel: str = "grouped_mm") -> SimpleNamespace:
     """The glue functions: compiled with `counter` as backend (GPU), or plain (the CPU reference);
     and the routed experts' GEMMs (`experts_kernel`: None for torch's grouped GEMM)."""
     fns = dict(rms_norm=rms_norm, add_norm=add_norm, add_norm_norm=add_norm_norm, norm_rope=norm_rope,
-               gelu_mul=gelu_mul, final_logits=final_logits, moe_inputs=moe_inputs, route=route,
-               add_two_norms=add_two_norms)
+               kv_norm_write=kv_norm_write, gelu_mul=gelu_mul, final_logits=final_logits, moe_inputs=moe_inputs,
+               route=route, add_two_norms=add_two_norms)
     if counter is not None:
         fns = {k: compile_fn(f, counter) for k, f in fns.items()}
     fns["experts_kernel"] = None
