@@ -145,6 +145,7 @@ KNOBS = (
     ("attention_row_factor", "flexgemma.engine.cuda_graphs", "ATTENTION_ROW_FACTOR", "_attention_rows_x{}"),
     ("prefill_full_blocks", "flexgemma.engine.block_mask", "PREFILL_FULL_BLOCKS", "_full_blocks_{}"),
     ("fused_kv_write", "flexgemma.model.attention", "FUSED_KV_WRITE", "_fused_kv_write_{}"),
+    ("glue_dynamic", "flexgemma.model.glue", "GLUE_DYNAMIC", "_glue_dynamic_{}"),
     ("moe_up_packed_k", "flexgemma.model.moe_kernel", "UP_PACKED_K", "_up_packed_k_{}"),
     ("moe_down_packed_k", "flexgemma.model.moe_kernel", "DOWN_PACKED_K", "_down_packed_k_{}"),
     ("moe_up_split_k", "flexgemma.model.moe_kernel", "UP_SPLIT_K", "_up_split_k_{}"),
@@ -206,6 +207,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--fused-kv-write", type=int, choices=(0, 1), default=None,
                     help="1: K/V normed and written into the pools by one compiled function (an A/B of "
                          "attention.FUSED_KV_WRITE, 0); the output files get a suffix")
+    ap.add_argument("--glue-dynamic", choices=("all", "auto"), default=None,
+                    help="all: the glue compiled with every dimension symbolic (the default); auto: torch's automatic "
+                         "dynamic, feature sizes constant (an A/B of glue.GLUE_DYNAMIC); the output files get a suffix")
     ap.add_argument("--prefill-full-blocks", type=int, choices=(0, 1), default=None,
                     help="1: prefill masks list wholly passing pages as full blocks (no mask_mod on them), 0: all "
                          "partial (an A/B of block_mask.PREFILL_FULL_BLOCKS); the output files get a suffix")
