@@ -579,14 +579,7 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     packed = not isinstance(gate_up, torch.Tensor)
     packed_mode = _packed_mode(gate_up, down, packed_mode, n_flat) if packed else packed_mode
     fused, slotted = packed and packed_mode == "fused", packed and packed_mode == "slots"
-    block_m = {"BLOCK_M": block_m_for(n_flat, e, fused)}
-    up_tiles = {**UP_TILES, **block_m, "PACKED_K": UP_PACKED_K, "SPLIT_K": UP_SPLIT_K, **(up_tiles or {})}
-    down_tiles = {**DOWN_TILES, **block_m, "PACKED_K": DOWN_PACKED_K, **(down_tiles or {})}
-    # bf16 / slotted weights: PACKED_K is a placeholder the kernels never read, and K is not split
-    up_tiles["PACKED_K"] = packed_step(up_tiles["PACKED_K"], gate_up, h) if fused else 16
-    down_tiles["PACKED_K"] = packed_step(down_tiles["PACKED_K"], down, i) if fused else 16
-    split_k = up_tiles.pop("SPLIT_K")
-    split_k = split_k_for(split_k, h, up_tiles["PACKED_K"]) if fused else 1
+    up_tiles, down_tiles, split_k = _step_tiles(up_tiles, down_tiles, gate_up, down, n_flat, fused)
     x = x.contiguous()
     index = top_k_index.reshape(-1).to(torch.int32)
     weights = top_k_weights.reshape(-1).float()
@@ -615,6 +608,21 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         **ops, **down_tiles)
     summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
     return sum_rows(out, summed)
+
+
+def _step_tiles(up_tiles: Optional[dict], down_tiles: Optional[dict], gate_up, down, n_flat: int,
+                fused: bool) -> tuple[dict, dict, int]:
+    """The two kernels' tiles for a step (defaults, BLOCK_M for its size, the caller's overrides) and
+    the up kernel's programs along K."""
+    e, two_i, h = gate_up.shape
+    block_m = {"BLOCK_M": block_m_for(n_flat, e, fused)}
+    up = {**UP_TILES, **block_m, "PACKED_K": UP_PACKED_K, "SPLIT_K": UP_SPLIT_K, **(up_tiles or {})}
+    dn = {**DOWN_TILES, **block_m, "PACKED_K": DOWN_PACKED_K, **(down_tiles or {})}
+    # bf16 / slotted weights: PACKED_K is a placeholder the kernels never read, and K is not split
+    up["PACKED_K"] = packed_step(up["PACKED_K"], gate_up, h) if fused else 16
+    dn["PACKED_K"] = packed_step(dn["PACKED_K"], down, two_i // 2) if fused else 16
+    split = up.pop("SPLIT_K")
+    return up, dn, split_k_for(split, h, up["PACKED_K"]) if fused else 1
 
 
 COMBINE_BLOCK = 256
