@@ -407,7 +407,7 @@ DOWN_TILES = dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
 # Several blocks a step read fewer, larger loads along K (the dense 4-bit groups' kernel form, whose
 # programs that looped over single blocks ran 3-7x slower on the H200); where a matrix's K is not a
 # multiple, its kernel keeps one block a step. Not yet timed on the GPU: bench_moe_kernel.py's 4-bit
-# grid, bench_batches.py --moe-packed-k
+# grid, bench_batches.py --moe-up-packed-k / --moe-down-packed-k
 UP_PACKED_K: Optional[int] = None
 DOWN_PACKED_K: Optional[int] = None
 # the fused 4-bit up kernel's K (H) split across this many programs per feature tile (1: one program
