@@ -178,7 +178,7 @@ run profile_31b_64 200 python3 experiments/profile_decode.py +model=31b +experim
 # prefill masks with full blocks (the kernel skips the mask_mod on pages a query block passes wholly):
 # E2B float32 through flex against transformers (prompts of 7/130/600 tokens: full blocks on both
 # layer types), then 31B bf16 at 64 with and without them, one build each
-run prefill_full_tests 200 python3 -m pytest -q -p no:logging -m gpu -s tests/test_gpu.py -k e2b_eager
+run prefill_full_tests 200 python3 -m pytest -q -p no:logging -m gpu -s tests/test_gpu.py -k "e2b_eager or full_blocks"
 run batches_31b_full_blocks 330 bash -c 'for f in 1 0; do python3 experiments/bench_batches.py --model 31b \
   --batch-sizes 64 --new-tokens 256 --rounds 3 --warmup-rounds 0 --prefill-full-blocks $f \
   --out "$WORK/batches_full_blocks"; done; cat "$WORK"/batches_full_blocks/*.md'

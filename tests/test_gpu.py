@@ -93,6 +93,26 @@ def test_graphs_equal_no_graphs(model, dtype, compile_glue):
             assert o == hf_greedy(engine.model, p, 40)
 
 
+def test_prefill_full_blocks_change_nothing_but_speed(monkeypatch):
+    """block_mask.PREFILL_FULL_BLOCKS through compiled flex, float32, E2B's window geometry on the tiny
+    model (a 512-token window, prompts of 7, 130 and 600 tokens packed: full blocks on both layer
+    types): the same greedy tokens and logprobs (to float32 rounding) as every page partial."""
+    from flexgemma.engine import block_mask
+
+    engine = engine_for("+model=tiny", "model.dtype=float32", "model.hf_config.sliding_window=512",
+                        "model.hf_config.max_position_embeddings=2048", "cudagraph=off")
+    ps = prompts(engine.spec.vocab_size)
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    runs = []
+    for full in (False, True):
+        monkeypatch.setattr(block_mask, "PREFILL_FULL_BLOCKS", full)
+        engine.reset_prefix_cache()
+        runs.append(engine.generate(ps, sp))
+    for plain, fast in zip(*runs):
+        assert plain.token_ids == fast.token_ids
+        assert max(abs(a - b) for a, b in zip(plain.logprobs, fast.logprobs)) < 1e-4
+
+
 def test_fused_kv_write_in_graphs_equals_the_norms_then_the_write(monkeypatch):
     """attention.FUSED_KV_WRITE (the K/V norms and the pool write as one compiled function) captured
     in the decode graphs, float32 tiny: the same greedy tokens as the default, and the pools are not
