@@ -156,7 +156,7 @@ def profile_first_prefill(engine, prompts, params, cuda: bool) -> list[dict]:
     from flexgemma.engine import block_mask
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    out = []
+    out, setting = [], block_mask.PREFILL_FULL_BLOCKS
     for full in (True, False, True, False):
         block_mask.PREFILL_FULL_BLOCKS = full
         engine.reset_prefix_cache()  # the prompts were cached by the rounds before: prefill them again
@@ -182,7 +182,7 @@ def profile_first_prefill(engine, prompts, params, cuda: bool) -> list[dict]:
         out.append({"full_blocks": full, "wall_ms": wall * 1e3, "kernels_ms": total, "flex_ms": attn,
                     "kernels": [{"name": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count}
                                 for e in events[:30]]})
-    block_mask.PREFILL_FULL_BLOCKS = True
+    block_mask.PREFILL_FULL_BLOCKS = setting
     return out[2:]
 
 

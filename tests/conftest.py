@@ -33,6 +33,17 @@ def make_engine(*overrides: str, model: str = "tiny"):
     return build_engine(compose([f"+model={model}", *SMALL, *overrides]))
 
 
+def outputs_per_setting(monkeypatch, engine, module, name: str, values, prompts, params) -> list:
+    """engine.generate(prompts, params) once with module.name set to each of `values` (the prefix
+    cache reset before each, so every run computes the prompts)."""
+    runs = []
+    for value in values:
+        monkeypatch.setattr(module, name, value)
+        engine.reset_prefix_cache()
+        runs.append(engine.generate(prompts, params))
+    return runs
+
+
 def tiny_multimodal(seed: int):
     """A multimodal Gemma4ForConditionalGeneration around the tiny text config (a small vision tower,
     no audio): what a user's checkpoint directory holds, in miniature."""

@@ -7,6 +7,8 @@ import torch
 from flexgemma import SamplingParams, build_engine, compose
 from flexgemma.tasks.parity import first_divergence, hf_greedy
 
+from conftest import outputs_per_setting
+
 pytestmark = pytest.mark.gpu
 
 
@@ -103,11 +105,7 @@ def test_prefill_full_blocks_change_nothing_but_speed(monkeypatch):
                         "model.hf_config.max_position_embeddings=2048", "cudagraph=off")
     ps = prompts(engine.spec.vocab_size)
     sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-    runs = []
-    for full in (False, True):
-        monkeypatch.setattr(block_mask, "PREFILL_FULL_BLOCKS", full)
-        engine.reset_prefix_cache()
-        runs.append(engine.generate(ps, sp))
+    runs = outputs_per_setting(monkeypatch, engine, block_mask, "PREFILL_FULL_BLOCKS", (False, True), ps, sp)
     for plain, fast in zip(*runs):
         assert plain.token_ids == fast.token_ids
         assert max(abs(a - b) for a, b in zip(plain.logprobs, fast.logprobs)) < 1e-4

@@ -64,10 +64,14 @@ def page_table(group: PageGroup, seqs: list[Sequence], rows: int, width: int) ->
     return table
 
 
+def first_page(first_pos: int, window: Optional[int], page_size: int) -> int:
+    """The logical index of the first page a query at first_pos (or later) may read."""
+    return 0 if window is None else max(0, first_pos - window + 1) // page_size
+
+
 def page_span(pages: list, first_pos: int, last_pos: int, window: Optional[int], page_size: int) -> list[int]:
     """Physical pages (of a sequence's list `pages`) that queries at [first_pos, last_pos] may read."""
-    lo = 0 if window is None else max(0, first_pos - window + 1)
-    return pages[lo // page_size: last_pos // page_size + 1]
+    return pages[first_page(first_pos, window, page_size): last_pos // page_size + 1]
 
 
 @dataclass
@@ -236,9 +240,8 @@ class MaskBuilder:
             whole = set()
             if PREFILL_FULL_BLOCKS and len(seg) == 1 and seg[0][2] - seg[0][1] + 1 == qb:
                 s, a, b = seg[0]
-                lo = 0 if window is None else max(0, a - window + 1) // ps
-                spans = group.pages_of(s)[lo: b // ps + 1]
-                whole = {p for i, p in enumerate(spans, start=lo)
+                lo = first_page(a, window, ps)
+                whole = {p for i, p in enumerate(page_span(group.pages_of(s), a, b, window, ps), start=lo)
                          if (i + 1) * ps - 1 <= a and (window is None or i * ps > b - window)}
             partial.append([p for p in pages if p not in whole])
             full.append([p for p in pages if p in whole])
