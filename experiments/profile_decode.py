@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma import SamplingParams, build_engine, compose  # noqa: E402
 from flexgemma.engine.sequence import Sequence, Status  # noqa: E402
+from flexgemma.model.attention import _KERNEL_KEYS  # noqa: E402
 from flexgemma.tasks.common import cuda_time_ms  # noqa: E402
 
 
@@ -110,7 +111,8 @@ def main() -> None:
 
 
 def sweep_flex(engine, seqs, rows) -> list[dict]:
-    """Times compiled flex decode on each layer type's real pool and masks, per kernel option set."""
+    """Times compiled flex decode on each layer type's real pool and masks, per kernel option set
+    (the engine's own options first)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     runner = engine.runner
@@ -121,22 +123,45 @@ def sweep_flex(engine, seqs, rows) -> list[dict]:
         spec = next(s for s in engine.spec.layers if s.layer_type == layer_type and s.writes_kv)
         k, v = engine.runner.cache.layer_kv(spec.index)
         q = torch.randn(rows, spec.num_heads, 1, spec.head_dim, device=k.device, dtype=k.dtype)
-        grid = [None] + [
-            dict(BLOCK_N=bn, num_warps=w, num_stages=st)
-            for bn, w, st in itertools.product((32, 64), (4, 8), (1, 2, 3))
-        ]
+        own = runner.forward.attn[spec.index].options["decode"]
+        # head_dim 512 keeps the config's BLOCK_M 16 (an override sets the tiles, warps and stages)
+        ns, stages, fixed = ((16, 32), (1, 2, 3), {"BLOCK_M": 16}) if spec.head_dim >= 512 else ((32, 64), (1, 2, 3), {})
+        grid = [own] + [dict(fixed, BLOCK_N=bn, num_warps=w, num_stages=st)
+                        for bn, w, st in itertools.product(ns, (4, 8), stages)]
         for opts in grid:
             fn = torch.compile(flex_attention, dynamic=False)
             try:
                 ms = cuda_time_ms(lambda: fn(q, k, v, block_mask=masks[layer_type], scale=1.0, enable_gqa=True,
                                              kernel_options=opts), iters=30)
-                out.append({"layer_type": layer_type, "head_dim": spec.head_dim, "options": opts, "ms": ms})
+                out.append({"layer_type": layer_type, "head_dim": spec.head_dim, "options": opts, "ms": ms,
+                            "engine_default": opts is own})
             except Exception as e:  # noqa: BLE001 - record which options do not compile
                 out.append({"layer_type": layer_type, "head_dim": spec.head_dim, "options": opts,
                             "error": f"{type(e).__name__}: {str(e)[:160]}"})
             torch._dynamo.reset()
-        best = min((r for r in out if r["layer_type"] == layer_type and "ms" in r), key=lambda r: r["ms"])
-        print(f"best {layer_type}: {best}")
+        timed = [r for r in out if r["layer_type"] == layer_type and "ms" in r]
+        best = min(timed, key=lambda r: r["ms"])
+        mine = next((r for r in timed if r.get("engine_default")), None)
+        print(f"decode {layer_type}: engine's options {mine and round(mine['ms'], 4)} ms {own}; best "
+              f"{best['ms']:.4f} ms {best['options']}")
+    print("decode overrides:", " ".join(decode_overrides(out)))
+    return out
+
+
+def decode_overrides(sweep: list[dict], min_gain: float = 0.02) -> list[str]:
+    """Hydra overrides that set each layer type's fastest decode options, where they beat the
+    engine's own by more than min_gain (attn.decode for sliding layers, attn.decode.full_attention
+    for the head_dim-512 ones)."""
+    out = []
+    for layer_type in sorted({r["layer_type"] for r in sweep}):
+        timed = [r for r in sweep if r["layer_type"] == layer_type and "ms" in r]
+        mine = next((r for r in timed if r.get("engine_default")), None)
+        best = min(timed, key=lambda r: r["ms"], default=None)
+        if best is None or mine is None or best["ms"] > mine["ms"] * (1 - min_gain):
+            continue
+        group = "attn.decode.full_attention" if best["head_dim"] >= 512 else "attn.decode"
+        names = {v: k for k, v in _KERNEL_KEYS.items()}  # flex option -> config field
+        out += [f"{group}.{names[key]}={val}" for key, val in best["options"].items() if key in names]
     return out
 
 

@@ -67,3 +67,32 @@ def test_gpu_suite_lists_its_stages_in_order_and_parses():
     header = re.search(r"^# Stages \(in this order\): (.*)$", text, re.M).group(1).split()
     assert header == re.findall(r"^run (\w+) ", text, re.M)
     assert subprocess.run(["bash", "-n", str(ROOT / "experiments" / "gpu_suite.sh")]).returncode == 0
+
+
+def test_decode_sweep_overrides_give_the_engine_the_options_it_timed():
+    """profile_decode's best flex decode options become Hydra overrides; composed, they are the options
+    the engine's attention layers use (a wrong group or field name fails here, not on the GPU)."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from profile_decode import decode_overrides
+
+    from flexgemma import compose
+    from flexgemma.model.attention import kernel_options
+
+    full = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
+    sweep = [
+        {"layer_type": "sliding_attention", "head_dim": 256, "options": {"BLOCK_N": 32}, "ms": 1.0,
+         "engine_default": True},
+        {"layer_type": "sliding_attention", "head_dim": 256, "options": {"BLOCK_N": 64, "num_warps": 8,
+                                                                         "num_stages": 3}, "ms": 0.9},
+        {"layer_type": "full_attention", "head_dim": 512, "options": {"BLOCK_N": 16}, "ms": 1.0,
+         "engine_default": True},
+        {"layer_type": "full_attention", "head_dim": 512, "options": full, "ms": 0.7},
+        {"layer_type": "full_attention", "head_dim": 512, "options": {"BLOCK_N": 64}, "error": "OutOfResources"},
+    ]
+    ov = decode_overrides(sweep)
+    cfg = compose(["+model=tiny", *ov])
+    assert kernel_options(cfg.attn.decode, 256, 64) == {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    assert kernel_options(cfg.attn.decode, 512, 64) == full
+    # under a 2% gain the engine keeps its own options
+    sweep[1]["ms"] = 0.99
+    assert not any(o.startswith("attn.decode.block_n") for o in decode_overrides(sweep))
