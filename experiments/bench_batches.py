@@ -144,7 +144,6 @@ KNOBS = (
     ("linear4bit_dequant", "flexgemma.model.linear4bit", "DEQUANT_KERNEL", "_dequant_{}"),
     ("attention_row_factor", "flexgemma.engine.cuda_graphs", "ATTENTION_ROW_FACTOR", "_attention_rows_x{}"),
     ("prefill_full_blocks", "flexgemma.engine.block_mask", "PREFILL_FULL_BLOCKS", "_full_blocks_{}"),
-    ("fused_kv_write", "flexgemma.model.attention", "FUSED_KV_WRITE", "_fused_kv_write_{}"),
     ("glue_dynamic", "flexgemma.model.glue", "GLUE_DYNAMIC", "_glue_dynamic_{}"),
     ("moe_up_packed_k", "flexgemma.model.moe_kernel", "UP_PACKED_K", "_up_packed_k_{}"),
     ("moe_down_packed_k", "flexgemma.model.moe_kernel", "DOWN_PACKED_K", "_down_packed_k_{}"),
@@ -205,8 +204,8 @@ def main(argv=None) -> dict:
                     help="the fused 4-bit up kernel's K split across this many programs, partials summed by a "
                          "second kernel (an A/B of moe_kernel.UP_SPLIT_K, 1); the output files get a suffix")
     ap.add_argument("--fused-kv-write", type=int, choices=(0, 1), default=None,
-                    help="1: K/V normed and written into the pools by one compiled function (an A/B of "
-                         "attention.FUSED_KV_WRITE, 0); the output files get a suffix")
+                    help="1: K/V normed and written into the pools by one compiled function (an A/B of the "
+                         "override attn.fused_kv_write, false by default); the output files get a suffix")
     ap.add_argument("--glue-dynamic", choices=("all", "auto"), default=None,
                     help="all: the glue compiled with every dimension symbolic (the default); auto: torch's automatic "
                          "dynamic, feature sizes constant (an A/B of glue.GLUE_DYNAMIC); the output files get a suffix")
@@ -216,8 +215,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--results", default=None, help="also append the table, with date, command, hardware, versions "
                                                     "and commit, to this markdown file (experiments/RESULTS.md)")
     args, extra = ap.parse_known_args(argv)
-    overrides = overrides_for(args, extra)
     suffix = "".join(f"_{kv.replace('=', '-')}" for kv in args.inductor_config)
+    if args.fused_kv_write is not None:  # a config field, set as an override before the caller's own
+        extra = [f"attn.fused_kv_write={bool(args.fused_kv_write)}", *extra]
+        suffix += f"_fused_kv_write_{args.fused_kv_write}"
+    overrides = overrides_for(args, extra)
     for kv in args.inductor_config:
         set_inductor_option(kv)
     suffix += set_knobs(args)
@@ -230,6 +232,7 @@ def main(argv=None) -> dict:
     build_s = time.perf_counter() - t0
     work = synthetic(cfg.workload, engine.spec.vocab_size)
     res = {"model": args.model, "overrides": overrides, **{name: getattr(args, name) for name, *_ in KNOBS},
+           "fused_kv_write": args.fused_kv_write,
            "inductor_config": args.inductor_config,
            "batch_sizes": args.batch_sizes, "peak_tb_s": args.peak_tb_s,
            "build_seconds": build_s, "engine": engine.info, "rows": []}

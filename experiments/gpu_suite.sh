@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq linear4bit_ksteps dequant_grid batches_31b_bnb4_tdq batches_31b_bnb4_bdq attn_rows_ab attn_31b_sweep attn_31b_split kernels_large moe_packed_k batches_26b_bnb4_packed_k moe_slots_ab batches_26b_bnb4_slots moe_dequant_ab moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b profile_31b_64 prefill_full_tests batches_31b_full_blocks decode_sweep_31b decode_tuned_31b prefill_sweep_31b batches_31b_prefill16k fused_kv_write_31b glue_dynamic_31b gen_profile_31b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_bs8 moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq linear4bit_ksteps dequant_grid batches_31b_bnb4_tdq batches_31b_bnb4_bdq attn_rows_ab attn_31b_sweep attn_31b_split kernels_large moe_packed_k batches_26b_bnb4_packed_k moe_slots_ab batches_26b_bnb4_slots moe_dequant_ab moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b profile_31b_64 prefill_full_tests batches_31b_full_blocks decode_sweep_31b decode_tuned_31b decode_tuned_26b decode_tuned_e2b decode_tuned_e4b batches_31b_vs_defaults prefill_sweep_31b batches_31b_prefill16k fused_kv_write_31b glue_dynamic_31b gen_profile_31b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_bs8 moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -187,14 +187,33 @@ run batches_31b_full_blocks 330 bash -c 'for f in 1 0; do python3 experiments/be
 # workload's prompts); then the round with prefill chunks of 16,384 tokens (2 steps instead of 3)
 run decode_sweep_31b 400 python3 experiments/profile_decode.py +model=31b +experiment=rl_batch_31b \
   cudagraph.buckets=[64] --batch 64 --context 416 --sweep --out "$WORK/decode_sweep_31b.json"
-# the same sweep (the engine's own options first), then 31B bf16 at 64 in a build each: the default, and
-# FUSED_KV_WRITE with the sweep's best decode options where they beat the engine's by over 2%
-run decode_tuned_31b 590 bash -c 'python3 experiments/profile_decode.py +model=31b +experiment=rl_batch_31b \
-  cudagraph.buckets=[64] --batch 64 --context 416 --sweep --out "$WORK/decode_sweep_31b.json" > "$WORK/decode_sweep_31b.log" 2>&1;
-  grep -E "^decode " "$WORK/decode_sweep_31b.log"; ov=$(sed -n "s/^decode overrides: //p" "$WORK/decode_sweep_31b.log");
-  for v in "0" "1 $ov"; do set -- $v; python3 experiments/bench_batches.py --model 31b --batch-sizes 64 --new-tokens 256 \
-  --rounds 3 --warmup-rounds 0 --fused-kv-write $1 --out "$WORK/batches_decode_tuned" "${@:2}"; done;
-  cat "$WORK"/batches_decode_tuned/*.md'
+# flex decode options per model (issue 21): the sweep at the workload's rows and mean context (each
+# option in a CUDA graph; the preset's own options first), then the preset against the preset with the
+# sweep's best where it beats the preset's by over 2%, a build each. The 31B preset carries the first
+# run's winner (2026-12-02: 1,874 tok/s against 1,778 for the engine's defaults, with the fused K/V write).
+decode_tuned() {  # model rows context new-tokens [overrides...]
+  local m=$1 b=$2 c=$3 n=$4; shift 4
+  python3 experiments/profile_decode.py +model=$m +experiment=rl_batch_$m engine.max_batch_size=$b cudagraph.buckets=[$b] \
+    "$@" --batch $b --context $c --sweep --out "$WORK/decode_sweep_$m.json" > "$WORK/decode_sweep_$m.log" 2>&1
+  grep -E "^decode |Error" "$WORK/decode_sweep_$m.log" | tail -6
+  local ov; ov=$(sed -n "s/^decode overrides: //p" "$WORK/decode_sweep_$m.log")
+  if [[ -z "$ov" ]]; then echo "$m: no decode options beat the preset's by 2%"; return 0; fi
+  for d in preset tuned; do
+    python3 experiments/bench_batches.py --model $m --batch-sizes $b --new-tokens $n --rounds 3 --warmup-rounds 0 \
+      --out "$WORK/decode_tuned_$m/$d" "$@" $([[ $d == tuned ]] && echo "$ov")
+  done
+  cat "$WORK"/decode_tuned_$m/*/*.md
+}
+export -f decode_tuned
+run decode_tuned_31b 590 bash -c 'decode_tuned 31b 64 416 256'
+run decode_tuned_26b 590 bash -c 'decode_tuned 26b_a4b 128 416 256'
+run decode_tuned_e2b 590 bash -c 'decode_tuned e2b 256 544 512'
+run decode_tuned_e4b 590 bash -c 'decode_tuned e4b 128 544 512'
+# 31B bf16 at 64: its preset (tuned decode options, fused K/V write) against the engine's defaults
+run batches_31b_vs_defaults 330 bash -c 'for d in preset defaults; do python3 experiments/bench_batches.py --model 31b \
+  --batch-sizes 64 --new-tokens 256 --rounds 3 --warmup-rounds 0 --out "$WORK/batches_31b_$d" \
+  $([[ $d == defaults ]] && echo attn.decode.block_n=32 attn.decode.num_warps=null attn.decode.num_stages=null \
+  attn.fused_kv_write=false); done; cat "$WORK"/batches_31b_*/*.md'
 run prefill_sweep_31b 400 python3 experiments/profile_decode.py +model=31b +experiment=rl_batch_31b \
   cudagraph.buckets=[64] --batch 64 --context 416 --prefill-sweep --out "$WORK/prefill_sweep_31b.json"
 run batches_31b_prefill16k 330 bash -c 'for n in 16384 8192; do python3 experiments/bench_batches.py --model 31b \

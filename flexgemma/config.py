@@ -157,6 +157,9 @@ class AttnConfig:
     backend: AttnBackend = AttnBackend.auto
     prefill: PhaseKernels = field(default_factory=PhaseKernels)
     decode: PhaseKernels = field(default_factory=PhaseKernels)
+    # a layer's new K (norm + RoPE) and V (norm) written into the pools by one compiled function per
+    # tensor instead of a norm kernel and an index_copy kernel each (a gain with the compiled glue only)
+    fused_kv_write: bool = False
 
     def __post_init__(self):
         _check_pow2("attn.q_block_size", self.q_block_size, 16, 1024)

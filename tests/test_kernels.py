@@ -8,7 +8,6 @@ from flexgemma import compose
 from flexgemma.compiled import CompileCounter, compile_fn
 from flexgemma.model.attention import kernel_options
 
-from conftest import outputs_per_setting
 
 
 def test_kernel_option_keys_are_the_ones_torch_reads():
@@ -72,17 +71,22 @@ def test_compiled_kv_norm_write_writes_the_pools_in_place():
     assert counter.count <= 2  # the second length reuses the dynamic graph (or one recompile)
 
 
-def test_engine_with_the_fused_kv_write_generates_the_same(monkeypatch):
-    """attention.FUSED_KV_WRITE through a compiled engine on the CPU (prefill and decode steps): the
-    same greedy tokens and logprobs as the norms followed by KVPools.write."""
+def test_engine_with_the_fused_kv_write_generates_the_same():
+    """attn.fused_kv_write through a compiled engine on the CPU (prefill and decode steps): the same
+    greedy tokens and logprobs as the norms followed by KVPools.write; the override reaches every layer."""
     from flexgemma import SamplingParams, build_engine
-    from flexgemma.model import attention
 
     engine = build_engine(compose(["+model=tiny", "device=cpu", "engine.compile=true", "engine.max_batch_size=4",
-                                   "kv.cpu_pages=64"]))
+                                   "kv.cpu_pages=64", "attn.fused_kv_write=true"]))
+    assert all(a.fused_kv_write for a in engine.runner.forward.attn)
     prompts = [[2] + list(range(5, 5 + n)) for n in (9, 30, 17)]
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    runs = outputs_per_setting(monkeypatch, engine, attention, "FUSED_KV_WRITE", (False, True), prompts, params)
+    runs = []
+    for fused in (False, True):  # the same engine and weights, each layer's flag set
+        for a in engine.runner.forward.attn:
+            a.fused_kv_write = fused
+        engine.reset_prefix_cache()
+        runs.append(engine.generate(prompts, params))
     for plain, fused in zip(*runs):
         assert plain.token_ids == fused.token_ids
         torch.testing.assert_close(torch.tensor(fused.logprobs), torch.tensor(plain.logprobs), atol=1e-5, rtol=0)

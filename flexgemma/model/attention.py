@@ -62,21 +62,16 @@ def kernel_options(phase_cfg: Any, head_dim: int, page_size: int, dtype: torch.d
     return merged or None
 
 
-# the new K and V normed and written into the pools by one compiled function (glue.kv_norm_write:
-# a kernel each instead of a norm and an index_copy each; 31B's decode step spent 0.35 ms of 27.4 in
-# the index_copy kernels on the H200). False: the norms, then KVPools.write. Not yet timed on the GPU
-# (bench_batches.py --fused-kv-write); the write must stay in place there (no copy of a pool).
-FUSED_KV_WRITE = False
-
-
 class PagedAttention:
     """One layer's attention: projections (as `projections.projection` runs them), fused norm +
     RoPE, the KV write and the attention kernel of the phase."""
 
     def __init__(self, spec: LayerSpec, hf_attn, pools: KVPools, kernels: "AttentionKernels", ops, eps: float,
-                 options: dict[str, Optional[dict]], project: Callable[..., Projection]):
+                 options: dict[str, Optional[dict]], project: Callable[..., Projection], fused_kv_write: bool = False):
         self.spec, self.m, self.pools, self.k, self.ops, self.eps = spec, hf_attn, pools, kernels, ops, eps
         self.options = options  # phase -> flex kernel options for this layer's head_dim
+        # attn.fused_kv_write: the K/V norms and the pool write as one compiled function (glue.kv_norm_write)
+        self.fused_kv_write = fused_kv_write
         # the projections the layer uses: q, and k / v where it writes its own KV (one GEMM when fused)
         used = ["q_proj"] + (["k_proj"] if spec.writes_kv else []) + \
             (["v_proj"] if spec.writes_kv and not spec.k_eq_v else [])
@@ -94,7 +89,7 @@ class PagedAttention:
         if s.writes_kv:
             raw_k = k_lin.reshape(t, s.num_kv_heads, s.head_dim)
             raw_v = v_lin.reshape(t, s.num_kv_heads, s.head_dim)
-            if FUSED_KV_WRITE:
+            if self.fused_kv_write:
                 ops.kv_norm_write(raw_k, raw_v, m.k_norm.weight, cos, sin, self.eps, *self.pools.layer_kv(s.index),
                                   slots[s.layer_type])
             else:

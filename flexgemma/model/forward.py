@@ -38,7 +38,7 @@ class GemmaForward(torch.nn.Module):
             PagedAttention(
                 s, layer.self_attn, pools, kernels, ops, self.eps,
                 {ph: kernel_options(getattr(attn_cfg, ph), s.head_dim, pools.block_size, dtype) for ph in ("prefill", "decode")},
-                project,
+                project, fused_kv_write=attn_cfg.fused_kv_write,
             )
             for s, layer in zip(spec.layers, self.layers)
         ]
