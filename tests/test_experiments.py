@@ -96,3 +96,15 @@ def test_decode_sweep_overrides_give_the_engine_the_options_it_timed():
     # under a 2% gain the engine keeps its own options
     sweep[1]["ms"] = 0.99
     assert not any(o.startswith("attn.decode.block_n") for o in decode_overrides(sweep))
+
+
+def test_float32_error_smoke(tmp_path):
+    """experiments/float32_error.py on the tiny model: a table row per prompt, flexgemma's float32 as
+    close to float64 as rounding allows on a model this small."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "float32_error.py"), "+model=tiny", "--lengths", "7,40"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| 7 ") or line.startswith("| 40 ")]
+    assert len(rows) == 2 and all(float(row[1]) < 1e-4 for row in rows), r.stdout

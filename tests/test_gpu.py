@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flexgemma import SamplingParams, build_engine, compose
-from flexgemma.tasks.parity import first_divergence, hf_greedy
+from flexgemma.tasks.parity import first_divergence, float32_divergence, hf_greedy
 
 from conftest import outputs_per_setting
 
@@ -22,24 +22,19 @@ def engine_for(*overrides):
                                  "engine.max_batch_size=8", *overrides]))
 
 
-@torch.inference_mode()
-def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
-    dev = next(model.parameters()).device
-    return model(torch.tensor([ids], device=dev)).logits[0, -1].float()
-
-
 @pytest.mark.parametrize("dtype, backend", [("bfloat16", "flex"), ("float32", "flex"), ("float32", "dense")])
 def test_e2b_eager_generates_and_fp32_matches_transformers(dtype, backend):
-    """float32: the same greedy tokens as transformers, except where the two differ by no more than
-    float32 rounding does inside flexgemma itself.
+    """float32: the same greedy tokens as transformers, except where float64 says the two choices are
+    as close as float32 rounding makes them.
 
     Random weights give a near-flat distribution over 262k tokens, and 35 random layers amplify
-    rounding: the H200 showed ~1e-3 logprob differences to transformers on short prompts in both
-    attention backends (RESULTS.md, session 3). The yardstick is flexgemma's own noise: each prompt
-    run alone against the same prompt packed with the others (other GEMM shapes, other summation
-    orders, same maths), compared over the tokens before they part. At a divergence from
-    transformers, transformers' margin and the logprob gap must be within max(2e-3, 4 x that noise):
-    a real difference (a wrong window, a wrong page) stands far above it."""
+    rounding: on E2B's geometry transformers' own float32 logprobs sit ~1e-2 from float64's at 600
+    tokens (RESULTS.md, 2026-12-02 second session). At a divergence, transformers in float64 on the
+    same weights judges: its preference for transformers' token over ours, and our logprob's error
+    against it, must be within max(2e-3, 4 x flexgemma's own packed-vs-alone noise, 3 x transformers'
+    float32 error there). A real difference (a wrong window, a wrong page) stands far above it."""
+    import copy
+
     # backend=dense (mask_mod + SDPA, the CPU path) beside flex tells a flex kernel problem from the rest
     engine = engine_for("+model=e2b", f"model.dtype={dtype}", "cudagraph=off", "engine.compile=false",
                         f"attn.backend={backend}")
@@ -56,20 +51,17 @@ def test_e2b_eager_generates_and_fp32_matches_transformers(dtype, backend):
             gaps = [abs(x - y) for x, y in zip(a.logprobs[:common], o.logprobs[:common])]
             noise = max([noise, *gaps])
             print(f"prompt {len(p)}: alone vs packed part at {d}, max |logprob| gap before {max(gaps, default=0):.2e}")
-        tol = max(2e-3, 4 * noise)
+        model64 = None
         for p, o in zip(ps, outs):
             ref = hf_greedy(engine.model, p, 16)
             d = first_divergence(o.token_ids, ref)
             if d is None:
                 continue
-            logits = hf_last_logits(engine.model, p + ref[:d])
-            margin = (logits[ref[d]] - logits[o.token_ids[d]]).item()
-            ours_lp = o.logprobs[d]
-            hf_lp = torch.log_softmax(logits, -1)[o.token_ids[d]].item()
-            print(f"prompt {len(p)}: first divergence from transformers at {d}, transformers' margin {margin:.2e}, "
-                  f"logprob ours {ours_lp:.6f} vs transformers {hf_lp:.6f}, tolerance {tol:.2e}")
-            assert margin < tol, f"diverged at {d} where transformers' choice leads by {margin} (noise {noise})"
-            assert abs(ours_lp - hf_lp) < tol
+            model64 = model64 or copy.deepcopy(engine.model).double()
+            r = float32_divergence(engine.model, model64, p + ref[:d], o.token_ids[d], o.logprobs[d], ref[d])
+            tol = max(2e-3, 4 * noise, 3 * r["hf_error"])
+            print(f"prompt {len(p)}: first divergence from transformers at {d}: {r}, tolerance {tol:.2e}")
+            assert r["margin64"] < tol and r["our_error"] < tol, (len(p), d, r, tol)
     del engine
     torch.cuda.empty_cache()
 

@@ -26,6 +26,25 @@ def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def last_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """transformers' log-softmax after `ids` (no cache), in float64 whatever the model's dtype."""
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids], device=dev), use_cache=False).logits[0, -1]
+    return torch.log_softmax(logits.double(), -1)
+
+
+def float32_divergence(model32, model64, context: list[int], ours: int, ours_logprob: float, theirs: int) -> dict:
+    """Where flexgemma and transformers, both in float32, pick different tokens after `context`,
+    transformers in float64 on the same weights judges: `margin64`, how far float64 prefers
+    transformers' token to ours; `our_error`, our logprob against float64's; `hf_error`, transformers'
+    own float32 error on the two tokens (float32 rounding as this model amplifies it here: random
+    weights over 35 layers make it ~1e-2 on E2B's geometry at 600 tokens, RESULTS.md)."""
+    lp32, lp64 = last_logprobs(model32, context), last_logprobs(model64, context)
+    return {"margin64": (lp64[theirs] - lp64[ours]).item(), "our_error": abs(ours_logprob - lp64[ours].item()),
+            "hf_error": max(abs(lp32[t] - lp64[t]).item() for t in (ours, theirs))}
+
+
 def compare(ours: list[list[int]], ref: list[list[int]]) -> dict:
     match = total = exact = 0
     first_div = []
