@@ -110,11 +110,33 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(res, indent=1, default=str))
 
 
+def time_options(phase: str, layer_type: str, head_dim: int, own, grid: list, time_one) -> list[dict]:
+    """Compiles flex_attention for each kernel option set of `grid` and times it with
+    time_one(fn, options); a row per set (its ms, or why it did not compile or fit; `engine_default`
+    marks `own`, the layer's options in the engine). Prints the engine's and the best."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    rows = []
+    for opts in grid:
+        fn = torch.compile(flex_attention, dynamic=False)
+        row = {"layer_type": layer_type, "head_dim": head_dim, "options": opts}
+        try:
+            row.update(ms=time_one(fn, opts), engine_default=opts is own)
+        except Exception as e:  # noqa: BLE001 - record which options do not compile or fit
+            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        rows.append(row)
+        torch._dynamo.reset()
+    timed = [r for r in rows if "ms" in r]
+    best = min(timed, key=lambda r: r["ms"])
+    mine = next((r for r in timed if r.get("engine_default")), None)
+    print(f"{phase} {layer_type}: engine's options {mine and round(mine['ms'], 4)} ms {own}; best "
+          f"{best['ms']:.4f} ms {best['options']}")
+    return rows
+
+
 def sweep_flex(engine, seqs, rows) -> list[dict]:
     """Times compiled flex decode on each layer type's real pool and masks, per kernel option set
     (the engine's own options first)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     runner = engine.runner
     runner.fill_decode(seqs, rows)
     masks = runner.decode_masks(rows)
@@ -125,26 +147,12 @@ def sweep_flex(engine, seqs, rows) -> list[dict]:
         q = torch.randn(rows, spec.num_heads, 1, spec.head_dim, device=k.device, dtype=k.dtype)
         own = runner.forward.attn[spec.index].options["decode"]
         # head_dim 512 keeps the config's BLOCK_M 16 (an override sets the tiles, warps and stages)
-        ns, stages, fixed = ((16, 32), (1, 2, 3), {"BLOCK_M": 16}) if spec.head_dim >= 512 else ((32, 64), (1, 2, 3), {})
+        ns, fixed = ((16, 32), {"BLOCK_M": 16}) if spec.head_dim >= 512 else ((32, 64), {})
         grid = [own] + [dict(fixed, BLOCK_N=bn, num_warps=w, num_stages=st)
-                        for bn, w, st in itertools.product(ns, (4, 8), stages)]
-        for opts in grid:
-            fn = torch.compile(flex_attention, dynamic=False)
-            try:
-                # in a graph: the kernel runs ~0.1 ms, shorter than the host's launch of a compiled call
-                ms = graph_time_ms(lambda: fn(q, k, v, block_mask=masks[layer_type], scale=1.0, enable_gqa=True,
-                                              kernel_options=opts))
-                out.append({"layer_type": layer_type, "head_dim": spec.head_dim, "options": opts, "ms": ms,
-                            "engine_default": opts is own})
-            except Exception as e:  # noqa: BLE001 - record which options do not compile
-                out.append({"layer_type": layer_type, "head_dim": spec.head_dim, "options": opts,
-                            "error": f"{type(e).__name__}: {str(e)[:160]}"})
-            torch._dynamo.reset()
-        timed = [r for r in out if r["layer_type"] == layer_type and "ms" in r]
-        best = min(timed, key=lambda r: r["ms"])
-        mine = next((r for r in timed if r.get("engine_default")), None)
-        print(f"decode {layer_type}: engine's options {mine and round(mine['ms'], 4)} ms {own}; best "
-              f"{best['ms']:.4f} ms {best['options']}")
+                        for bn, w, st in itertools.product(ns, (4, 8), (1, 2, 3))]
+        # in a graph: the kernel runs ~0.1 ms, shorter than the host's launch of a compiled call
+        out += time_options("decode", layer_type, spec.head_dim, own, grid, lambda fn, opts: graph_time_ms(
+            lambda: fn(q, k, v, block_mask=masks[layer_type], scale=1.0, enable_gqa=True, kernel_options=opts)))
     print("decode overrides:", " ".join(decode_overrides(out)))
     return out
 
@@ -153,7 +161,7 @@ def decode_overrides(sweep: list[dict], min_gain: float = 0.02) -> list[str]:
     """Hydra overrides that set each layer type's fastest decode options, where they beat the
     engine's own by more than min_gain (attn.decode for sliding layers, attn.decode.full_attention
     for the head_dim-512 ones)."""
-    out = []
+    out, names = [], {v: k for k, v in _KERNEL_KEYS.items()}  # flex option -> config field
     for layer_type in sorted({r["layer_type"] for r in sweep}):
         timed = [r for r in sweep if r["layer_type"] == layer_type and "ms" in r]
         mine = next((r for r in timed if r.get("engine_default")), None)
@@ -161,7 +169,6 @@ def decode_overrides(sweep: list[dict], min_gain: float = 0.02) -> list[str]:
         if best is None or mine is None or best["ms"] > mine["ms"] * (1 - min_gain):
             continue
         group = "attn.decode.full_attention" if best["head_dim"] >= 512 else "attn.decode"
-        names = {v: k for k, v in _KERNEL_KEYS.items()}  # flex option -> config field
         out += [f"{group}.{names[key]}={val}" for key, val in best["options"].items() if key in names]
     return out
 
@@ -187,8 +194,6 @@ def prefill_batch(engine, cfg) -> tuple[list[Sequence], list[int]]:
 def sweep_prefill(engine, cfg) -> list[dict]:
     """Times compiled flex prefill on each layer type's real pool and packed masks, per kernel
     option set (the engine's own options first)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     runner = engine.runner
     seqs, lens = prefill_batch(engine, cfg)
     padded = -(-sum(lens) // runner.q_block) * runner.q_block
@@ -204,22 +209,9 @@ def sweep_prefill(engine, cfg) -> list[dict]:
         ns = (16, 32) if spec.head_dim >= 512 else (32, 64)
         grid = [own] + [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st)
                         for m, n, w, st in itertools.product(ms_, ns, (4, 8), (1, 2, 3))]
-        for opts in grid:
-            fn = torch.compile(flex_attention, dynamic=False)
-            try:
-                ms = cuda_time_ms(lambda: fn(q, k, v, block_mask=masks[layer_type], scale=1.0, enable_gqa=True,
-                                             kernel_options=opts), iters=10)
-                out.append({"layer_type": layer_type, "head_dim": spec.head_dim, "options": opts, "ms": ms,
-                            "engine_default": opts is own})
-            except Exception as e:  # noqa: BLE001 - record which options do not compile or fit
-                out.append({"layer_type": layer_type, "head_dim": spec.head_dim, "options": opts,
-                            "error": f"{type(e).__name__}: {str(e)[:160]}"})
-            torch._dynamo.reset()
-        timed = [r for r in out if r["layer_type"] == layer_type and "ms" in r]
-        best = min(timed, key=lambda r: r["ms"])
-        mine = next((r for r in timed if r.get("engine_default")), None)
-        print(f"prefill {layer_type}: engine's options {mine and round(mine['ms'], 3)} ms {own}; best "
-              f"{best['ms']:.3f} ms {best['options']}")
+        out += time_options("prefill", layer_type, spec.head_dim, own, grid, lambda fn, opts: cuda_time_ms(
+            lambda: fn(q, k, v, block_mask=masks[layer_type], scale=1.0, enable_gqa=True, kernel_options=opts),
+            iters=10))
     return out
 
 

@@ -33,12 +33,12 @@ def make_engine(*overrides: str, model: str = "tiny"):
     return build_engine(compose([f"+model={model}", *SMALL, *overrides]))
 
 
-def outputs_per_setting(monkeypatch, engine, module, name: str, values, prompts, params) -> list:
-    """engine.generate(prompts, params) once with module.name set to each of `values` (the prefix
+def outputs_per_setting(engine, set_value, values, prompts, params) -> list:
+    """engine.generate(prompts, params) once after set_value(v) for each of `values` (the prefix
     cache reset before each, so every run computes the prompts)."""
     runs = []
     for value in values:
-        monkeypatch.setattr(module, name, value)
+        set_value(value)
         engine.reset_prefix_cache()
         runs.append(engine.generate(prompts, params))
     return runs

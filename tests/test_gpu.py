@@ -98,7 +98,8 @@ def test_prefill_full_blocks_change_nothing_but_speed(monkeypatch):
                         "model.hf_config.max_position_embeddings=2048", "cudagraph=off")
     ps = prompts(engine.spec.vocab_size)
     sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-    runs = outputs_per_setting(monkeypatch, engine, block_mask, "PREFILL_FULL_BLOCKS", (False, True), ps, sp)
+    runs = outputs_per_setting(engine, lambda v: monkeypatch.setattr(block_mask, "PREFILL_FULL_BLOCKS", v),
+                               (False, True), ps, sp)
     for plain, fast in zip(*runs):
         assert plain.token_ids == fast.token_ids
         assert max(abs(a - b) for a, b in zip(plain.logprobs, fast.logprobs)) < 1e-4

@@ -8,6 +8,7 @@ from flexgemma import compose
 from flexgemma.compiled import CompileCounter, compile_fn
 from flexgemma.model.attention import kernel_options
 
+from conftest import outputs_per_setting
 
 
 def test_kernel_option_keys_are_the_ones_torch_reads():
@@ -81,12 +82,12 @@ def test_engine_with_the_fused_kv_write_generates_the_same():
     assert all(a.fused_kv_write for a in engine.runner.forward.attn)
     prompts = [[2] + list(range(5, 5 + n)) for n in (9, 30, 17)]
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    runs = []
-    for fused in (False, True):  # the same engine and weights, each layer's flag set
+
+    def set_fused(fused: bool) -> None:  # the same engine and weights, each layer's flag set
         for a in engine.runner.forward.attn:
             a.fused_kv_write = fused
-        engine.reset_prefix_cache()
-        runs.append(engine.generate(prompts, params))
+
+    runs = outputs_per_setting(engine, set_fused, (False, True), prompts, params)
     for plain, fused in zip(*runs):
         assert plain.token_ids == fused.token_ids
         torch.testing.assert_close(torch.tensor(fused.logprobs), torch.tensor(plain.logprobs), atol=1e-5, rtol=0)
