@@ -192,8 +192,9 @@ run decode_sweep_31b 400 python3 experiments/profile_decode.py +model=31b +exper
   cudagraph.buckets=[64] --batch 64 --context 416 --sweep --out "$WORK/decode_sweep_31b.json"
 # flex decode options per model (issue 21): the sweep at the workload's rows and mean context (each
 # option in a CUDA graph; the preset's own options first), then the preset against the preset with the
-# sweep's best where it beats the preset's by over 2%, a build each. The 31B preset carries the first
-# run's winner (2026-12-02: 1,874 tok/s against 1,778 for the engine's defaults, with the fused K/V write).
+# sweep's best where it beats the preset's by over 2%, a build each. Every preset now carries its run's
+# winners (2026-12-02: 31B 1,778 -> 1,874, 26B-A4B 5,146 -> 5,305, E2B 29,141 -> 32,209, E4B 12,705 ->
+# 14,300 tok/s), so a rerun checks them against the sweep again.
 decode_tuned() {  # model rows context new-tokens [overrides...]
   local m=$1 b=$2 c=$3 n=$4; shift 4
   python3 experiments/profile_decode.py +model=$m +experiment=rl_batch_$m engine.max_batch_size=$b cudagraph.buckets=[$b] \

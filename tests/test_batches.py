@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from flexgemma import SamplingParams, compose
+from flexgemma.config import validate
 from flexgemma.engine.cuda_graphs import attention_row_sizes, auto_buckets, resolve_buckets
 from flexgemma.engine.warm import RoundWatch, warm_up
+from flexgemma.model.attention import kernel_options
 from flexgemma.model.spec import FULL
 from flexgemma.tasks.bench import first_round_check
 
@@ -232,3 +234,19 @@ def test_bench_sampler_runs_on_the_cpu(tmp_path):
                                               "--out", str(tmp_path / "s.json")])
     assert len(rows) == 4 and all(r["tokens_equal"] and r["logprob_max_diff"] == 0.0 for r in rows)
     assert all(r["cap_inside_us"] > 0 and r["cap_apart_us"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("model, sliding_stages, full_tile", [
+    ("e2b", 2, (32, 3)), ("e4b", 3, (32, 3)), ("26b_a4b", 2, (32, 3)), ("31b", 2, (16, 2))])
+def test_rl_batch_presets_carry_their_measured_decode_tiles(model, sliding_stages, full_tile):
+    """Each preset's flex decode tiles are the ones its H200 round measured faster with (RESULTS.md,
+    2026-12-02): BLOCK_N 64 / 4 warps on the sliding layers (head_dim 256), and BLOCK_N 32 / 3 stages
+    on the full-attention ones (head_dim 512) where that was measured (31B keeps the engine's)."""
+    cfg = compose([f"+model={model}", f"+experiment=rl_batch_{model}"])
+    validate(cfg)  # the tiles divide the preset's page size and fit the typed config's checks
+    page = cfg.kv.page_size
+    assert kernel_options(cfg.attn.decode, 256, page) == {"BLOCK_N": 64, "num_warps": 4, "num_stages": sliding_stages}
+    block_n, stages = full_tile
+    assert kernel_options(cfg.attn.decode, 512, page) == {"BLOCK_M": 16, "BLOCK_N": block_n, "num_warps": 4,
+                                                          "num_stages": stages}
+    assert cfg.attn.fused_kv_write == (model == "31b")
