@@ -16,12 +16,13 @@ from flexgemma.engine.engine import Engine
 from flexgemma.engine.kv_cache import KVCache, PoolDemand
 from flexgemma.engine.cuda_graphs import DecodeGraphs, attention_row_sizes, resolve_buckets
 from flexgemma.engine.runner import ModelRunner
-from flexgemma.engine.sampler import sample
+from flexgemma.engine.sampler import InvariantSampler, sample
 from flexgemma.engine.warm import eager_decode_steps, warm_up
 from flexgemma.engine.scheduler import Scheduler
-from flexgemma.model.attention import AttentionKernels
+from flexgemma.model.attention import AttentionKernels, InvariantAttentionKernels
 from flexgemma.model.forward import GemmaForward
-from flexgemma.model.glue import make_ops
+from flexgemma.model.glue import ROW_ARGS, make_ops
+from flexgemma.model.invariant.rows import padded_rows
 from flexgemma.model.estimate import describe, estimate_build, refuse_if_too_large
 from flexgemma.model.load import build_model, free_memory
 from flexgemma.model.lora import attach_lora
@@ -148,12 +149,25 @@ def _build_from_config(cfg: DictConfig, demand: PoolDemand) -> Engine:
 
 def _forward(cfg, r: Resolved, model, spec: ModelSpec, cache: KVCache, max_len: int, counter: CompileCounter,
              lora, info: dict) -> GemmaForward:
-    """The model's forward with the resolved kernels (attention, MoE, 4-bit projections)."""
-    kernels = AttentionKernels(r.attention_backend, decode_rows=attention_row_sizes(cfg.engine.max_batch_size),
-                               counter=counter)
-    ops = make_ops(counter if r.compile else None, r.moe_kernel)
+    """The model's forward with the resolved kernels (attention, MoE, 4-bit projections), or with the
+    batch-invariant ones (engine.batch_invariant)."""
+    invariant = None
+    if r.batch_invariant:
+        from flexgemma.model.invariant.experts import InvariantExperts
+        from flexgemma.model.invariant.matmul import linear as invariant
+
+        kernels = InvariantAttentionKernels(cache.page_size)
+        ops = make_ops(counter if r.compile else None, "grouped_mm")
+        ops.experts_kernel = InvariantExperts()
+        if r.device.type == "cpu":
+            for name, rows in ROW_ARGS.items():
+                setattr(ops, name, padded_rows(getattr(ops, name), rows))
+    else:
+        kernels = AttentionKernels(r.attention_backend, decode_rows=attention_row_sizes(cfg.engine.max_batch_size),
+                                   counter=counter)
+        ops = make_ops(counter if r.compile else None, r.moe_kernel)
     forward = GemmaForward(model, spec, cache.pools, cfg.attn, max_len, kernels, ops, lora,
-                           linear4bit=r.linear4bit_kernel == "triton")
+                           linear4bit=r.linear4bit_kernel == "triton", invariant=invariant)
     if r.quantised:
         groups = forward.linear4bit_groups()
         info.update({"linear4bit_kernel": r.linear4bit_kernel, "linear4bit_groups": len(groups),
@@ -166,7 +180,9 @@ def _prepare_decode(cfg, runner: ModelRunner, r: Resolved) -> float:
     nothing compiles inside a timed round. Returns the seconds it took."""
     t1 = time.perf_counter()
     if cfg.cudagraph.enabled and r.device.type == "cuda":
-        runner.graphs = DecodeGraphs(runner, resolve_buckets(cfg.cudagraph.buckets, cfg.engine.max_batch_size))
+        buckets = [b for b in resolve_buckets(cfg.cudagraph.buckets, cfg.engine.max_batch_size)
+                   if b >= runner.min_decode_rows]
+        runner.graphs = DecodeGraphs(runner, buckets)
         runner.graphs.capture()  # compiles the kernels on its warm-up steps
     elif r.compile or r.attention_backend == "flex":
         eager_decode_steps(runner)
@@ -206,13 +222,19 @@ def assemble_engine(cfg, model, tokenizer, info: dict, lora, r: Resolved,
     forward = _forward(cfg, r, model, spec, cache, max_len, counter, lora, info)
     if lora is not None:
         info.update(lora.build_info())
-    masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len)
+    masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len, invariant=r.batch_invariant)
     sample_fn = compile_fn(sample, counter) if use_compile else sample
+    if r.batch_invariant:
+        sample_fn = InvariantSampler(sample_fn)
     runner = ModelRunner(forward, cache, masks, cfg.engine.max_batch_size, cfg.attn.q_block_size, sample_fn)
+    # the compiled glue is traced apart for one row (torch specialises a size of 1): under batch invariance
+    # a lone decode row runs padded to two, so it meets the kernels every other batch meets
+    runner.min_decode_rows = 2 if r.batch_invariant and use_compile and cfg.engine.max_batch_size > 1 else 1
     info["compile_capture_seconds"] = _prepare_decode(cfg, runner, r)
     scheduler = Scheduler(cache, cfg.engine.max_batch_size, cfg.engine.max_prefill_tokens,
                           prefix_cache=bool(cfg.kv.prefix_cache))
     info.update(_engine_facts(runner, spec, dtype, max_len, counter.count, r))
+    info["batch_invariant"] = r.batch_invariant
     info.update(device=str(device), kv_pages=num_pages, kv_window_pages=window_pages or 0,
                 page_size=cfg.kv.page_size, kv_pool_bytes=cache.nbytes, max_model_len=max_len,
                 async_decode=bool(cfg.engine.async_decode), prefix_cache=scheduler.prefix is not None)

@@ -243,6 +243,10 @@ class EngineConfig:
     # CUDA virtual memory so wake() maps it back at the same addresses and keeps the decode graphs
     # (engine/vmm.py); off, wake() re-captures the graphs when the caching allocator moved the pool
     sleep_mode: bool = False
+    # a request's logprobs do not depend on what else runs, bit for bit: every product, the attention
+    # and the log-probabilities through the kernels of flexgemma/model/invariant (docs/api.md says what
+    # is invariant and what it costs)
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.max_batch_size < 1:

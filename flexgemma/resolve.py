@@ -25,6 +25,7 @@ class Resolved:
     linear4bit_kernel: str  # triton | bnb (engine.linear4bit_kernel; bnb without quant=bnb4)
     quantised: bool  # quant.method is not none
     lora_merge: bool  # merge LoRA into the weights (lora.merge; null: merged unless 4-bit)
+    batch_invariant: bool = False  # engine.batch_invariant: the kernels of model/invariant
 
 
 def resolve_device(name) -> torch.device:
@@ -44,6 +45,10 @@ def resolve(cfg, device: torch.device) -> Resolved:
     if backend == "flex":
         validate_kernels(cfg)  # the compiled kernels' tiles must fit the pages (the eager paths have none)
     quantised = cfg.quant is not None and cfg.quant.method != "none"
+    invariant = bool(getattr(cfg.engine, "batch_invariant", False))
+    if invariant and device.type == "cuda" and int(cfg.kv.page_size) < 16:
+        raise ConfigError(f"engine.batch_invariant=true on a GPU needs kv.page_size >= 16 (the attention kernel's "
+                          f"smallest tile), got {cfg.kv.page_size}")
     return Resolved(
         device=device,
         dtype=model_dtype(cfg.model, cfg.quant, device),
@@ -54,6 +59,7 @@ def resolve(cfg, device: torch.device) -> Resolved:
         if quantised else "bnb",
         quantised=quantised,
         lora_merge=(not quantised) if cfg.lora.merge is None else bool(cfg.lora.merge),
+        batch_invariant=invariant,
     )
 
 

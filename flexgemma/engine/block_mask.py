@@ -24,6 +24,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexgemma.engine.kv_cache import KVCache, PageGroup
 from flexgemma.engine.sequence import Sequence
 from flexgemma.engine.staged import Staged
+from flexgemma.model.invariant.attention import RowTable
 from flexgemma.model.spec import ModelSpec
 
 DECODE_Q_BLOCK = 128
@@ -88,12 +89,19 @@ class MaskBuffers:
     kv_indices: dict[str, torch.Tensor]  # layer type -> [B, 1, 1, max_pages_per_seq] int32
     tables: dict[str, torch.Tensor]  # page group name -> [B, max_pages_per_seq] int32 page tables
     mask_mods: dict[str, Callable]  # layer type -> mask_mod over q_seq / q_pos
+    q_row: torch.Tensor  # [B, 1] int32: decode row b reads page-table row b
     host: dict[str, np.ndarray]  # the same fields on the host: "q_seq", "q_pos", "q_row", "nb/TYPE", "idx/TYPE", "tab/GROUP"
 
 
 class MaskBuilder:
-    def __init__(self, spec: ModelSpec, cache: KVCache, q_block_size: int, max_model_len: int):
+    """BlockMasks for flex_attention; with `invariant` (engine.batch_invariant) the same step described
+    as `RowTable`s for the batch-invariant attention instead (page tables, each query's row and
+    position): `block_masks` and `prefill` then return those."""
+
+    def __init__(self, spec: ModelSpec, cache: KVCache, q_block_size: int, max_model_len: int,
+                 invariant: bool = False):
         self.spec, self.cache = spec, cache
+        self.invariant, self.max_model_len = invariant, max_model_len
         self.page_size = cache.page_size
         self.q_block = q_block_size
         self.windows = {t: next(s.window for s in spec.layers if s.layer_type == t) for t in spec.layer_types}
@@ -135,10 +143,15 @@ class MaskBuilder:
             mask_mods={t: make_mask_mod(self.groups[t], dev["q_seq"], dev["q_pos"], dev["q_row"],
                                         tables[self.groups[t].name], w_) for t, w_ in self.windows.items()},
             host=host,
+            q_row=dev["q_row"],
         )
 
     def block_masks(self, buf: MaskBuffers, rows: int) -> dict[str, BlockMask]:
-        """BlockMasks over the first `rows` rows of the buffers; built once per batch size."""
+        """BlockMasks over the first `rows` rows of the buffers; built once per batch size (RowTables
+        over the same buffers when invariant)."""
+        if self.invariant:
+            return {t: RowTable(buf.tables[self.groups[t].name][:rows], buf.q_row[:rows, 0], buf.q_pos[:rows, 0], w,
+                                decode=True, max_len=self.max_model_len) for t, w in self.windows.items()}
         return {
             t: BlockMask.from_kv_blocks(
                 buf.kv_num_blocks[t][:rows],
@@ -207,6 +220,13 @@ class MaskBuilder:
         q_row_t = torch.from_numpy(q_row).to(self.device)
         tables = {g.name: torch.from_numpy(page_table(g, seqs, table_rows, self.max_pages_per_seq)).to(self.device)
                   for g in self.groups.values()}
+        if self.invariant:
+            # each chunk a run of one sequence's queries; the padding a run that reads no page
+            segments = [(int(a), int(n)) for a, n in zip(np.cumsum([0] + list(chunk_lens[:-1])), chunk_lens)]
+            if padded_len > sum(chunk_lens):
+                segments.append((sum(chunk_lens), padded_len - sum(chunk_lens)))
+            return {t: RowTable(tables[self.groups[t].name], q_row_t[0], q_pos_t[0], w, decode=False,
+                                max_len=self.max_model_len, segments=segments) for t, w in self.windows.items()}
         masks = {}
         for t, window in self.windows.items():
             group = self.groups[t]

@@ -81,6 +81,8 @@ class ModelRunner:
         # decode attention runs at one of a few fixed row counts when its kernel is compiled for them
         self.attn_rows = forward.kernels.padded_rows
         self.graphs = None  # a cuda_graphs.DecodeGraphs once captured
+        self.invariant = forward.invariant is not None  # engine.batch_invariant
+        self.min_decode_rows = 1  # a decode step runs at least this many rows (the builder sets it)
 
     def _slots_by_type(self, slots: torch.Tensor, window_slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each layer type writes its KV at the slots of its own page group."""
@@ -109,10 +111,11 @@ class ModelRunner:
         return tokens.tolist(), logprobs.tolist()
 
     @torch.inference_mode()
-    def prefill_logits(self, plan: StepPlan, rows: list[int]) -> torch.Tensor:
-        """Runs a prefill step (KV written as usual) and returns the float32 logits of the step's token
-        rows `rows` (indices into the packed chunks, in plan order): engine.score's teacher-forced forward."""
-        return self.forward.logits(self._prefill(plan, rows)[0])
+    def prefill_head(self, plan: StepPlan, rows: list[int]) -> torch.Tensor:
+        """Runs a prefill step (KV written as usual) and returns the head's output (before the soft-cap)
+        of the step's token rows `rows` (indices into the packed chunks, in plan order): engine.score's
+        teacher-forced forward."""
+        return self._prefill(plan, rows)[0]
 
     def _prefill(self, plan: StepPlan, rows: Optional[list[int]] = None):
         total = plan.num_tokens
@@ -188,7 +191,7 @@ class ModelRunner:
         """(tokens, logprobs, events): events are (start, end) around the step on the GPU when `timed`
         (async decode reads them once the step has passed), else None."""
         n = len(seqs)
-        rows = self.graphs.bucket_for(n) if self.graphs is not None else n
+        rows = self.graphs.bucket_for(n) if self.graphs is not None else max(n, self.min_decode_rows)
         filtered, greedy = self.fill_decode(seqs, rows)
         if chained is not None:  # the input tokens are the previous step's, still on the device
             self.decode_in.input_ids[:n].copy_(chained.tokens)

@@ -75,11 +75,11 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
     return total + torch.log(mass.sum(dim=-1))
 
 
-def sample(logits: torch.Tensor, p: SamplingBatch,
-           softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (tokens [B] int64, logprobs [B] float32). With `softcap`, `logits` is the
-    model head's output and is soft-capped here (cap * tanh(x / cap), in float32, as the model's own
-    logits), inside the compiled graph that reads it."""
+def sample(logits: torch.Tensor, p: SamplingBatch, softcap: Optional[float] = None,
+           logprobs: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """logits [B, V] -> (tokens [B] int64, logprobs [B] float32, or None without `logprobs`). With
+    `softcap`, `logits` is the model head's output and is soft-capped here (cap * tanh(x / cap), in
+    float32, as the model's own logits), inside the compiled graph that reads it."""
     logits = final_logits(logits, softcap)
     greedy = argmax_rows(logits)
     if p.greedy_only:
@@ -93,8 +93,33 @@ def sample(logits: torch.Tensor, p: SamplingBatch,
         gumbel = -torch.log(-torch.log(u))
         drawn = argmax_rows(scaled + gumbel)
         tokens = torch.where(p.temperature > 0, drawn, greedy)
-    logprobs = logits.gather(-1, tokens[:, None])[:, 0] - logsumexp_rows(logits)
-    return tokens, logprobs
+    if not logprobs:
+        return tokens, None
+    return tokens, logits.gather(-1, tokens[:, None])[:, 0] - logsumexp_rows(logits)
+
+
+class InvariantSampler:
+    """engine.batch_invariant: tokens drawn by `sample_fn` (a per-element computation and an argmax:
+    a row's draw never depends on the batch), their logprobs by `invariant.logprobs.token_logprobs`,
+    the function engine.score() calls too."""
+
+    def __init__(self, sample_fn):
+        self.sample_fn = sample_fn
+
+    def __call__(self, head: torch.Tensor, p: SamplingBatch, softcap: Optional[float] = None):
+        from flexgemma.model.invariant.logprobs import token_logprobs
+        from flexgemma.model.invariant.rows import pad_rows, padded_row_count, serial
+
+        if head.is_cuda:
+            tokens, _ = self.sample_fn(head, p, softcap, logprobs=False)
+        else:  # the CPU's elementwise loops: rows padded, one thread (model/invariant/rows.py)
+            t = head.shape[0]
+            n = padded_row_count(t)
+            padded = SamplingBatch(*(pad_rows(x, n) for x in (p.temperature, p.top_k, p.top_p, p.seed, p.position)),
+                                   p.needs_filter, p.greedy_only)
+            with serial():
+                tokens = self.sample_fn(pad_rows(head, n), padded, softcap, logprobs=False)[0][:t]
+        return tokens, token_logprobs(head, tokens, softcap)
 
 
 def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

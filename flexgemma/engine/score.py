@@ -80,9 +80,9 @@ def run_score(engine, token_lists: list[list[int]], prompt_lens: list[int], top_
                     rows.append(t + p - start)
                     where.append((s.index, p))
                 t += n
-            logits = engine.runner.prefill_logits(plan, rows or [0])
+            head = engine.runner.prefill_head(plan, rows or [0])
             if rows:
-                _fill(outs, token_lists, prompt_lens, where, logits, top_k)
+                _fill(outs, token_lists, prompt_lens, where, head, top_k, engine.runner)
             for s, n in zip(list(plan.seqs), plan.chunk_lens):
                 s.num_computed += n
                 sch.reclaim(s)
@@ -95,12 +95,20 @@ def run_score(engine, token_lists: list[list[int]], prompt_lens: list[int], top_
 
 
 @torch.inference_mode()
-def _fill(outs, token_lists, prompt_lens, where, logits: torch.Tensor, top_k: int) -> None:
-    """Writes the log-probability of each row's next given token (and the row's top_k)."""
-    logits = logits.float()
-    lse = logsumexp_rows(logits)
+def _fill(outs, token_lists, prompt_lens, where, head: torch.Tensor, top_k: int, runner) -> None:
+    """Writes the log-probability of each row's next given token (and the row's top_k). Under
+    engine.batch_invariant through the function the sampler used when it drew the token."""
+    logits = runner.forward.logits(head)
     target = torch.tensor([token_lists[i][p + 1] for i, p in where], device=logits.device)
-    chosen = (logits.gather(-1, target[:, None])[:, 0] - lse).tolist()
+    if runner.invariant:
+        from flexgemma.model.invariant.logprobs import token_logprobs
+
+        chosen_t = token_logprobs(head, target, runner.forward.spec.softcap)
+        lse = logits.gather(-1, target[:, None])[:, 0] - chosen_t  # the row's log-sum-exp, as the kernel had it
+    else:
+        lse = logsumexp_rows(logits)
+        chosen_t = logits.gather(-1, target[:, None])[:, 0] - lse
+    chosen = chosen_t.tolist()
     if top_k:
         vals, ids = torch.topk(logits, top_k, dim=-1)
         top = list(zip(ids.tolist(), (vals - lse[:, None]).tolist()))

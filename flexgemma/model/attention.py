@@ -169,6 +169,31 @@ class AttentionKernels:
             ) from e
 
 
+class InvariantAttentionKernels:
+    """engine.batch_invariant: both phases through `invariant.attention.paged_attention`, which reads
+    the step's `RowTable`s (the masks the engine builds in this mode) instead of BlockMasks. A decode
+    step runs at the batch it is given: no row padding, nothing chosen from the batch."""
+
+    backend = "invariant"
+    decode_rows = None
+
+    def __init__(self, page_size: int, options=None):
+        from flexgemma.model.invariant.attention import InvariantAttentionOptions
+
+        self.page_size = page_size
+        self.options = options or InvariantAttentionOptions()
+
+    def padded_rows(self, b: int) -> int:
+        return b
+
+    def decode(self, q, k, v, rows, options=None):
+        from flexgemma.model.invariant.attention import paged_attention
+
+        return paged_attention(q, k, v, rows, self.page_size, self.options)
+
+    prefill = decode  # the RowTable says which phase: one computation for both
+
+
 def dense_attention(q, k, v, block_mask: BlockMask, scale: float, enable_gqa: bool, kernel_options=None):
     """The CPU path: the same mask_mod evaluated on broadcast index tensors, then SDPA.
 

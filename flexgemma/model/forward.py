@@ -18,27 +18,32 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexgemma.model.attention import AttentionKernels, PagedAttention, kernel_options, rope_tables
 from flexgemma.model.kv_pools import KVPools
 from flexgemma.model.moe import moe_block
-from flexgemma.model.projections import linear4bit_groups, projection
+from flexgemma.model.projections import dense_weight, linear4bit_groups, projection
 from flexgemma.model.spec import ModelSpec
 
 
 class GemmaForward(torch.nn.Module):
     def __init__(self, hf_model, spec: ModelSpec, pools: KVPools, attn_cfg, max_len: int,
-                 kernels: AttentionKernels, ops, lora=None, linear4bit: bool = False):
+                 kernels: AttentionKernels, ops, lora=None, linear4bit: bool = False, invariant=None):
         super().__init__()
         self.hf = [hf_model]  # a list: not a submodule, so its parameters are listed once, by transformers
         self.spec, self.pools, self.kernels, self.ops = spec, pools, kernels, ops
         self.layers = hf_model.model.layers
         self.eps = spec.rms_eps
+        # engine.batch_invariant: the batch-invariant matrix product (model/invariant/matmul.py) that every
+        # product of the forward runs through, the head's and the per-layer inputs' too; None: the usual ones
+        self.invariant = invariant
         dtype = hf_model.model.embed_tokens.weight.dtype
+        # the fused K/V write is one call over the pools, which the CPU's invariant row padding cannot wrap
+        pools_on_gpu = hf_model.model.embed_tokens.weight.is_cuda
         # every projection of the model, as `projection` decides to run it (decided here, once):
         # `lora` the engine's adapters or None; `linear4bit` 4-bit bases may run as one group
-        project = functools.partial(projection, lora=lora, linear4bit=linear4bit)
+        project = functools.partial(projection, lora=lora, linear4bit=linear4bit, invariant=invariant)
         self.attn = [
             PagedAttention(
                 s, layer.self_attn, pools, kernels, ops, self.eps,
                 {ph: kernel_options(getattr(attn_cfg, ph), s.head_dim, pools.block_size, dtype) for ph in ("prefill", "decode")},
-                project, fused_kv_write=attn_cfg.fused_kv_write,
+                project, fused_kv_write=attn_cfg.fused_kv_write and (invariant is None or pools_on_gpu),
             )
             for s, layer in zip(spec.layers, self.layers)
         ]
@@ -71,12 +76,17 @@ class GemmaForward(torch.nn.Module):
         logits_index: Optional[torch.Tensor],  # rows whose logits are needed (None: all)
         decode: bool,
     ) -> torch.Tensor:
+        if self.invariant is not None and not input_ids.is_cuda:
+            from flexgemma.model.invariant.rows import serial
+
+            with serial():  # one thread: the CPU's loops never split a row's work (model/invariant/rows.py)
+                return self._forward(input_ids, positions, slots, masks, logits_index, decode)
+        return self._forward(input_ids, positions, slots, masks, logits_index, decode)
+
+    def _forward(self, input_ids, positions, slots, masks, logits_index, decode) -> torch.Tensor:
         base, ops, eps = self.model.model, self.ops, self.eps
         embeds = base.embed_tokens(input_ids)
-        per_layer = None
-        if self.spec.per_layer_input_dim:
-            # transformers' own PLE maths, on the packed tokens as a batch of one
-            per_layer = base.project_per_layer_inputs(embeds[None], base.get_per_layer_inputs(input_ids[None], None))[0]
+        per_layer = self.per_layer_inputs(input_ids, embeds) if self.spec.per_layer_input_dim else None
         rope = {t: (cos[positions], sin[positions]) for t, (cos, sin) in self.rope.items()}
         h = embeds
         # x is always h normed for what reads it next: each residual add also norms for the next
@@ -92,7 +102,7 @@ class GemmaForward(torch.nn.Module):
             g, u = project["gate_up"](x)
             m = project["down"](ops.gelu_mul(g, u))[0]
             if s.moe:
-                m = moe_block(layer, h, m, ops, eps)
+                m = moe_block(layer, h, m, ops, eps, self.run_module if self.invariant else None)
             if s.per_layer_input:
                 h = ops.add_norm(h, m, layer.post_feedforward_layernorm.weight, eps)
                 g = ops.gelu_mul(project["ple_gate"](h)[0], per_layer[:, s.index, :])
@@ -106,7 +116,25 @@ class GemmaForward(torch.nn.Module):
         # so the cap can fuse into its reductions over the vocabulary (capping here wrote float32
         # logits, 108 us a step at E2B 256 rows x 262k, which the sampler then read at twice the
         # bytes of bf16); `logits` caps it for the callers that need logits
+        if self.invariant is not None:
+            return self.run_module(self.model.lm_head, x)
         return self.model.lm_head(x)
+
+    def run_module(self, module, x: torch.Tensor) -> torch.Tensor:
+        """x through a linear module's dense weight by the batch-invariant product."""
+        return self.invariant(x, dense_weight(module))
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[T, layers, dim]: transformers' per-layer-input maths on the packed tokens as a batch of one;
+        under engine.batch_invariant the same maths with the projection through the invariant product."""
+        base = self.model.model
+        token_part = base.get_per_layer_inputs(input_ids[None], None)
+        if self.invariant is None:
+            return base.project_per_layer_inputs(embeds[None], token_part)[0]
+        proj = self.run_module(base.per_layer_model_projection, embeds) * \
+            base.per_layer_model_projection_scale
+        proj = base.per_layer_projection_norm(proj.reshape(proj.shape[0], len(self.layers), -1))
+        return (proj + token_part[0]) * base.per_layer_input_scale
 
     def logits(self, head: torch.Tensor) -> torch.Tensor:
         """float32 logits from forward()'s head output (soft-capped when the model caps them)."""

@@ -92,6 +92,11 @@ GLUE_DYNAMIC = "all"
 _DYNAMIC = {"all": True, "auto": None}
 
 
+# the per-row tensor arguments of each row-wise glue function (model/invariant/rows.py pads them)
+ROW_ARGS = {"rms_norm": (0,), "add_norm": (0, 1), "add_norm_norm": (0, 1), "norm_rope": (0, 2, 3),
+            "gelu_mul": (0, 1), "final_logits": (0,), "moe_inputs": (0,), "route": (0,), "add_two_norms": (0, 2)}
+
+
 def make_ops(counter=None, moe_kernel: str = "grouped_mm") -> SimpleNamespace:
     """The glue functions: compiled with `counter` as backend (GPU), or plain (the CPU reference);
     and the routed experts' GEMMs (`experts_kernel`: None for torch's grouped GEMM)."""

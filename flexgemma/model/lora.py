@@ -139,8 +139,10 @@ class LowRankGroup:
     factors are copies in the compute dtype, rebuilt in place by `rebuild` so that captured graphs
     read the current adapter."""
 
-    def __init__(self, layers: list, adapters: list[str], dtype: torch.dtype, base=None):
-        self.layers, self.adapters, self.base = layers, adapters, base
+    def __init__(self, layers: list, adapters: list[str], dtype: torch.dtype, base=None, linear=None, bases=None):
+        # linear / bases (engine.batch_invariant): every product through `linear`, the members' base
+        # outputs from `bases` (a projections.DenseGroup), the adapter's added after its own rounding
+        self.layers, self.adapters, self.base, self.linear, self.bases = layers, adapters, base, linear, bases
         parts = self._factors()
         self.a = torch.cat([a for _, a in parts]).to(dtype)  # [sum of ranks, in]
         self.ranks = [a.shape[0] for _, a in parts]
@@ -176,6 +178,11 @@ class LowRankGroup:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [T, in] -> each member's output [T, out]: base(x) + x A^T (s B)^T."""
+        if self.linear is not None:
+            xa = self.linear(x, self.a)
+            starts = [sum(self.ranks[:i]) for i in range(len(self.ranks))]
+            return [y + self.linear(xa[:, r0: r0 + r], b)
+                    for y, b, r0, r in zip(self.bases(x), self.b, starts, self.ranks)]
         xa = F.linear(x, self.a)
         if self.base is not None:
             return list(self.base.matmul(x, xa, self.b_diag).split(self.base.splits, dim=-1))
@@ -260,10 +267,11 @@ class LoraAdapters:
         self.groups: list[LowRankGroup] = []  # the forward's unmerged groups (`group`), rebuilt by refresh
         self.dtype = model.model.embed_tokens.weight.dtype
 
-    def group(self, modules: list, base=None) -> Optional[LowRankGroup]:
+    def group(self, modules: list, base=None, linear=None, bases=None) -> Optional[LowRankGroup]:
         """The forward's fast path for `modules` (one input), when every one is an unmerged adapter
         layer this class can run (plain LoRA: no variant such as DoRA, no LoRA bias); None otherwise.
-        base: a `linear4bit.Linear4bitGroup` of their base layers, or None (each base layer runs)."""
+        base: a `linear4bit.Linear4bitGroup` of their base layers, or None (each base layer runs);
+        linear / bases: the batch-invariant product and base outputs (see LowRankGroup)."""
         from peft.tuners.lora import ParamWrapper
 
         if self.merged or not modules:
@@ -274,7 +282,7 @@ class LoraAdapters:
                     and not any(a in getattr(m, "lora_variant", {}) or getattr(m, "lora_bias", {}).get(a, False)
                                 for a in self.adapter_names)):
                 return None
-        g = LowRankGroup(list(modules), self.adapter_names, self.dtype, base)
+        g = LowRankGroup(list(modules), self.adapter_names, self.dtype, base, linear, bases)
         self.groups.append(g)
         return g
 

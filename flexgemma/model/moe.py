@@ -67,7 +67,7 @@ def experts_grouped(
     sized, bf16/fp16) whole, over the weights as stored; the rest (and kernel=None) run here: rows
     sorted by expert, torch's grouped GEMM (4-bit experts dequantised first)."""
     if kernel is not None and kernel.takes(x, top_k_index, act, gate_up, down):
-        return kernel(x, top_k_index, top_k_weights, gate_up, down)
+        return kernel(x, top_k_index, top_k_weights, gate_up, down, act)
     t, k = top_k_index.shape
     n_exp = gate_up.shape[0]
     flat = top_k_index.reshape(-1)
@@ -95,9 +95,15 @@ def experts_grouped(
         h = _expert_mm(rows, dequantize(gate_up, experts), offsets)
         g, u = h.chunk(2, dim=-1)
         h = _expert_mm(act(g) * u, dequantize(down, experts), offsets)
+    return sum_per_token(h, order, top_k_weights, x)
+
+
+def sum_per_token(h: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """h [T*K, H]: the rows of `order` (entries sorted by expert) -> [T, H], each token's k rows
+    weighted and added in expert order: transformers' per-expert index_add arithmetic without its
+    atomics on the GPU (index_add_ there sums in whatever order threads land)."""
+    t, k = top_k_weights.shape
     h = (h * top_k_weights.reshape(-1)[order, None]).to(x.dtype)  # float32 router weights, as transformers
-    # each token's k rows, in expert order, added one after another: transformers' per-expert index_add
-    # arithmetic without its atomics on the GPU (index_add_ there sums in whatever order threads land)
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=order.device)
     per_token = h[position.view(t, k).sort(dim=1).values]  # [T, K, H]; sorted positions follow expert ids
@@ -128,13 +134,15 @@ def experts_loop(x, top_k_index, top_k_weights, gate_up, down, act) -> torch.Ten
     return out
 
 
-def moe_block(layer, residual: torch.Tensor, dense_out: torch.Tensor, ops, eps: float) -> torch.Tensor:
+def moe_block(layer, residual: torch.Tensor, dense_out: torch.Tensor, ops, eps: float, run_module=None) -> torch.Tensor:
     """Gemma-4's MLP + experts: both normed, summed (before the post-feedforward norm). The router's
-    and the norms' elementwise maths are ops' fused glue; its projection is the model's module."""
+    and the norms' elementwise maths are ops' fused glue; its projection is the model's module, run by
+    `run_module(module, x)` when given (engine.batch_invariant)."""
     router = layer.router
     x, router_in = ops.moe_inputs(residual, layer.pre_feedforward_layernorm_2.weight, router.scale,
                                   router.scalar_root_size, eps)
-    weights, index = ops.route(router.proj(router_in), router.per_expert_scale, router.config.top_k_experts)
+    scores = router.proj(router_in) if run_module is None else run_module(router.proj, router_in)
+    weights, index = ops.route(scores, router.per_expert_scale, router.config.top_k_experts)
     experts = layer.experts
     if hasattr(experts, "get_base_layer"):  # peft's expert LoRA wraps the module; the merge is in its Parameters
         experts = experts.get_base_layer()

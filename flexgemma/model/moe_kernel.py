@@ -673,7 +673,8 @@ class TritonExperts:
                 and is_gelu_tanh(act) and gate_up.dtype == x.dtype and down.dtype == x.dtype
                 and isinstance(gate_up, torch.Tensor) == isinstance(down, torch.Tensor))
 
-    def __call__(self, x, top_k_index, top_k_weights, gate_up, down) -> torch.Tensor:
+    def __call__(self, x, top_k_index, top_k_weights, gate_up, down, act=None) -> torch.Tensor:
+        # act: Gemma-4's gelu-tanh, which `takes` checked and the kernels apply
         return decode_experts(x, top_k_index, top_k_weights, gate_up, down)
 
     @staticmethod

@@ -74,13 +74,43 @@ def runs_base_only(module) -> bool:
 
 
 class FusedLinear:
-    """Projections of one input as one GEMM over their fused weight [sum of outputs, in]."""
+    """Projections of one input as one GEMM over their fused weight [sum of outputs, in]; `linear` the
+    product (F.linear, or the batch-invariant one)."""
 
-    def __init__(self, weight: torch.Tensor, splits: list[int]):
-        self.weight, self.splits = weight, splits
+    def __init__(self, weight: torch.Tensor, splits: list[int], linear: Callable = F.linear):
+        self.weight, self.splits, self.linear = weight, splits, linear
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight).split(self.splits, dim=-1)
+        return self.linear(x, self.weight).split(self.splits, dim=-1)
+
+
+def dense_weight(module) -> torch.Tensor:
+    """The [out, in] matrix `module` multiplies by: a plain Linear's weight, a merged-and-disabled
+    peft wrapper's base weight, or a bitsandbytes Linear4bit's weights dequantised (exactly)."""
+    if runs_plain(module):
+        return getattr(module, "base_layer", module).weight
+    base = module.get_base_layer() if hasattr(module, "get_base_layer") and runs_base_only(module) else module
+    quant_state = getattr(getattr(base, "weight", None), "quant_state", None)
+    if quant_state is not None and getattr(base, "bias", None) is None:
+        import bitsandbytes.functional as bf
+
+        return bf.dequantize_4bit(base.weight.data, quant_state).to(quant_state.dtype)
+    raise TypeError(f"engine.batch_invariant: cannot run {type(module).__name__} as a plain matrix product "
+                    "(a bias, an adapter variant, or a module type the batch-invariant path does not know)")
+
+
+class DenseGroup:
+    """Projections of one input through `linear` over each module's dense weight (4-bit weights
+    dequantised per call, as one matrix when they form a `linear4bit.Linear4bitGroup`): the
+    batch-invariant path for what is not a plain fused weight."""
+
+    def __init__(self, modules: list, linear: Callable, packed=None):
+        self.modules, self.linear, self.packed = modules, linear, packed
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.packed is not None:
+            return list(self.linear(x, self.packed.dequantize()).split(self.packed.splits, dim=-1))
+        return [self.linear(x, dense_weight(m)) for m in self.modules]
 
 
 def _fused(owner, fused: Optional[str], modules) -> Optional[FusedLinear]:
@@ -94,12 +124,15 @@ def _fused(owner, fused: Optional[str], modules) -> Optional[FusedLinear]:
 
 
 def projection(owner, names: list[str], fused: Optional[str] = None, lora=None,
-               linear4bit: bool = False) -> Projection:
+               linear4bit: bool = False, invariant: Optional[Callable] = None) -> Projection:
     """x -> [owner.<name>(x) for each name], for projections that read the same input, run the
     fastest way that computes the same thing (see the module's docstring). `fused`: the attribute
     of `owner` that `fuse_projections` stored their fused weight under; `lora`: the engine's
-    `lora.LoraAdapters` (None without LoRA); `linear4bit`: 4-bit bases may run as one group."""
+    `lora.LoraAdapters` (None without LoRA); `linear4bit`: 4-bit bases may run as one group;
+    `invariant`: the batch-invariant matrix product, through which every product then runs."""
     modules = [getattr(owner, n) for n in names]
+    if invariant is not None:
+        return _invariant_projection(owner, modules, fused, lora, linear4bit, invariant)
     fused_linear = _fused(owner, fused, modules)
     if fused_linear is not None:
         return fused_linear
@@ -116,8 +149,42 @@ def projection(owner, names: list[str], fused: Optional[str] = None, lora=None,
     return lambda x: [getattr(owner, n)(x) for n in names]
 
 
+def _invariant_projection(owner, modules: list, fused: Optional[str], lora, linear4bit: bool,
+                          linear: Callable) -> Projection:
+    """`projection` under engine.batch_invariant: the fused weight, or each base's dense weight, through
+    `linear`; an unmerged adapter beside them through `linear` too."""
+    fused_linear = _fused(owner, fused, modules)
+    if fused_linear is not None:
+        return FusedLinear(fused_linear.weight, fused_linear.splits, linear)
+    packed = None
+    if linear4bit:
+        from flexgemma.model.linear4bit import group_or_none
+
+        packed = group_or_none(modules)
+    bases = DenseGroup([m.get_base_layer() if hasattr(m, "get_base_layer") else m for m in modules], linear, packed)
+    group = lora.group(modules, None, linear=linear, bases=bases) if lora is not None else None
+    if group is not None:
+        return group
+    if not all(runs_base_only(m) for m in modules):
+        raise TypeError("engine.batch_invariant: an adapter these projections run is not one the engine's LoRA "
+                        "group can run (a DoRA or bias variant, or a peft wrapper injected after the build)")
+    return bases
+
+
+def _base_of(f):
+    """What runs a projection's base product: a LoRA group's base (or its DenseGroup's packed 4-bit
+    group), a DenseGroup's packed group, or the projection itself."""
+    if type(f).__name__ == "Linear4bitGroup":  # by name: importing linear4bit imports Triton
+        return f
+    for attr in ("base", "bases", "packed"):
+        inner = getattr(f, attr, None)
+        if inner is not None and not isinstance(inner, torch.Tensor):
+            return _base_of(inner)
+    return f
+
+
 def linear4bit_groups(projections: list[Projection]) -> list:
     """The `linear4bit.Linear4bitGroup`s among `projections` (alone or under a LoRA group)."""
-    bases = [getattr(f, "base", f) for f in projections]
+    bases = [_base_of(f) for f in projections]
     # by name: importing linear4bit imports Triton, which CPU-only installs may lack
     return [b for b in bases if type(b).__name__ == "Linear4bitGroup"]

@@ -1,0 +1,142 @@
+"""Which GPU kernels give a row the same bits whatever else is in the batch (a probe, not a test).
+
+Prints, per kernel and setting, whether one row's output is bitwise the same when it is computed alone,
+at another position, or in a larger batch: the facts the batch-invariant mode (engine.batch_invariant)
+is built on. Sections: a Triton matmul over tile shapes, torch.mm (cuBLAS), flex_attention decode-shaped vs
+prefill-shaped, Inductor-compiled and eager row reductions.
+"""
+import sys
+import traceback
+
+import torch
+import triton
+import triton.language as tl
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+
+@triton.jit
+def _mm(x_ptr, w_ptr, o_ptr, M, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    pm, pn = pid % num_m, pid // num_m
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(x_ptr + rm[:, None] * K + (k0 + rk)[None, :], mask=(rm[:, None] < M) & ((k0 + rk)[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :], mask=(rn[:, None] < N) & ((k0 + rk)[None, :] < K), other=0.0)
+        if IEEE:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    tl.store(o_ptr + rm[:, None] * N + rn[None, :], acc.to(o_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def mm(x, w, bm, bn=64, bk=64, warps=4, stages=3):
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _mm[grid](x, w, out, m, n, k, BM=bm, BN=bn, BK=bk, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    return out
+
+
+def same(a, b):
+    return torch.equal(a.view(torch.uint8) if a.dtype != torch.bool else a, b.view(torch.uint8) if b.dtype != torch.bool else b)
+
+
+def section(name, fn):
+    print(f"\n## {name}", flush=True)
+    try:
+        fn()
+    except Exception:
+        traceback.print_exc(limit=3)
+
+
+def triton_mm():
+    for dt in (torch.bfloat16, torch.float32):
+        for k, n in ((1536, 2048), (5376, 4096)):
+            w = torch.randn(n, k, device="cuda").to(dt)
+            x = torch.randn(512, k, device="cuda").to(dt)
+            ref = mm(x[:1], w, 16)
+            rows = {}
+            for bm in (16, 32, 64, 128):
+                for warps in (4, 8):
+                    for m in (1, 7, 64, 512):
+                        y = mm(x[:m], w, bm, warps=warps)
+                        rows[(bm, warps, m)] = same(y[:1], ref)
+            bad = [key for key, ok in rows.items() if not ok]
+            print(f"triton mm {dt} K{k} N{n}: row 0 same across BM/warps/M: {not bad}; differing (BM, warps, M): {bad[:8]}")
+            # BK changes the K order: expected to differ
+            print(f"  BK 32 vs 64 same: {same(mm(x[:1], w, 16, bk=32), ref)}")
+            y16 = mm(x, w, 16)
+            print(f"  every row of M=512 at BM16 == alone: {all(same(y16[i:i+1], mm(x[i:i+1], w, 16)) for i in range(0, 512, 37))}")
+
+
+def cublas():
+    for dt in (torch.bfloat16, torch.float32):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        for k, n in ((1536, 2048), (2816, 262144 // 8)):
+            w = torch.randn(n, k, device="cuda").to(dt)
+            x = torch.randn(1024, k, device="cuda").to(dt)
+            full = x @ w.t()
+            bad = [m for m in (1, 2, 3, 8, 16, 33, 64, 128, 256, 512) if not same((x[:m] @ w.t())[:1], full[:1])]
+            print(f"torch.mm {dt} K{k} N{n}: M where row 0 differs from M=1024: {bad}")
+
+
+def flex():
+    torch.manual_seed(0)
+    H, HKV, D, L = 8, 1, 256, 1024
+    for dt in (torch.bfloat16, torch.float32):
+        k = torch.randn(1, HKV, L, D, device="cuda", dtype=dt)
+        v = torch.randn(1, HKV, L, D, device="cuda", dtype=dt)
+        q_all = torch.randn(1, H, L, D, device="cuda", dtype=dt)
+        causal = lambda b, h, qi, kv: kv <= qi  # noqa: E731
+        bm_p = create_block_mask(causal, 1, 1, L, L, device="cuda", BLOCK_SIZE=(64, 64))
+        for opts_name, opts in (("forced 64/64", {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 64, "BLOCK_N": 64}),
+                                ("forced 32/32", {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 32, "BLOCK_N": 32}),
+                                ("default decode", None)):
+            if dt == torch.float32 and opts is not None:
+                opts = {**opts, "BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1}
+            fa = torch.compile(flex_attention, dynamic=False)
+            pre = fa(q_all, k, v, block_mask=bm_p, scale=1.0, enable_gqa=True,
+                     kernel_options=opts if opts else {"FORCE_USE_FLEX_ATTENTION": True})
+            results = []
+            for p in (5, 100, 700, 1023):
+                for B in (1, 16):
+                    qd = q_all[:, :, p:p + 1].expand(B, H, 1, D).contiguous()
+                    pos = torch.full((B,), p, device="cuda")
+                    mask_mod = lambda b, h, qi, kv, pos=pos: kv <= pos[b]  # noqa: E731
+                    bm_d = create_block_mask(mask_mod, B, 1, 1, L, device="cuda", BLOCK_SIZE=(64, 64))
+                    fd = torch.compile(flex_attention, dynamic=False)
+                    dec = fd(qd, k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1), block_mask=bm_d, scale=1.0, enable_gqa=True,
+                             kernel_options=opts)
+                    results.append(same(dec[0, :, 0], pre[0, :, p]))
+            print(f"flex {dt} {opts_name}: decode row == prefill row at p in (5,100,700,1023) x B in (1,16): {results}")
+
+
+def reductions():
+    torch.manual_seed(0)
+
+    def rms(x, w):
+        xf = x.float()
+        return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5) * w.float()).type_as(x)
+
+    for h in (1536, 5376):
+        w = torch.randn(h, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(4096, h, device="cuda", dtype=torch.bfloat16)
+        comp = torch.compile(rms, dynamic=True)
+        ref_c, ref_e = comp(x[:1], w), rms(x[:1], w)
+        print(f"rms H{h}: compiled row0 same across T=1,2,7,64,1000,4096: "
+              f"{[same(comp(x[:t], w)[:1], ref_c) for t in (2, 7, 64, 1000, 4096)]}; eager: "
+              f"{[same(rms(x[:t], w)[:1], ref_e) for t in (2, 7, 64, 1000, 4096)]}; compiled==eager: {same(ref_c, ref_e)}")
+    x = torch.randn(512, 262144, device="cuda")
+    r = torch.logsumexp(x[:1], -1)
+    print(f"logsumexp 262144 eager row0 same at B=2,8,64,512: {[same(torch.logsumexp(x[:b], -1)[:1], r) for b in (2, 8, 64, 512)]}")
+
+
+if __name__ == "__main__":
+    print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
+    for name in sys.argv[1:] or ["triton_mm", "cublas", "flex", "reductions"]:
+        section(name, globals()[name])

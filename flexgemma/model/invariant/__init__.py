@@ -1,0 +1,24 @@
+"""Batch-invariant kernels (`engine.batch_invariant=true`): a row's result never depends on the other
+rows of the step, so a request's logprobs are bitwise the same alone, in any batch, at any slot,
+under any prefill chunking, after a prefix-cache hit or a preemption, and in `engine.score()`.
+
+A kernel is batch-invariant when every reduction a row's output goes through runs in an order fixed
+by that row alone. What breaks it elsewhere: a matmul library picking a split of K (or a kernel) from
+the number of rows, attention kernels splitting the KV by a count chosen from the batch or running
+decode and prefill through different kernels, reductions over the vocabulary split across blocks
+when rows are few. Here:
+
+- `matmul.linear`: no split of K, ever. On a GPU a Triton kernel whose K loop runs in order (its tile
+  sizes may change with the row count: a row's bits do not depend on them, measured on the H200 by
+  experiments/probe_invariance.py); on the CPU rows in fixed tiles of 16 (a product of 16 rows gives
+  each row the same bits wherever it sits: tested).
+- `attention.paged_attention`: one computation for decode and prefill. A query's KV is cut at fixed
+  positions into chunks of `split_tokens`, each chunk a softmax pass over fixed tiles in position order,
+  the chunks folded left to right; decode runs the chunks in parallel programs and folds them in a
+  second kernel, prefill folds them in one program, with the same arithmetic.
+- `logprobs.token_logprobs`: soft-cap, log-sum-exp and the chosen token's log-probability, one pass
+  per row in a fixed order; the sampler and `score()` both call it.
+- `experts.grouped_linear`: the routed experts' products through the same rule as `linear`.
+
+Norms and the elementwise glue are per-row by construction (a row's reduction never sees another row).
+"""

@@ -1,0 +1,51 @@
+"""Routed experts whose every (token, expert) row is computed as `matmul.linear` computes a row:
+the rows are grouped by expert (any grouping gives a row the same bits), each group against its
+expert's matrix, and a token's k results added in expert order (moe.sum_per_token)."""
+
+from __future__ import annotations
+
+import torch
+
+from flexgemma.model.invariant.matmul import K_CHUNK, _tiles, linear
+from flexgemma.model.moe import routed_experts, sum_per_token
+
+
+def grouped_linear(rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """rows [N, K] grouped by expert (counts [E], in expert order), w [E, out, K] -> [N, out]."""
+    if rows.is_cuda:
+        from flexgemma.model.invariant import triton_matmul
+
+        return triton_matmul.grouped(rows.contiguous(), w, counts, K_CHUNK, _tiles(64, rows.dtype))
+    out = rows.new_empty(rows.shape[0], w.shape[1])
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            out[start: start + n] = linear(rows[start: start + n], w[e])
+        start += n
+    return out
+
+
+class InvariantExperts:
+    """ops.experts_kernel under engine.batch_invariant: takes every step, bf16/fp32 or 4-bit experts."""
+
+    def takes(self, *args) -> bool:
+        return True
+
+    def __call__(self, x, top_k_index, top_k_weights, gate_up, down, act) -> torch.Tensor:
+        t, k = top_k_index.shape
+        n_exp = gate_up.shape[0]
+        flat = top_k_index.reshape(-1)
+        if not isinstance(gate_up, torch.Tensor):  # 4-bit: only the routed experts, dequantised exactly
+            experts = routed_experts(torch.zeros(n_exp, dtype=torch.long, device=flat.device).scatter_add_(
+                0, flat, torch.ones_like(flat)), min(n_exp, t * k))
+            slot = torch.empty(n_exp, dtype=torch.long, device=flat.device)
+            slot[experts] = torch.arange(experts.numel(), device=flat.device)
+            flat = slot[flat]
+            gate_up, down = gate_up.dequantize(experts), down.dequantize(experts)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        h = grouped_linear(x[order // k], gate_up, counts)
+        g, u = h.chunk(2, dim=-1)
+        h = grouped_linear(act(g) * u, down, counts)
+        return sum_per_token(h, order, top_k_weights, x)

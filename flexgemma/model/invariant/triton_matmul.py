@@ -1,0 +1,135 @@
+"""The Triton kernels of `matmul.linear` (imported only on a GPU: CPU installs may lack Triton)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_start, K: tl.constexpr, stride_x,
+                   KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """float32 [BM, BN]: x[rows, k_start:k_start+KC] @ w[cols, same K]^T, tl.dot steps in K order."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, KC, BK):
+        ks = k_start + k0 + tl.arange(0, BK)
+        k_ok = ks < K
+        a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_fold(x_ptr, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, stride_x, CHUNKS: tl.constexpr,
+             KC: tl.constexpr, BM: tl.constexpr,
+             BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """Program (tile): the output tile's K chunks one after another, each added to the total in order."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    rows = (pid % num_m) * BM + tl.arange(0, BM)
+    cols = (pid // num_m) * BN + tl.arange(0, BN)
+    row_ok, col_ok = rows < M, cols < N
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for c in range(0, CHUNKS):
+        total = total + _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, c * KC, K, stride_x, KC, BM, BN, BK,
+                                       IEEE)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], total.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_split(x_ptr, w_ptr, part_ptr, M, N: tl.constexpr, K: tl.constexpr, stride_x, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, IEEE: tl.constexpr):
+    """Program (tile, chunk): one K chunk's float32 product, stored at part[chunk, rows, cols]."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    num_m = tl.cdiv(M, BM)
+    rows = (pid % num_m) * BM + tl.arange(0, BM)
+    cols = (pid // num_m) * BN + tl.arange(0, BN)
+    row_ok, col_ok = rows < M, cols < N
+    acc = _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, c * KC, K, stride_x, KC, BM, BN, BK, IEEE)
+    tl.store(part_ptr + (c * M + rows[:, None]) * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_chunks(part_ptr, out_ptr, M, N: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = ((0 + part[0]) + part[1]) + ... in float32, then rounded: `_mm_fold`'s arithmetic."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(0, CHUNKS):
+        total = total + tl.load(part_ptr + c * M * N + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch_args(x, w, cfg):
+    m, k = x.shape
+    n = w.shape[0]
+    meta = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], IEEE=x.dtype == torch.float32,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return m, n, k, triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), meta
+
+
+def fold(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kc: int, cfg: dict) -> None:
+    m, n, k, tiles, meta = _launch_args(x, w, cfg)
+    _mm_fold[(tiles,)](x, w, out, m, n, k, x.stride(0), CHUNKS=triton.cdiv(k, kc), KC=kc, **meta)
+
+
+def split_then_sum(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, kc: int, cfg: dict) -> None:
+    m, n, k, tiles, meta = _launch_args(x, w, cfg)
+    part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device)
+    _mm_split[(tiles, chunks)](x, w, part, m, n, k, x.stride(0), KC=kc, **meta)
+    block = 1024
+    _sum_chunks[(triton.cdiv(m * n, block),)](part, out, m, n, CHUNKS=chunks, BLOCK=block, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _grouped_fold(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_first_ptr, tile_end_ptr, M, E, N: tl.constexpr,
+                  K: tl.constexpr, stride_x, CHUNKS: tl.constexpr, KC: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """Program (row tile, feature tile): rows [first, end) of one expert's group against that expert's
+    [N, K] matrix, K chunks added in order as in `_mm_fold` (a row's bits do not depend on its group)."""
+    e = tl.load(tile_expert_ptr + tl.program_id(0))
+    first = tl.load(tile_first_ptr + tl.program_id(0))
+    end = tl.load(tile_end_ptr + tl.program_id(0))
+    rows = first + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    row_ok = (rows < end) & (e < E)
+    col_ok = cols < N
+    w_e = w_ptr + e.to(tl.int64) * N * K
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for c in range(0, CHUNKS):
+        total = total + _chunk_product(x_ptr, w_e, rows, cols, row_ok, col_ok, c * KC, K, stride_x, KC, BM, BN, BK,
+                                       IEEE)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], total.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kc: int, cfg: dict) -> torch.Tensor:
+    """x [M, K] rows grouped by expert (`counts` [E] rows each, in expert order), w [E, N, K] -> [M, N].
+    The tile schedule is computed on the device with a grid of fixed size (CUDA-graph safe)."""
+    m, k = x.shape
+    e, n = w.shape[0], w.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bm = cfg["BM"]
+    counts = counts.to(torch.int32)
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    tiles = (counts + bm - 1) // bm
+    tile_ends = torch.cumsum(tiles, 0, dtype=torch.int32)
+    slots = triton.cdiv(m, bm) + e  # at most one partial tile per expert beyond full ones
+    pid = torch.arange(slots, device=x.device, dtype=torch.int32)
+    expert = torch.searchsorted(tile_ends, pid, right=True).to(torch.int32)
+    safe = expert.clamp_max(e - 1)
+    local = pid - (tile_ends[safe] - tiles[safe])
+    first = ends[safe] - counts[safe] + local * bm
+    meta = dict(BM=bm, BN=cfg["BN"], BK=cfg["BK"], IEEE=x.dtype == torch.float32, num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
+    if m:
+        _grouped_fold[(slots, triton.cdiv(n, cfg["BN"]))](x, w, out, expert, first, ends[safe], m, e, n, k,
+                                                          x.stride(0), CHUNKS=triton.cdiv(k, kc), KC=kc, **meta)
+    return out
