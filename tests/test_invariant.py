@@ -1,0 +1,257 @@
+"""engine.batch_invariant: a request's tokens and logprobs are bitwise the same whatever else runs.
+
+The same request alone, at slot 7 of 32 others, in a batch of 256, under prefill chunks of 16 and 64
+tokens, after preemption, on a prefix-cache hit; and engine.score() of the finished sequence returns
+the logprobs generate() returned. tiny and tiny_moe in float32 and bfloat16 on the CPU (GPU tests at
+the end, on each model's real shapes). Each check can fail: `test_the_check_sees_a_batch_dependent_product`
+runs it with a product whose rows depend on the batch (torch's own float32 GEMM) and expects it to fail.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_engine, run_interpreted
+from flexgemma import SamplingParams
+from flexgemma.model.invariant import matmul as inv_matmul
+from flexgemma.model.invariant.attention import InvariantAttentionOptions, RowTable, paged_attention
+from flexgemma.model.invariant.logprobs import token_logprobs
+
+INV = "engine.batch_invariant=true"
+NEW = 12
+
+
+def prompts(n: int, seed: int = 1, lo: int = 5, hi: int = 60) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
+
+
+def params(i: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=1000 + i, ignore_eos=True)
+
+
+def same(a, b) -> bool:
+    """Bitwise: tokens and logprobs (floats compared as they are; no tolerance)."""
+    return a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+# -- the kernels ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_product_does_not_depend_on_the_other_rows(dtype):
+    torch.manual_seed(0)
+    w = torch.randn(96, 200).to(dtype)
+    x = torch.randn(70, 200).to(dtype)
+    full = inv_matmul.linear(x, w)
+    for i in (0, 7, 15, 16, 69):
+        assert torch.equal(inv_matmul.linear(x[i:i + 1], w)[0], full[i])
+        shuffled = torch.cat([x[i + 1:], x[:i + 1]])  # row i last, after every other
+        assert torch.equal(inv_matmul.linear(shuffled, w)[-1], full[i])
+    assert torch.allclose(full.float(), x.float() @ w.float().t(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                          atol=1e-1 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
+    """The GPU kernels through Triton's interpreter (float32): a program adding its K chunks in order and
+    the chunks computed apart then summed in order give the same bits, at any row count."""
+    out = run_interpreted("""
+        import torch
+        from flexgemma.model.invariant import triton_matmul as tm
+        torch.manual_seed(0)
+        w = torch.randn(70, 1100)
+        x = torch.randn(40, 1100)
+        cfg = dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=2)
+        a, b, c = torch.empty(40, 70), torch.empty(40, 70), torch.empty(1, 70)
+        tm.fold(x, w, a, 512, cfg)
+        tm.split_then_sum(x, w, b, 3, 512, cfg)
+        tm.fold(x[5:6], w, c, 512, cfg)
+        counts = torch.tensor([3, 0, 30, 7])
+        g = tm.grouped(x, torch.randn(4, 70, 1100), counts, 512, cfg)
+        print(torch.equal(a, b), torch.equal(a[5], c[0]), (a - x @ w.t()).abs().max().item() < 1e-3, g.shape[0] == 40)
+    """)
+    assert out.split() == ["True", "True", "True", "True"]
+
+
+def _pools(pages=40, page=8, hkv=2, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, hkv, pages * page, d, generator=g), torch.randn(1, hkv, pages * page, d, generator=g))
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_attention_of_a_query_is_the_same_in_decode_and_in_a_prefill_chunk(window):
+    """A sequence's 50 queries as one prefill chunk (with another sequence's chunk packed before it) and
+    each query as a decode row beside others: the same bits."""
+    torch.manual_seed(0)
+    k, v = _pools()
+    table = torch.tensor([[3, 9, 1, 4, 12, 7, 30, -1], [5, 6, 2, 8, 10, -1, -1, -1]], dtype=torch.int32)
+    q = torch.randn(50 + 20, 4, 32)
+    q_row = torch.tensor([1] * 20 + [0] * 50, dtype=torch.int32)
+    q_pos = torch.cat([torch.arange(10, 30), torch.arange(5, 55)]).int()
+    opts = InvariantAttentionOptions(split_tokens=16, block_n=8)
+    pre = paged_attention(q, k, v, RowTable(table, q_row, q_pos, window, False, 64, [(0, 20), (20, 50)]), 8, opts)
+    for i in (20, 21, 40, 69):
+        rows = torch.tensor([0, i, 3])  # the query between two others
+        dec = paged_attention(q[rows], k, v, RowTable(table, q_row[rows], q_pos[rows], window, True, 64), 8, opts)
+        assert torch.equal(dec[1], pre[i])
+
+
+def test_attention_equals_softmax_attention():
+    k, v = _pools(hkv=1)
+    table = torch.tensor([[3, 9, 1, 4]], dtype=torch.int32)
+    q = torch.randn(1, 2, 32)
+    out = paged_attention(q, k, v, RowTable(table, torch.tensor([0], dtype=torch.int32),
+                                            torch.tensor([20], dtype=torch.int32), None, True, 32), 8)
+    slots = torch.cat([torch.arange(p * 8, p * 8 + 8) for p in (3, 9, 1)])[:21]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[:, :, slots], v[:, :, slots], scale=1.0)
+    assert torch.allclose(out, ref[0].transpose(0, 1), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_of_a_row_do_not_depend_on_the_batch(dtype):
+    torch.manual_seed(0)
+    head = (torch.randn(45, 512) * 20).to(dtype)
+    tokens = torch.randint(0, 512, (45,))
+    full = token_logprobs(head, tokens, 30.0)
+    assert all(torch.equal(token_logprobs(head[i:i + 1], tokens[i:i + 1], 30.0)[0], full[i]) for i in (0, 13, 44))
+    capped = torch.tanh(head.float() / 30) * 30
+    ref = torch.log_softmax(capped, -1).gather(-1, tokens[:, None])[:, 0]
+    assert torch.allclose(full, ref, atol=1e-5)
+
+
+# -- the engine ----------------------------------------------------------------------------------
+ENGINES = {}
+
+
+def engine(model: str, dtype: str, *extra: str):
+    key = (model, dtype, extra)
+    if key not in ENGINES:
+        ENGINES[key] = make_engine(INV, f"model.dtype={dtype}", "engine.max_batch_size=64", "kv.cpu_pages=400",
+                                   *extra, model=model)
+    return ENGINES[key]
+
+
+def check_alone_slot_and_score(eng, ps, target: int = 7):
+    alone = eng.generate([ps[target]], [params(target)])[0]
+    batch = eng.generate(ps, [params(i) for i in range(len(ps))])
+    assert same(alone, batch[target]), "alone vs in a batch"
+    seq = ps[target] + alone.token_ids
+    scored = eng.score([seq], [len(ps[target])])[0]
+    assert scored.logprobs == alone.logprobs, "score() vs generate()"
+    return alone
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_alone_at_slot_7_of_33_and_scored_give_the_same_bits(model, dtype):
+    check_alone_slot_and_score(engine(model, dtype), prompts(33))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+def test_in_a_batch_of_256(model):
+    eng = make_engine(INV, "engine.max_batch_size=256", "kv.cpu_pages=1200", "engine.max_model_len=128", model=model)
+    ps = prompts(256, seed=3, hi=40)
+    alone = eng.generate([ps[200]], [params(200)])[0]
+    assert same(alone, eng.generate(ps, [params(i) for i in range(256)])[200])
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+def test_prefill_chunks_of_16_64_and_default_give_the_same_bits(model):
+    ps = prompts(6, seed=5, lo=40, hi=120)
+    runs = [make_engine(INV, f"engine.max_prefill_tokens={n}", model=model).generate(ps, [params(i) for i in range(6)])
+            for n in (16, 64, 8192)]
+    for other in runs[1:]:
+        assert all(same(a, b) for a, b in zip(runs[0], other))
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+def test_after_preemption_the_same_bits(model):
+    """A pool too small for the batch: sequences are preempted and recomputed."""
+    ps = prompts(12, seed=7, lo=30, hi=50)
+    roomy = make_engine(INV, "kv.cpu_pages=400", model=model).generate(ps, [params(i) for i in range(12)])
+    tight = make_engine(INV, "kv.cpu_pages=40", "engine.max_model_len=128", model=model)
+    squeezed = tight.generate(ps, [params(i) for i in range(12)])
+    assert tight.stats.preemptions > 0
+    assert all(same(a, b) for a, b in zip(roomy, squeezed))
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+def test_a_prefix_cache_hit_gives_the_same_bits(model):
+    eng = engine(model, "float32")
+    p = prompts(1, seed=11, lo=40, hi=41)[0]  # five full pages of 8
+    eng.reset_prefix_cache()
+    first = eng.generate([p], [params(0)])[0]
+    again = eng.generate([p], [params(0)])[0]
+    assert eng.stats.prefix_hit_tokens >= 32
+    assert same(first, again)
+
+
+@pytest.mark.parametrize("lora", [["lora=r16"], ["lora=r16", "lora.merge=false"]], ids=["merged", "unmerged"])
+def test_lora_merged_and_unmerged(lora):
+    check_alone_slot_and_score(engine("tiny_moe", "float32", *lora), prompts(33, seed=13))
+
+
+def test_bnb4_weights():
+    pytest.importorskip("bitsandbytes")
+    check_alone_slot_and_score(engine("tiny", "bfloat16", "quant=bnb4", "lora=r16"), prompts(20, seed=17), target=5)
+
+
+def test_the_check_sees_a_batch_dependent_product(monkeypatch):
+    """The mutation the tests above must catch: torch's float32 GEMM (MKL picks its kernel by the row
+    count) in place of the invariant product, and the CPU's row padding off."""
+    from flexgemma.model.invariant import rows
+
+    eng = make_engine(INV, "model.dtype=float32", "engine.max_batch_size=64", "kv.cpu_pages=400")
+    monkeypatch.setattr(inv_matmul, "_linear_cpu", lambda x, w: F.linear(x, w))
+    monkeypatch.setattr(rows, "ROW_MULTIPLE", 1)
+    ps = prompts(33)
+    with pytest.raises(AssertionError):
+        check_alone_slot_and_score(eng, ps)
+
+
+def test_the_default_mode_is_untouched():
+    """Without engine.batch_invariant the engine runs its usual kernels (no RowTables, no invariant product)."""
+    eng = make_engine()
+    assert eng.runner.forward.invariant is None and not eng.runner.invariant
+    assert eng.info["batch_invariant"] is False
+    assert engine("tiny", "float32").info["batch_invariant"] is True
+
+
+# -- the GPU: every model's real shapes, fewer layers -------------------------------------------
+GPU_MODELS = {
+    "e2b": ["model.hf_config.num_hidden_layers=8", "model.hf_config.num_kv_shared_layers=4",
+            "model.hf_config.layer_types=[sliding_attention,sliding_attention,sliding_attention,full_attention,"
+            "sliding_attention,sliding_attention,sliding_attention,full_attention]"],
+    "e4b": ["model.hf_config.num_hidden_layers=6", "model.hf_config.num_kv_shared_layers=2",
+            "model.hf_config.layer_types=[sliding_attention,sliding_attention,full_attention,"
+            "sliding_attention,sliding_attention,full_attention]"],
+    "26b_a4b": ["model.hf_config.num_hidden_layers=6",
+                "model.hf_config.layer_types=[sliding_attention,sliding_attention,sliding_attention,"
+                "sliding_attention,sliding_attention,full_attention]"],
+    "31b": ["model.hf_config.num_hidden_layers=6",
+            "model.hf_config.layer_types=[sliding_attention,sliding_attention,sliding_attention,"
+            "sliding_attention,sliding_attention,full_attention]"],
+}
+
+
+def gpu_engine(model: str, *extra: str):
+    from flexgemma import build_engine, compose
+
+    return build_engine(compose([f"+model={model}", INV, "device=cuda", "engine.max_batch_size=64",
+                                 "engine.max_model_len=2048", *GPU_MODELS[model], *extra]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", list(GPU_MODELS))
+def test_gpu_alone_slot_chunked_and_scored(model):
+    eng = gpu_engine(model)
+    ps = prompts(33, seed=19, lo=20, hi=700)
+    alone = check_alone_slot_and_score(eng, ps)
+    chunked = gpu_engine(model, "engine.max_prefill_tokens=64", "cudagraph.enabled=false")
+    assert same(alone, chunked.generate([ps[7]], [params(7)])[0]), "prefill chunks of 64, eager decode"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [["quant=bnb4", "lora=r16"], ["lora=r16"]], ids=["bnb4_lora", "lora"])
+def test_gpu_26b_a4b_4bit_and_lora(extra):
+    pytest.importorskip("bitsandbytes") if "quant=bnb4" in extra else None
+    check_alone_slot_and_score(gpu_engine("26b_a4b", *extra), prompts(33, seed=23, lo=20, hi=400))
