@@ -1,4 +1,6 @@
-"""The Triton kernel of `logprobs.token_logprobs` (imported only on a GPU)."""
+"""The Triton kernels of `logprobs` (imported only on a GPU): a lane update over a vocabulary slice,
+the lanes' combine, and both in one program per row for the whole vocabulary. The three share their
+steps (`_lane_step`, `_combine_lanes`, `_capped`), so a row gets the same bits either way."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-_BLOCK = 4096
+from flexgemma.model.invariant.logprobs import GPU_LANES
 
 
 @triton.jit
@@ -18,35 +20,89 @@ def _capped(x, cap, HAS_CAP: tl.constexpr):
 
 
 @triton.jit
-def _token_logprob_kernel(head_ptr, token_ptr, out_ptr, stride, cap, V: tl.constexpr, HAS_CAP: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """Program (row): a running (max, sum of exp) per lane over the vocabulary in BLOCK steps, the lanes
-    combined once at the end; the token's capped logit through the same arithmetic."""
+def _lane_step(lane_max, lane_sum, z):
+    new_max = tl.maximum(lane_max, z)
+    safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+    return new_max, lane_sum * tl.exp(lane_max - safe) + tl.exp(z - safe)
+
+
+@triton.jit
+def _lanes_over(base, lane_max, lane_sum, cap, V, HAS_CAP: tl.constexpr, LANES: tl.constexpr):
+    for v0 in range(0, V, LANES):
+        offs = v0 + tl.arange(0, LANES)
+        z = _capped(tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32), cap, HAS_CAP)
+        lane_max, lane_sum = _lane_step(lane_max, lane_sum, z)
+    return lane_max, lane_sum
+
+
+@triton.jit
+def _combine_lanes(lane_max, lane_sum):
+    top = tl.max(lane_max, 0)
+    return top + tl.log(tl.sum(lane_sum * tl.exp(lane_max - top), 0))
+
+
+@triton.jit
+def _token_logprob_kernel(head_ptr, token_ptr, out_ptr, stride, cap, V, HAS_CAP: tl.constexpr,
+                          LANES: tl.constexpr):
     row = tl.program_id(0)
     base = head_ptr + row * stride
-    lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
-    lane_sum = tl.zeros((BLOCK,), tl.float32)
-    for v0 in range(0, V, BLOCK):
-        offs = v0 + tl.arange(0, BLOCK)
-        z = _capped(tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32), cap, HAS_CAP)
-        new_max = tl.maximum(lane_max, z)
-        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        lane_sum = lane_sum * tl.exp(lane_max - safe) + tl.exp(z - safe)
-        lane_max = new_max
-    top = tl.max(lane_max, 0)
-    lse = top + tl.log(tl.sum(lane_sum * tl.exp(lane_max - top), 0))
-    token = tl.load(token_ptr + row)
-    zt = _capped(tl.load(base + token).to(tl.float32), cap, HAS_CAP)
-    tl.store(out_ptr + row, zt - lse)
+    lane_max = tl.full((LANES,), float("-inf"), tl.float32)
+    lane_sum = tl.zeros((LANES,), tl.float32)
+    lane_max, lane_sum = _lanes_over(base, lane_max, lane_sum, cap, V, HAS_CAP, LANES)
+    zt = _capped(tl.load(base + tl.load(token_ptr + row)).to(tl.float32), cap, HAS_CAP)
+    tl.store(out_ptr + row, zt - _combine_lanes(lane_max, lane_sum))
+
+
+@triton.jit
+def _update_kernel(head_ptr, max_ptr, sum_ptr, stride, cap, V, HAS_CAP: tl.constexpr, LANES: tl.constexpr):
+    row = tl.program_id(0)
+    lanes = tl.arange(0, LANES)
+    lane_max = tl.load(max_ptr + row * LANES + lanes)
+    lane_sum = tl.load(sum_ptr + row * LANES + lanes)
+    lane_max, lane_sum = _lanes_over(head_ptr + row * stride, lane_max, lane_sum, cap, V, HAS_CAP, LANES)
+    tl.store(max_ptr + row * LANES + lanes, lane_max)
+    tl.store(sum_ptr + row * LANES + lanes, lane_sum)
+
+
+@triton.jit
+def _finish_kernel(max_ptr, sum_ptr, target_ptr, out_ptr, cap, HAS_CAP: tl.constexpr, LANES: tl.constexpr):
+    """out = capped(target head value) - the lanes combined: `_token_logprob_kernel`'s last step."""
+    row = tl.program_id(0)
+    lanes = tl.arange(0, LANES)
+    zt = _capped(tl.load(target_ptr + row).to(tl.float32), cap, HAS_CAP)
+    tl.store(out_ptr + row, zt - _combine_lanes(tl.load(max_ptr + row * LANES + lanes),
+                                                tl.load(sum_ptr + row * LANES + lanes)))
+
+
+# the same layout and no FMA contraction in all three kernels: the lane sums and their combine round alike
+_OPTS = dict(num_warps=8, enable_fp_fusion=False)
+
+
+def _launch(head):
+    return head if head.stride(-1) == 1 else head.contiguous()
 
 
 def token_logprobs(head: torch.Tensor, tokens: torch.Tensor, softcap) -> torch.Tensor:
     t, v = head.shape
     out = torch.empty(t, dtype=torch.float32, device=head.device)
     if t:
-        if head.stride(-1) != 1:
-            head = head.contiguous()
-        _token_logprob_kernel[(t,)](head, tokens, out, head.stride(0), float(softcap or 1.0), V=v,
-                                    HAS_CAP=softcap is not None, BLOCK=min(_BLOCK, triton.next_power_of_2(v)),
-                                    num_warps=8)
+        head = _launch(head)
+        _token_logprob_kernel[(t,)](head, tokens, out, head.stride(0), float(softcap or 1.0), v,
+                                    HAS_CAP=softcap is not None, LANES=GPU_LANES, **_OPTS)
+    return out
+
+
+def update(head: torch.Tensor, lane_max: torch.Tensor, lane_sum: torch.Tensor, softcap) -> None:
+    t, v = head.shape
+    if t:
+        head = _launch(head)
+        _update_kernel[(t,)](head, lane_max, lane_sum, head.stride(0), float(softcap or 1.0), v,
+                             HAS_CAP=softcap is not None, LANES=GPU_LANES, **_OPTS)
+
+
+def finish(lane_max: torch.Tensor, lane_sum: torch.Tensor, target_head: torch.Tensor, softcap) -> torch.Tensor:
+    out = torch.empty(lane_max.shape[0], dtype=torch.float32, device=lane_max.device)
+    if out.numel():
+        _finish_kernel[(out.numel(),)](lane_max, lane_sum, target_head.contiguous(), out, float(softcap or 1.0),
+                                       HAS_CAP=softcap is not None, LANES=GPU_LANES, **_OPTS)
     return out
