@@ -10,24 +10,26 @@ the compiled glue of glue.py over those modules' weights.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexgemma.model.attention import AttentionKernels, PagedAttention, kernel_options, rope_tables
 from flexgemma.model.kv_pools import KVPools
 from flexgemma.model.moe import moe_block
-from flexgemma.model.projections import dense_weight, linear4bit_groups, projection
+from flexgemma.model.projections import Projection, dense_weight, linear4bit_groups, projection
 from flexgemma.model.spec import ModelSpec
 
 
 class GemmaForward(torch.nn.Module):
     def __init__(self, hf_model, spec: ModelSpec, pools: KVPools, attn_cfg, max_len: int,
-                 kernels: AttentionKernels, ops, lora=None, linear4bit: bool = False, invariant=None):
+                 kernels: AttentionKernels, ops, lora=None, linear4bit: bool = False, invariant=None,
+                 project: Optional[Callable[..., Projection]] = None):
         super().__init__()
         self.hf = [hf_model]  # a list: not a submodule, so its parameters are listed once, by transformers
-        self.spec, self.pools, self.kernels, self.ops = spec, pools, kernels, ops
+        self.spec, self.pools, self.kernels, self.ops, self.attn_cfg = spec, pools, kernels, ops, attn_cfg
         self.layers = hf_model.model.layers
         self.eps = spec.rms_eps
         # engine.batch_invariant: the batch-invariant matrix product (model/invariant/matmul.py) that every
@@ -38,7 +40,15 @@ class GemmaForward(torch.nn.Module):
         pools_on_gpu = hf_model.model.embed_tokens.weight.is_cuda
         # every projection of the model, as `projection` decides to run it (decided here, once):
         # `lora` the engine's adapters or None; `linear4bit` 4-bit bases may run as one group
-        project = functools.partial(projection, lora=lora, linear4bit=linear4bit, invariant=invariant)
+        # (`project` given: the trainer's forward, model/trainable.py, with its own trainable projections)
+        make = project or functools.partial(projection, lora=lora, linear4bit=linear4bit, invariant=invariant)
+        self.made: dict[tuple, Projection] = {}  # (id(owner), names) -> the projection running them
+
+        def project(owner, names, fused=None):
+            self.made[id(owner), tuple(names)] = made = make(owner, names, fused=fused)
+            return made
+
+        self.checkpoint_layers = False  # the trainer's forward recomputes each layer in the backward
         self.attn = [
             PagedAttention(
                 s, layer.self_attn, pools, kernels, ops, self.eps,
@@ -84,32 +94,7 @@ class GemmaForward(torch.nn.Module):
         return self._forward(input_ids, positions, slots, masks, logits_index, decode)
 
     def _forward(self, input_ids, positions, slots, masks, logits_index, decode) -> torch.Tensor:
-        base, ops, eps = self.model.model, self.ops, self.eps
-        embeds = base.embed_tokens(input_ids)
-        per_layer = self.per_layer_inputs(input_ids, embeds) if self.spec.per_layer_input_dim else None
-        rope = {t: (cos[positions], sin[positions]) for t, (cos, sin) in self.rope.items()}
-        h = embeds
-        # x is always h normed for what reads it next: each residual add also norms for the next
-        # consumer in the same kernel (add_norm_norm), the last one for the final norm
-        x = ops.rms_norm(h, self.layers[0].input_layernorm.weight, eps)
-        next_norm = [layer.input_layernorm.weight for layer in self.layers[1:]] + [base.norm.weight]
-        for s, layer, attn, w_next in zip(self.spec.layers, self.layers, self.attn, next_norm):
-            cos, sin = rope[s.layer_type]
-            a = attn(x, cos, sin, slots, masks[s.layer_type], decode)
-            h, x = ops.add_norm_norm(h, a, layer.post_attention_layernorm.weight, eps,
-                                     layer.pre_feedforward_layernorm.weight)
-            project = self.project[s.index]
-            g, u = project["gate_up"](x)
-            m = project["down"](ops.gelu_mul(g, u))[0]
-            if s.moe:
-                m = moe_block(layer, h, m, ops, eps, self.run_module if self.invariant else None)
-            if s.per_layer_input:
-                h = ops.add_norm(h, m, layer.post_feedforward_layernorm.weight, eps)
-                g = ops.gelu_mul(project["ple_gate"](h)[0], per_layer[:, s.index, :])
-                m, w_end = project["ple_out"](g)[0], layer.post_per_layer_input_norm.weight
-            else:
-                w_end = layer.post_feedforward_layernorm.weight
-            h, x = ops.add_norm_norm(h, m, w_end, eps, w_next, layer.layer_scalar)
+        x = self.hidden(input_ids, positions, slots, masks, decode)
         if logits_index is not None:
             x = x[logits_index]
         # the head's output, before the soft-cap: the sampler caps it inside its own compiled graph,
@@ -119,6 +104,45 @@ class GemmaForward(torch.nn.Module):
         if self.invariant is not None:
             return self.run_module(self.model.lm_head, x)
         return self.model.lm_head(x)
+
+    def hidden(self, input_ids, positions, slots, masks, decode: bool) -> torch.Tensor:
+        """[T, hidden]: every token through the layers and the final norm (what the head reads)."""
+        base, ops, eps = self.model.model, self.ops, self.eps
+        embeds = base.embed_tokens(input_ids)
+        per_layer = self.per_layer_inputs(input_ids, embeds) if self.spec.per_layer_input_dim else None
+        rope = {t: (cos[positions], sin[positions]) for t, (cos, sin) in self.rope.items()}
+        h = embeds
+        # x is always h normed for what reads it next: each residual add also norms for the next
+        # consumer in the same kernel (add_norm_norm), the last one for the final norm
+        x = ops.rms_norm(h, self.layers[0].input_layernorm.weight, eps)
+        next_norm = [layer.input_layernorm.weight for layer in self.layers[1:]] + [base.norm.weight]
+        for s, w_next in zip(self.spec.layers, next_norm):
+            args = (s, w_next, h, x, rope[s.layer_type], slots, masks[s.layer_type], decode, per_layer)
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                h, x = torch.utils.checkpoint.checkpoint(self.layer, *args, use_reentrant=False)
+            else:
+                h, x = self.layer(*args)
+        return x
+
+    def layer(self, s, w_next, h, x, rope, slots, mask, decode, per_layer):
+        """One layer: (residual, its norm for the next consumer) -> the same after the layer."""
+        ops, eps, layer = self.ops, self.eps, self.layers[s.index]
+        cos, sin = rope
+        a = self.attn[s.index](x, cos, sin, slots, mask, decode)
+        h, x = ops.add_norm_norm(h, a, layer.post_attention_layernorm.weight, eps,
+                                 layer.pre_feedforward_layernorm.weight)
+        project = self.project[s.index]
+        g, u = project["gate_up"](x)
+        m = project["down"](ops.gelu_mul(g, u))[0]
+        if s.moe:
+            m = moe_block(layer, h, m, ops, eps, self.run_module if self.invariant else None)
+        if s.per_layer_input:
+            h = ops.add_norm(h, m, layer.post_feedforward_layernorm.weight, eps)
+            g = ops.gelu_mul(project["ple_gate"](h)[0], per_layer[:, s.index, :])
+            m, w_end = project["ple_out"](g)[0], layer.post_per_layer_input_norm.weight
+        else:
+            w_end = layer.post_feedforward_layernorm.weight
+        return ops.add_norm_norm(h, m, w_end, eps, w_next, layer.layer_scalar)
 
     def run_module(self, module, x: torch.Tensor) -> torch.Tensor:
         """x through a linear module's dense weight by the batch-invariant product."""

@@ -129,6 +129,16 @@ class MergeTarget:
         merge_into(self.weight, self.pristine, lhs.to(self.weight.dtype), rhs.to(self.weight.dtype), scale)
 
 
+def live_factors(layers: list, adapters: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (s B, A) of its adapters combined, from the peft tensors themselves (differentiable
+    when gradients are on): what `LowRankGroup` copies and what the trainer's forward multiplies."""
+    out = []
+    for layer in layers:
+        lhs, rhs, scale = _combined_factors([_delta_factors(layer, a) for a in adapters if a in layer.lora_A])
+        out.append((lhs * scale, rhs))
+    return out
+
+
 class LowRankGroup:
     """Unmerged adapters of projections that read one input (q/k/v, gate/up, or one alone), run
     beside their (4-bit) base layers in fewer launches than peft's: the A factors of every member
@@ -154,11 +164,7 @@ class LowRankGroup:
             self._fill_diag(parts)
 
     def _factors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        out = []
-        for layer in self.layers:
-            lhs, rhs, scale = _combined_factors([_delta_factors(layer, a) for a in self.adapters if a in layer.lora_A])
-            out.append((lhs * scale, rhs))
-        return out
+        return live_factors(self.layers, self.adapters)
 
     def _fill_diag(self, parts) -> None:
         o0 = r0 = 0
@@ -272,19 +278,24 @@ class LoraAdapters:
         layer this class can run (plain LoRA: no variant such as DoRA, no LoRA bias); None otherwise.
         base: a `linear4bit.Linear4bitGroup` of their base layers, or None (each base layer runs);
         linear / bases: the batch-invariant product and base outputs (see LowRankGroup)."""
-        from peft.tuners.lora import ParamWrapper
-
-        if self.merged or not modules:
+        if not self.can_group(modules):
             return None
-        for m in modules:
-            if not (any(m is layer for layer in self.layers.values()) and not isinstance(m, ParamWrapper)
-                    and not m.disable_adapters and all(a in m.lora_A for a in self.adapter_names)
-                    and not any(a in getattr(m, "lora_variant", {}) or getattr(m, "lora_bias", {}).get(a, False)
-                                for a in self.adapter_names)):
-                return None
         g = LowRankGroup(list(modules), self.adapter_names, self.dtype, base, linear, bases)
         self.groups.append(g)
         return g
+
+    def can_group(self, modules: list) -> bool:
+        """Every one of `modules` is an unmerged adapter layer a `LowRankGroup` can run (plain LoRA: no
+        variant such as DoRA, no LoRA bias, not an expert ParamWrapper)."""
+        from peft.tuners.lora import ParamWrapper
+
+        if self.merged or not modules:
+            return False
+        return all(any(m is layer for layer in self.layers.values()) and not isinstance(m, ParamWrapper)
+                   and not m.disable_adapters and all(a in m.lora_A for a in self.adapter_names)
+                   and not any(a in getattr(m, "lora_variant", {}) or getattr(m, "lora_bias", {}).get(a, False)
+                               for a in self.adapter_names)
+                   for m in modules)
 
     def _pristine_copy(self, weight: torch.Tensor) -> torch.Tensor:
         if not weight.dtype.is_floating_point:

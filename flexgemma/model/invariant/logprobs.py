@@ -49,6 +49,9 @@ class LogprobStream:
             self.lane_sum = self.lane_sum * torch.exp(self.lane_max - safe) + torch.exp(z[:, i] - safe)
             self.lane_max = new
 
+    def capped(self, head: torch.Tensor) -> torch.Tensor:
+        return capped(head, self.softcap)
+
     def logprobs(self, target_head: torch.Tensor) -> torch.Tensor:
         """[rows] float32: each row's target (its head value, [rows]) capped, minus the lanes combined."""
         if self.device.type == "cuda":

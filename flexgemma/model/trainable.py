@@ -1,0 +1,479 @@
+"""The engine's forward, with the backward a LoRA trainer needs (`task.trainer_forward=engine`).
+
+`TrainableForward` runs the engine's own model code and kernels (GemmaForward over the batch-invariant
+kernels: the same products, attention, glue and experts, on the same weights, merged or 4-bit) on
+packed, unpadded sequences, and computes each token's log-probability a slice of the vocabulary at a
+time (never the [tokens x vocab] logits). Its forward values are the engine's bit for bit; only the
+backward is new, and it is plain maths: every op is an `exact` pair, the engine's function for the
+forward and a differentiable torch reference of the same maths for the gradients (recomputed in the
+backward from the op's inputs). Gradients reach the LoRA factors (merged adapters: through the
+low-rank form of W + s B A, never a full-size weight gradient) and the activations through frozen
+weights, 4-bit ones included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from flexgemma.model import glue
+from flexgemma.model.invariant.attention import RowTable, paged_attention
+from flexgemma.model.invariant.logprobs import LogprobStream, lanes
+from flexgemma.model.invariant.rows import pad_rows, padded_row_count, serial
+
+
+# -- an engine op with a reference backward ------------------------------------------------------
+class _Exact(torch.autograd.Function):
+    """out = fn(*args) (no graph); the backward differentiates ref(*args), recomputed."""
+
+    @staticmethod
+    def forward(ctx, fn, ref, *args):
+        ctx.ref = ref
+        ctx.tensor_at = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.others = [None if torch.is_tensor(a) else a for a in args]
+        ctx.save_for_backward(*[args[i] for i in ctx.tensor_at])
+        with torch.no_grad():
+            out = fn(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        ctx.mark_non_differentiable(*[o for o in outs if torch.is_tensor(o) and not o.is_floating_point()])
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        args = list(ctx.others)
+        wants = []
+        for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
+            needs = ctx.needs_input_grad[i + 2]
+            args[i] = t.detach().requires_grad_(needs) if needs else t
+            if needs:
+                wants.append(i)
+        if not wants:
+            return (None, None) + (None,) * len(args)
+        with torch.enable_grad():
+            out = ctx.ref(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and torch.is_tensor(o) and o.requires_grad]
+        got = torch.autograd.grad([o for o, _ in pairs], [args[i] for i in wants], [g for _, g in pairs],
+                                  allow_unused=True)
+        result = [None] * len(args)
+        for i, g in zip(wants, got):
+            result[i] = g
+        return (None, None, *result)
+
+
+def exact(fn: Callable, ref: Callable) -> Callable:
+    """fn's values with ref's gradients (fn and ref: the same maths)."""
+    return lambda *args: _Exact.apply(fn, ref, *args)
+
+
+def trainable_linear(linear: Callable) -> Callable:
+    """`linear(x, w)` (the engine's product) with gradients for x and w."""
+    return exact(linear, lambda x, w: F.linear(x, w))
+
+
+class _MergedLora(torch.autograd.Function):
+    """x @ W.T with W the engine's merged weight (pristine + sum_i s_i B_i A_i, rows split among
+    members): the forward is the engine's product over W itself; the backward gives x its gradient
+    through W and each adapter's factors theirs through the low-rank form (no [out, in] gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, linear, weight, members, *factors):
+        ctx.members = members  # per member: (first row, rows, [(index of A in factors, index of B, scale)])
+        ctx.save_for_backward(x, weight, *factors)
+        with torch.no_grad():
+            return linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, *factors = ctx.saved_tensors
+        gx = g @ weight if ctx.needs_input_grad[0] else None
+        grads = [None] * len(factors)
+        xf, gf = x.float(), g.float()
+        for first, rows, adapters in ctx.members:
+            gi = gf[..., first: first + rows].reshape(-1, rows)
+            x2 = xf.reshape(-1, xf.shape[-1])
+            for ia, ib, scale in adapters:
+                a, b = factors[ia].float(), factors[ib].float()
+                grads[ib] = (scale * gi.t() @ (x2 @ a.t())).to(factors[ib].dtype)
+                grads[ia] = (scale * (gi @ b).t() @ x2).to(factors[ia].dtype)
+        return (gx, None, None, None, *grads)
+
+
+@dataclass
+class PackedRows:
+    """One layer type's view of a packed batch for the training attention: each sequence's queries
+    are its tokens, in order, at positions 0..n-1."""
+
+    starts: list[int]
+    lengths: list[int]
+    positions: torch.Tensor  # [T]
+    window: Optional[int]
+
+
+class PackedKV:
+    """The K/V of the packed batch being trained on, per KV-writing layer, as autograd tensors (what
+    `PagedAttention` writes and reads in place of the engine's pools)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._source: dict[int, int] = {}
+
+    def write(self, layer_index: int, k: torch.Tensor, v: torch.Tensor, slots=None) -> None:
+        self._kv[layer_index] = (k, v)
+
+    def layer_kv(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._kv[layer_index]
+
+    def clear(self) -> None:
+        self._kv.clear()
+
+
+def _staged(k: torch.Tensor, rows: PackedRows, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k [T, Hkv, D] laid out as a paged pool [1, Hkv, slots, D] (each sequence on pages of its own,
+    page 0 left empty) and the page table [sequences + 1, pages] whose last row lists no page."""
+    pages = [-(-n // page) for n in rows.lengths]
+    width = max(pages + [1])
+    table = torch.full((len(pages) + 1, width), -1, dtype=torch.int32)
+    slot_of = torch.empty(k.shape[0], dtype=torch.long)
+    nxt = 1
+    for i, (start, n, p) in enumerate(zip(rows.starts, rows.lengths, pages)):
+        table[i, :p] = torch.arange(nxt, nxt + p, dtype=torch.int32)
+        slot_of[start: start + n] = nxt * page + torch.arange(n)
+        nxt += p
+    pool = k.new_zeros(1, k.shape[1], nxt * page, k.shape[2])
+    pool[0, :, slot_of.to(k.device)] = k.transpose(0, 1)
+    return pool, table.to(k.device)
+
+
+def _attention_reference(q, k, v, rows: PackedRows):
+    """Softmax attention per sequence in float32 (causal, sliding where the layer slides), GQA."""
+    outs = []
+    for start, n in zip(rows.starts, rows.lengths):
+        qs, ks, vs = (t[start: start + n].float().transpose(0, 1) for t in (q, k, v))
+        pos = torch.arange(n, device=q.device)
+        allowed = pos[None, :] <= pos[:, None]
+        if rows.window is not None:
+            allowed = allowed & (pos[None, :] > pos[:, None] - rows.window)
+        out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=allowed, scale=1.0,
+                                             enable_gqa=True)
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs).to(q.dtype)
+
+
+class PackedAttention:
+    """The training forward's attention kernels: the engine's paged attention over the packed K/V
+    staged as pages (the same chunks and tiles at the same positions: the engine's bits), with the
+    reference's gradients."""
+
+    backend = "invariant"
+    decode_rows = None
+
+    def __init__(self, engine_kernels):
+        self.engine = engine_kernels
+
+    def padded_rows(self, b: int) -> int:
+        return b
+
+    def prefill(self, q, k, v, rows: PackedRows, options=None):
+        page = self.engine.page_size
+
+        def engine_attention(q, k, v):
+            kp, table = _staged(k, rows, page)
+            vp, _ = _staged(v, rows, page)
+            q_row = torch.repeat_interleave(torch.arange(len(rows.lengths), dtype=torch.int32),
+                                            torch.tensor(rows.lengths)).to(q.device)
+            table_rows = RowTable(table, q_row, rows.positions.int(), rows.window, False,
+                                  max(rows.lengths), list(zip(rows.starts, rows.lengths)))
+            return paged_attention(q, kp, vp, table_rows, page, self.engine.options)
+
+        return exact(engine_attention, lambda q, k, v: _attention_reference(q, k, v, rows))(q, k, v)
+
+    decode = prefill
+
+
+# -- projections -----------------------------------------------------------------------------------
+class MergedProjection:
+    """Members' merged weights as one matrix (a fused weight, or one module's): the engine's product,
+    gradients for x and every merged adapter's factors."""
+
+    def __init__(self, weight: torch.Tensor, modules: list, lora, linear: Callable):
+        self.weight, self.linear = weight, linear
+        self.splits = [m.get_base_layer().weight.shape[0] if hasattr(m, "get_base_layer") else m.weight.shape[0]
+                       for m in modules]
+        self.factors, self.members, first = [], [], 0
+        for m, rows in zip(modules, self.splits):
+            adapters = []
+            if lora is not None and any(m is layer for layer in lora.layers.values()):
+                for a in lora.adapter_names:
+                    if a in m.lora_A:
+                        adapters.append((len(self.factors), len(self.factors) + 1, float(m.scaling[a])))
+                        self.factors += [m.lora_A[a].weight, m.lora_B[a].weight]
+            self.members.append((first, rows, adapters))
+            first += rows
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        y = _MergedLora.apply(x, self.linear, self.weight, self.members, *self.factors)
+        return list(y.split(self.splits, dim=-1))
+
+
+class TrainableLowRank:
+    """Unmerged adapters beside their (4-bit or plain) bases: `lora.LowRankGroup`'s arithmetic over the
+    live peft factors, every product the engine's, with gradients."""
+
+    def __init__(self, modules: list, adapters: list[str], dtype: torch.dtype, bases: Callable, linear: Callable):
+        self.modules, self.adapters, self.dtype, self.bases, self.linear = modules, adapters, dtype, bases, linear
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        from flexgemma.model.lora import live_factors
+
+        parts = live_factors(self.modules, self.adapters)
+        xa = self.linear(x, torch.cat([a for _, a in parts]).to(self.dtype))
+        outs, r0 = [], 0
+        for y, (b, a) in zip(self.bases(x), parts):
+            r = a.shape[0]
+            outs.append(y + self.linear(xa[:, r0: r0 + r], b.to(self.dtype)))
+            r0 += r
+        return outs
+
+
+def projection_factory(engine_forward, lora, linear: Callable) -> Callable:
+    """`project(owner, names, fused)` for the trainer's GemmaForward: the engine forward's own
+    projection of those modules (`GemmaForward.made`; its fused weight, 4-bit group and LoRA group,
+    nothing copied), each product through `linear` (the engine's, with gradients)."""
+    from flexgemma.model import projections as P
+    from flexgemma.model.lora import LowRankGroup
+
+    def project(owner, names: list[str], fused: Optional[str] = None):
+        modules = [getattr(owner, n) for n in names]
+        made = engine_forward.made[(id(owner), tuple(names))]
+        if isinstance(made, P.FusedLinear):
+            return MergedProjection(made.weight, modules, lora, linear)
+        if isinstance(made, LowRankGroup):
+            bases = P.DenseGroup(made.bases.modules, linear, made.bases.packed)
+            return TrainableLowRank(modules, made.adapters, lora.dtype, bases, linear)
+        if not isinstance(made, P.DenseGroup):
+            raise TypeError(f"task.trainer_forward=engine needs engine.batch_invariant=true (a projection runs "
+                            f"as {type(made).__name__})")
+        if all(P.runs_plain(m) for m in modules):
+            return _merged_or_dense(modules, lora, linear)
+        return P.DenseGroup(made.modules, linear, made.packed)
+
+    return project
+
+
+def _merged_or_dense(modules, lora, linear):
+    """Plain modules one by one: each its (possibly merged) weight, gradients for its factors."""
+    members = [MergedProjection(_module_weight(m), [m], lora, linear) for m in modules]
+    return lambda x: [f(x)[0] for f in members]
+
+
+def _module_weight(module) -> torch.Tensor:
+    return module.get_base_layer().weight if hasattr(module, "get_base_layer") else module.weight
+
+
+# -- routed experts ----------------------------------------------------------------------------------
+def _expert_matrix(w, e: int, factors) -> torch.Tensor:
+    """Expert e's [out, in] matrix in float32: stored (or 4-bit, dequantised), plus its merged adapters
+    (s B_e A_e, differentiable) when the experts carry LoRA."""
+    base = w[e].float() if torch.is_tensor(w) else w.dequantize(torch.tensor([e], device=w.device))[0].float()
+    for lhs, rhs, scale in factors:
+        base = base + scale * (lhs[e].float() @ rhs[e].float())
+    return base
+
+
+def _experts_reference(x, top_k_index, top_k_weights, gate_up, down, act, gate_up_factors, down_factors):
+    """Each expert on the rows routed to it, in float32 (the backward's maths)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(top_k_index).tolist():
+        tok, slot = torch.where(top_k_index == e)
+        h = x[tok].float() @ _expert_matrix(gate_up, e, gate_up_factors).t()
+        g, u = h.chunk(2, dim=-1)
+        y = (act(g) * u) @ _expert_matrix(down, e, down_factors).t()
+        out = out.index_add(0, tok, y * top_k_weights[tok, slot, None].float())
+    return out.to(x.dtype)
+
+
+class TrainableExperts:
+    """ops.experts_kernel of the trainer's forward: the engine's experts kernel for the values, the
+    reference's gradients for the rows, the router weights and the experts' merged LoRA factors."""
+
+    def __init__(self, engine_kernel, lora):
+        self.engine = engine_kernel
+        self.factors: dict[int, list] = {}  # id(merged expert tensor) -> [(lhs, rhs, scale) live, per adapter]
+        if lora is not None:
+            from flexgemma.model.lora import _delta_factors
+
+            for t in lora.targets:
+                if t.weight.dim() == 3:
+                    self.factors[id(t.weight)] = [(t.layer, a) for a in lora.adapter_names if a in t.layer.lora_A]
+            self._delta = _delta_factors
+
+    def takes(self, *args) -> bool:
+        return True
+
+    def _live(self, w) -> list:
+        return [self._delta(layer, a) for layer, a in self.factors.get(id(w), [])]
+
+    def __call__(self, x, top_k_index, top_k_weights, gate_up, down, act):
+        gu, dn = self._live(gate_up), self._live(down)
+        flat = [t for f in gu + dn for t in f[:2]]
+        n_gu = len(gu)
+
+        def engine(x, w, *_):
+            return self.engine(x, top_k_index, w, gate_up, down, act)
+
+        def reference(x, w, *tensors):
+            pairs = [(tensors[2 * i], tensors[2 * i + 1]) for i in range(len(tensors) // 2)]
+            with_scale = [(lhs, rhs, f[2]) for (lhs, rhs), f in zip(pairs, gu + dn)]
+            return _experts_reference(x, top_k_index, w, gate_up, down, act, with_scale[:n_gu], with_scale[n_gu:])
+
+        return exact(engine, reference)(x, top_k_weights, *flat)
+
+
+# -- log-probabilities a slice of the vocabulary at a time ------------------------------------------
+_HEAD_FLOATS = 1 << 27  # float32 values of one [rows, vocabulary slice] block in the backward (512 MiB)
+
+
+def _slice_width(rows: int, vocab: int, lane: int) -> int:
+    """Vocabulary columns per slice: whole lane steps (so the lanes see the engine's order), about
+    _HEAD_FLOATS / rows of them."""
+    return min(vocab, max(lane, _HEAD_FLOATS // max(rows, 1) // lane * lane))
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """(log-probabilities of `targets`, entropies) of the rows x [N, H] under lm_head [V, H]: the head
+    computed a slice at a time by the engine's product, streamed through the engine's lanes
+    (invariant.logprobs), so the values are the sampler's; the backward recomputes each slice."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, linear, softcap, entropy: bool):
+        n, v = x.shape[0], weight.shape[0]
+        width = _slice_width(n, v, lanes(x.device))
+        stream = LogprobStream(n, x.device, softcap)
+        target_head = torch.zeros(n, dtype=x.dtype, device=x.device)
+        ent = _EntropyStream(n, x.device) if entropy else None
+        with torch.no_grad():
+            for v0 in range(0, v, width):
+                head = linear(x, weight[v0: v0 + width])
+                stream.update(head)
+                inside = (targets >= v0) & (targets < v0 + head.shape[1])
+                target_head = torch.where(inside, head.gather(1, (targets - v0).clamp(0, head.shape[1] - 1)[:, None])[:, 0],
+                                          target_head)
+                if ent is not None:
+                    ent.update(stream.capped(head))
+            logp = stream.logprobs(target_head)
+        lse = stream.capped(target_head) - logp
+        ctx.save_for_backward(x, weight, targets, lse)
+        ctx.softcap, ctx.width = softcap, width
+        return logp, ent.entropy() if ent is not None else torch.zeros_like(logp)
+
+    @staticmethod
+    def backward(ctx, g, _g_entropy):
+        x, weight, targets, lse = ctx.saved_tensors
+        xf, gf = x.float(), g.float()
+        gx = torch.zeros_like(xf)
+        for v0 in range(0, weight.shape[0], ctx.width):
+            w = weight[v0: v0 + ctx.width].float()
+            h = xf @ w.t()
+            z = h if ctx.softcap is None else torch.tanh(h / ctx.softcap) * ctx.softcap
+            dz = -torch.exp(z - lse[:, None]) * gf[:, None]
+            inside = (targets >= v0) & (targets < v0 + w.shape[0])
+            rows = torch.nonzero(inside)[:, 0]
+            dz[rows, targets[rows] - v0] += gf[rows]
+            if ctx.softcap is not None:
+                dz = dz * (1 - torch.tanh(h / ctx.softcap) ** 2)
+            gx += dz @ w
+        return gx.to(x.dtype), None, None, None, None, None
+
+
+class _EntropyStream:
+    """Each row's entropy of the capped logits, accumulated over vocabulary slices (no gradient)."""
+
+    def __init__(self, n: int, device):
+        self.m = torch.full((n,), float("-inf"), device=device)
+        self.s = torch.zeros(n, device=device)
+        self.t = torch.zeros(n, device=device)
+
+    def update(self, z: torch.Tensor) -> None:
+        new = torch.maximum(self.m, z.amax(-1))
+        scale = torch.exp(self.m - new)
+        e = torch.exp(z - new[:, None])
+        self.s = self.s * scale + e.sum(-1)
+        self.t = self.t * scale + (e * z).sum(-1)
+        self.m = new
+
+    def entropy(self) -> torch.Tensor:
+        return self.m + torch.log(self.s) - self.t / self.s
+
+
+# -- the trainer's forward -----------------------------------------------------------------------------
+class TrainableForward:
+    """Per-token log-probabilities of packed sequences through the engine's forward, with gradients.
+
+    engine_forward: the engine's GemmaForward, built with engine.batch_invariant (its products, attention,
+    glue and experts are what this runs); lora: the engine's LoraAdapters (merged weights must be current:
+    the caller refreshes them after changing the factors). Layers are recomputed in the backward
+    (`checkpoint`): only each layer's input is kept."""
+
+    def __init__(self, engine_forward, lora=None, checkpoint: bool = True):
+        from flexgemma.config import ConfigError
+        from flexgemma.model.forward import GemmaForward
+
+        f = engine_forward
+        if f.invariant is None:
+            raise ConfigError("task.trainer_forward=engine runs the engine's batch-invariant kernels: set "
+                              "engine.batch_invariant=true (or task.trainer_forward=transformers)")
+        if any(a.fused_kv_write for a in f.attn):
+            raise ConfigError("task.trainer_forward=engine computes K and V as the unfused engine does: set "
+                              "attn.fused_kv_write=false")
+        self.engine, self.lora = f, lora
+        linear = trainable_linear(f.invariant)
+        ops = SimpleNamespace(**{name: exact(getattr(f.ops, name), getattr(glue, name)) for name in glue.ROW_ARGS})
+        ops.experts_kernel = TrainableExperts(f.ops.experts_kernel, lora)
+        max_len = next(iter(f.rope.values()))[0].shape[0]
+        self.forward = GemmaForward(f.model, f.spec, PackedKV(f.pools.block_size), f.attn_cfg, max_len,
+                                    PackedAttention(f.kernels), ops, lora, invariant=linear,
+                                    project=projection_factory(f, lora, linear))
+        self.forward.checkpoint_layers = checkpoint
+        self.windows = {s.layer_type: s.window for s in f.spec.layers}
+
+    def token_logprobs(self, sequences: list[list[int]], first: list[int],
+                       entropy: bool = False) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
+        """For each sequence, the log-probabilities of its tokens from index first[i] on (given those
+        before), float32 with gradients; and their entropies (no gradient) when asked."""
+        device = self.engine.model.model.embed_tokens.weight.device
+        lengths = [len(s) for s in sequences]
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
+        masks = {t: PackedRows(starts, lengths, positions, w) for t, w in self.windows.items()}
+        rows = torch.tensor([a + p - 1 for a, n, f0 in zip(starts, lengths, first) for p in range(f0, n)],
+                            dtype=torch.long, device=device)
+        targets = ids[rows + 1]
+        self.forward.pools.clear()
+        if ids.is_cuda:
+            x = self.forward.hidden(ids, positions, dict.fromkeys(self.windows), masks, decode=False)[rows]
+        else:
+            with serial():  # the engine's CPU forward runs on one thread (model/invariant/rows.py)
+                x = self.forward.hidden(ids, positions, dict.fromkeys(self.windows), masks, decode=False)[rows]
+        self.forward.pools.clear()
+        logp, ent = self._head(x, targets, entropy)
+        counts = [n - f0 for n, f0 in zip(lengths, first)]
+        return list(logp.split(counts)), (list(ent.split(counts)) if entropy else None)
+
+    def _head(self, x: torch.Tensor, targets: torch.Tensor, entropy: bool):
+        weight = self.forward.model.lm_head.weight
+        softcap = self.engine.spec.softcap
+        if x.is_cuda:
+            return _HeadLogprobs.apply(x, weight, targets, self.engine.invariant, softcap, entropy)
+        n = x.shape[0]  # the CPU's invariant padding (model/invariant/rows.py), as the sampler pads its rows
+        rows = padded_row_count(n)
+        with serial():
+            logp, ent = _HeadLogprobs.apply(pad_rows(x, rows), weight, pad_rows(targets, rows), self.engine.invariant,
+                                            softcap, entropy)
+        return logp[:n], ent[:n]

@@ -1,0 +1,54 @@
+"""The trainer's forward through the engine's kernels (model/trainable.py, task.trainer_forward=engine):
+its log-probabilities are bitwise the engine's (generate and score), its LoRA gradients match
+transformers' within float32 tolerance, and it never holds the [tokens x vocab] logits."""
+
+import pytest
+import torch
+
+from conftest import make_engine
+from flexgemma import SamplingParams
+from flexgemma.model.trainable import TrainableForward
+
+INV = "engine.batch_invariant=true"
+
+
+def rollout(eng, n=5, seed=1, new=10):
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.randint(3, 500, (int(k),), generator=g).tolist() for k in torch.randint(5, 40, (n,), generator=g)]
+    outs = eng.generate(ps, [SamplingParams(max_new_tokens=new, temperature=1.0, seed=i, ignore_eos=True)
+                             for i in range(n)])
+    return ps, outs
+
+
+def check_bitwise(eng):
+    ps, outs = rollout(eng)
+    tf = TrainableForward(eng.runner.forward, eng.lora)
+    lps, _ = tf.token_logprobs([p + o.token_ids for p, o in zip(ps, outs)], [len(p) for p in ps])
+    for lp, o in zip(lps, outs):
+        assert lp.tolist() == o.logprobs
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_trainer_logprobs_are_the_engines_bit_for_bit(model, dtype):
+    check_bitwise(make_engine(INV, f"model.dtype={dtype}", "lora=r16", model=model))
+
+
+@pytest.mark.parametrize("extra", [["lora.merge=false"], ["quant=bnb4", "model.dtype=bfloat16"]], ids=["unmerged", "bnb4"])
+def test_trainer_logprobs_bitwise_unmerged_and_4bit(extra):
+    if "quant=bnb4" in extra:
+        pytest.importorskip("bitsandbytes")
+    check_bitwise(make_engine(INV, "lora=r16", *extra))
+
+
+# -- the GPU: every model's shapes, fewer layers ------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("model, extra", [("e2b", ["lora=r32"]), ("26b_a4b", ["quant=bnb4", "lora=r16"]),
+                                          ("26b_a4b", ["lora=r16"])], ids=["e2b_r32", "26b_bnb4_r16", "26b_r16"])
+def test_gpu_trainer_logprobs_are_the_engines_bit_for_bit(model, extra):
+    from test_invariant import GPU_MODELS
+    from flexgemma import build_engine, compose
+
+    eng = build_engine(compose([f"+model={model}", INV, "device=cuda", "engine.max_batch_size=16",
+                                "engine.max_model_len=1024", *GPU_MODELS[model], *extra]))
+    check_bitwise(eng)
