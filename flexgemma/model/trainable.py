@@ -259,7 +259,7 @@ def projection_factory(engine_forward, lora, linear: Callable) -> Callable:
         if not isinstance(made, P.DenseGroup):
             raise TypeError(f"task.trainer_forward=engine needs engine.batch_invariant=true (a projection runs "
                             f"as {type(made).__name__})")
-        if all(P.runs_plain(m) for m in modules):
+        if lora is not None and lora.merged:
             return _merged_or_dense(modules, lora, linear)
         return P.DenseGroup(made.modules, linear, made.packed)
 
@@ -267,13 +267,11 @@ def projection_factory(engine_forward, lora, linear: Callable) -> Callable:
 
 
 def _merged_or_dense(modules, lora, linear):
-    """Plain modules one by one: each its (possibly merged) weight, gradients for its factors."""
-    members = [MergedProjection(_module_weight(m), [m], lora, linear) for m in modules]
+    """Modules one by one, each its merged weight (the tensor the engine's merge writes, whichever
+    Parameter the module holds at the moment) with gradients for its factors, or its own weight."""
+    merged = {id(t.layer): t.weight for t in lora.targets}
+    members = [MergedProjection(merged[id(m)] if id(m) in merged else m.weight, [m], lora, linear) for m in modules]
     return lambda x: [f(x)[0] for f in members]
-
-
-def _module_weight(module) -> torch.Tensor:
-    return module.get_base_layer().weight if hasattr(module, "get_base_layer") else module.weight
 
 
 # -- routed experts ----------------------------------------------------------------------------------
@@ -304,23 +302,30 @@ class TrainableExperts:
 
     def __init__(self, engine_kernel, lora):
         self.engine = engine_kernel
-        self.factors: dict[int, list] = {}  # id(merged expert tensor) -> [(lhs, rhs, scale) live, per adapter]
+        # id(merged expert tensor) -> (its pristine copy, [(peft layer, adapter)]): the reference differentiates
+        # pristine + s B A, the merged tensor's own maths
+        self.factors: dict[int, tuple] = {}
         if lora is not None:
             from flexgemma.model.lora import _delta_factors
 
             for t in lora.targets:
                 if t.weight.dim() == 3:
-                    self.factors[id(t.weight)] = [(t.layer, a) for a in lora.adapter_names if a in t.layer.lora_A]
+                    self.factors[id(t.weight)] = (t.pristine, [(t.layer, a) for a in lora.adapter_names
+                                                               if a in t.layer.lora_A])
             self._delta = _delta_factors
 
     def takes(self, *args) -> bool:
         return True
 
-    def _live(self, w) -> list:
-        return [self._delta(layer, a) for layer, a in self.factors.get(id(w), [])]
+    def _live(self, w) -> tuple:
+        """(the weight the reference starts from, live (lhs, rhs, scale) of its adapters)."""
+        if id(w) not in self.factors:
+            return w, []
+        pristine, adapters = self.factors[id(w)]
+        return pristine, [self._delta(layer, a) for layer, a in adapters]
 
     def __call__(self, x, top_k_index, top_k_weights, gate_up, down, act):
-        gu, dn = self._live(gate_up), self._live(down)
+        (gu_base, gu), (dn_base, dn) = self._live(gate_up), self._live(down)
         flat = [t for f in gu + dn for t in f[:2]]
         n_gu = len(gu)
 
@@ -330,7 +335,7 @@ class TrainableExperts:
         def reference(x, w, *tensors):
             pairs = [(tensors[2 * i], tensors[2 * i + 1]) for i in range(len(tensors) // 2)]
             with_scale = [(lhs, rhs, f[2]) for (lhs, rhs), f in zip(pairs, gu + dn)]
-            return _experts_reference(x, top_k_index, w, gate_up, down, act, with_scale[:n_gu], with_scale[n_gu:])
+            return _experts_reference(x, top_k_index, w, gu_base, dn_base, act, with_scale[:n_gu], with_scale[n_gu:])
 
         return exact(engine, reference)(x, top_k_weights, *flat)
 
@@ -461,7 +466,7 @@ class TrainableForward:
         else:
             with serial():  # the engine's CPU forward runs on one thread (model/invariant/rows.py)
                 x = self.forward.hidden(ids, positions, dict.fromkeys(self.windows), masks, decode=False)[rows]
-        self.forward.pools.clear()
+        # the K/V stay until the next call: the backward recomputes KV-shared layers, which read them
         logp, ent = self._head(x, targets, entropy)
         counts = [n - f0 for n, f0 in zip(lengths, first)]
         return list(logp.split(counts)), (list(ent.split(counts)) if entropy else None)

@@ -88,6 +88,23 @@ class SharedModel:
         finally:
             self.trainer_view()
 
+    @contextmanager
+    def engine_forward_side(self):
+        """The engine's view with the adapter trainable (task.trainer_forward=engine: the trainer runs the
+        engine's forward over the merged weights, its gradients reaching the peft factors), back to the
+        trainer's view after. The merged weights are rebuilt first when the factors changed since."""
+        self.engine_view()
+        for p in self.lora.slots.values():  # peft turns gradients off when it disables an adapter
+            p.requires_grad_(True)
+        seen = tuple(p._version for p in self.lora.slots.values())
+        if seen != getattr(self, "_merged_at", None):
+            self.lora.refresh()
+            self._merged_at = seen
+        try:
+            yield
+        finally:
+            self.trainer_view()
+
     def base_bytes(self) -> dict[str, int]:
         """Bytes of the weights the trainer and engine share, of the engine's merged copies and of the
         adapter factors. The census runs in the trainer's view, whose module tree holds the pristine
