@@ -325,6 +325,10 @@ class TaskConfig:
     is_clip_max: float = 3.0
     gradient_checkpointing: bool = False  # recompute activations in the trainer's backward (large models)
     micro_batch: Optional[int] = None  # completions per backward (gradient accumulation); null: the whole step
+    # the trainer's per-token logprobs: transformers (its Gemma-4 over peft's live adapters) or engine (the
+    # engine's own forward and kernels with a backward, model/trainable.py; with engine.batch_invariant the
+    # rollout's logprobs bit for bit: docs/grpo.md)
+    trainer_forward: str = "transformers"
 
 
 @dataclass
@@ -373,6 +377,17 @@ class Config:
         if self.lora.merge and self.quant.method != "none":
             raise ConfigError(f"lora.merge=true needs bf16/fp32 base weights; with quant={self.quant.name} use "
                               "lora.merge=null/false")
+        t = self.task
+        if t.trainer_forward not in ("transformers", "engine"):
+            raise ConfigError(f"task.trainer_forward={t.trainer_forward!r} is invalid: transformers or engine")
+        if t.trainer_forward == "engine" and not eng.batch_invariant:
+            raise ConfigError("task.trainer_forward=engine runs the engine's batch-invariant kernels in the trainer: "
+                              "add engine.batch_invariant=true (or use task.trainer_forward=transformers)")
+        if t.trainer_forward == "engine" and t.beta:
+            raise ConfigError(f"task.beta={t.beta} needs a reference forward without the adapter, which "
+                              "task.trainer_forward=engine does not run: use task.beta=0 or task.trainer_forward=transformers")
+        if t.trainer_forward == "engine" and a.fused_kv_write:
+            raise ConfigError("task.trainer_forward=engine computes K and V unfused: set attn.fused_kv_write=false")
         if cg.enabled and cg.buckets is not None and cg.buckets[-1] < eng.max_batch_size:
             raise ConfigError(
                 f"cudagraph.buckets={list(cg.buckets)} has a hole: batches of {cg.buckets[-1] + 1}.."

@@ -77,16 +77,62 @@ def test_lora_gradients_match_transformers(model, extra):
     seqs, firsts = [p + o.token_ids for p, o in zip(ps, outs)], [len(p) for p in ps]
     g = torch.Generator().manual_seed(5)
     weights = [torch.randn(len(s) - f, generator=g) for s, f in zip(seqs, firsts)]
-    shared = SharedModel(eng)
+    shared = SharedModel(eng, engine_forward=True)
     tf = TrainableForward(eng.runner.forward, eng.lora)
-    with shared.engine_forward_side():
-        lps, _ = tf.token_logprobs(seqs, firsts)
-        sum((lp * w).sum() for lp, w in zip(lps, weights)).backward()
+    shared.merged_for_training()
+    lps, _ = tf.token_logprobs(seqs, firsts)
+    sum((lp * w).sum() for lp, w in zip(lps, weights)).backward()
     ours = {k: p.grad.clone() for k, p in shared.lora.slots.items()}
     for p in shared.lora.slots.values():
         p.grad = None
+    shared.engine_forward = False
+    shared.trainer_view()  # transformers' forward: pristine weights, peft's adapters live
     theirs = _reference_grads(shared, seqs, firsts, weights)
     assert set(ours) == set(theirs) and len(ours) > 0
     for k in ours:
         scale = theirs[k].abs().max().item() + 1e-12
         assert (ours[k] - theirs[k]).abs().max().item() <= 1e-3 * scale, k
+
+
+# -- task=grpo with task.trainer_forward=engine -------------------------------------------------
+EXACT = ["lora=r16", "task=grpo", "device=cpu", "logger=none", "workload.max_prompt_len=16",
+         "model.hf_config.initializer_range=0.2", "task.learning_rate=2e-2", INV, "task.trainer_forward=engine"]
+
+
+def _rows(path):
+    import json
+
+    return [json.loads(line) for line in open(path / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grpo_trainer_and_rollout_agree_exactly(tmp_path, model, dtype):
+    from flexgemma import compose
+    from flexgemma.run import run_job
+
+    summary = run_job(compose([f"+model={model}", *EXACT, f"model.dtype={dtype}", "task.steps=3"]), tmp_path)
+    assert summary["status"] == "ok" and summary["grpo/trainer_forward"] == "engine"
+    rows = _rows(tmp_path)
+    assert len(rows) == 3
+    for r in rows:  # every step, every token: the importance ratios are exactly 1
+        assert r["grpo/logprob_absdiff_max"] == 0.0 and r["grpo/kl_k3"] == 0.0 and r["grpo/is_ratio_max"] == 1.0
+
+
+@pytest.mark.slow
+def test_grpo_with_the_engines_forward_learns(tmp_path):
+    from flexgemma import compose
+    from flexgemma.run import run_job
+
+    summary = run_job(compose(["+model=tiny", *EXACT, "model.dtype=float32", "task.steps=20"]), tmp_path)
+    assert summary["grpo/reward_last5"] - summary["grpo/reward_first5"] >= 0.10, summary
+    assert summary["grpo/logprob_absdiff_max"] == 0.0
+
+
+def test_trainer_forward_engine_needs_the_invariant_engine():
+    from flexgemma import ConfigError, compose
+
+    with pytest.raises(ConfigError, match="engine.batch_invariant=true"):
+        compose(["+model=tiny", "task=grpo", "task.trainer_forward=engine"])
+    with pytest.raises(ConfigError, match="transformers or engine"):
+        compose(["+model=tiny", "task=grpo", "task.trainer_forward=vllm"])

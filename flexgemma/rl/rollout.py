@@ -93,6 +93,36 @@ def mismatch_stats(trainer_lp: torch.Tensor, engine_lp: torch.Tensor, mask: torc
     return clipped, stats
 
 
+def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int) -> tuple[list[list[int]], list[int]]:
+    """TRL's rows (prompt left-padded, completion right-padded, the completion the last `keep` columns)
+    as token lists and the index of each row's first completion token."""
+    seqs, firsts = [], []
+    for ids, mask in zip(input_ids.tolist(), attention_mask.bool().tolist()):
+        prompt = [t for t, m in zip(ids[:-keep], mask[:-keep]) if m]
+        completion = [t for t, m in zip(ids[-keep:], mask[-keep:]) if m]
+        seqs.append(prompt + completion)
+        firsts.append(len(prompt))
+    return seqs, firsts
+
+
+def engine_logps(forward, shared, input_ids, attention_mask, keep: int, batch_size: int, entropy: bool):
+    """TRL's (logps [B, keep], entropies or None, aux loss None) through the engine's forward, `batch_size`
+    rows at a time; padding positions hold 0."""
+    logps = torch.zeros(input_ids.shape[0], keep, dtype=torch.float32, device=input_ids.device)
+    ents = torch.zeros_like(logps) if entropy else None
+    for start in range(0, input_ids.shape[0], batch_size):
+        seqs, firsts = unpad(input_ids[start: start + batch_size], attention_mask[start: start + batch_size], keep)
+        scored = [i for i, (s, f) in enumerate(zip(seqs, firsts)) if len(s) > f]  # rows with a completion token
+        shared.merged_for_training()
+        lps, es = forward.token_logprobs([seqs[i] for i in scored], [firsts[i] for i in scored], entropy)
+        for j, i in enumerate(scored):
+            n = lps[j].shape[0]
+            logps[start + i, :n] = lps[j]
+            if entropy:
+                ents[start + i, :n] = es[j]
+    return logps, ents, None
+
+
 def make_trainer_class():
     """FlexGemmaGRPOTrainer (built on first use: TRL is an optional extra)."""
     from trl import GRPOTrainer
@@ -100,10 +130,21 @@ def make_trainer_class():
     class FlexGemmaGRPOTrainer(GRPOTrainer):
         """GRPOTrainer + the engine's importance-sampling correction and per-step mismatch/timing stats."""
 
-        def __init__(self, *args, is_correction: bool = True, **kwargs):
+        def __init__(self, *args, is_correction: bool = True, engine_forward=None, shared=None, **kwargs):
             super().__init__(*args, **kwargs)
             self.is_correction = is_correction
             self.step_stats: dict[str, float] = {}
+            # task.trainer_forward=engine: a model.trainable.TrainableForward (None: transformers' forward)
+            self.engine_forward, self.shared = engine_forward, shared
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                               compute_entropy=False, compute_aux_loss=False, **kwargs):
+            if self.engine_forward is None or kwargs.get("pixel_values") is not None:
+                return super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                    **kwargs)
+            return engine_logps(self.engine_forward, self.shared, input_ids, attention_mask, logits_to_keep,
+                                batch_size or input_ids.size(0), compute_entropy)
 
         def _generate(self, prompts):
             _sync()
@@ -140,7 +181,7 @@ def make_trainer_class():
 
 def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=None, prompt_ids_of=None,
                  generator: str = "flexgemma", is_correction: bool = True, callbacks=None, rank: int = 0,
-                 world_size: int = 1):
+                 world_size: int = 1, trainer_forward: str = "transformers"):
     """A FlexGemmaGRPOTrainer training `engine`'s LoRA adapter (one model: see shared.SharedModel),
     generating through the engine (generator="flexgemma") or with TRL's transformers generate ("trl").
 
@@ -148,11 +189,13 @@ def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=Non
     prompt_ids_of: prompt (text or chat messages) -> token ids; default: as TRL tokenises them.
     rank, world_size: this process's place under torchrun/accelerate (flexgemma/rl/ranks.py); they only
     keep the rollout seeds of the ranks apart.
+    trainer_forward: "engine" computes the trainer's logprobs through the engine's forward (model/trainable.py;
+    the engine built with engine.batch_invariant), "transformers" through the peft model.
     Returns (trainer, shared, rollout or None)."""
     from flexgemma.rl.shared import SharedModel
     from flexgemma.rl.tokenizer import tiny_tokenizer
 
-    shared = SharedModel(engine)
+    shared = SharedModel(engine, engine_forward=trainer_forward == "engine")
     tokenizer = processing_class or engine.tokenizer or tiny_tokenizer(engine.spec.vocab_size)
     if prompt_ids_of is None:
         def prompt_ids_of(prompt):  # as TRL tokenises for its own generator
@@ -165,9 +208,14 @@ def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=Non
         rollout = EngineRollout(engine, shared, prompt_ids_of, int(args.max_completion_length),
                                 float(args.temperature), top_k=int(args.top_k or 0), top_p=float(args.top_p),
                                 seed=int(args.seed), rank=rank, world_size=world_size)
+    engine_forward = None
+    if trainer_forward == "engine":
+        from flexgemma.model.trainable import TrainableForward
+
+        engine_forward = TrainableForward(engine.runner.forward, engine.lora)
     trainer = make_trainer_class()(
         model=shared.peft_model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
         processing_class=tokenizer, rollout_func=rollout, callbacks=callbacks,
-        is_correction=is_correction and rollout is not None,
+        is_correction=is_correction and rollout is not None, engine_forward=engine_forward, shared=shared,
     )
     return trainer, shared, rollout

@@ -28,7 +28,7 @@ from flexgemma.config import ConfigError
 class SharedModel:
     """The engine's peft model, switchable between the trainer's view and the engine's."""
 
-    def __init__(self, engine, upcast_lora: bool = True):
+    def __init__(self, engine, upcast_lora: bool = True, engine_forward: bool = False):
         lora = engine.lora
         if lora is None:
             raise ConfigError("task=grpo trains a LoRA adapter: add lora=r16 (or r32, r64, or lora.path=DIR)")
@@ -45,7 +45,18 @@ class SharedModel:
                 p.data = p.data.float()
             p.requires_grad_(True)
         self.view = "engine"
-        self.trainer_view()
+        # task.trainer_forward=engine: the trainer runs the engine's forward over the merged weights, so the
+        # model stays in the engine's view (a backward recomputing a layer reads what the forward read)
+        self.engine_forward = engine_forward
+        if engine_forward:
+            self.engine_view()
+            self._trainable()
+        else:
+            self.trainer_view()
+
+    def _trainable(self) -> None:
+        for p in self.lora.slots.values():  # peft turns gradients off when it disables an adapter
+            p.requires_grad_(True)
 
     @staticmethod
     def _owner(target) -> tuple[nn.Module, str, nn.Parameter]:
@@ -81,29 +92,28 @@ class SharedModel:
 
     @contextmanager
     def engine_side(self):
-        """The engine's view for the duration (a rollout), back to the trainer's after."""
+        """The engine's view for the duration (a rollout), back to the trainer's after (with
+        engine_forward the model never leaves the engine's view)."""
+        if self.engine_forward:
+            yield
+            return
         self.engine_view()
         try:
             yield
         finally:
             self.trainer_view()
 
-    @contextmanager
-    def engine_forward_side(self):
-        """The engine's view with the adapter trainable (task.trainer_forward=engine: the trainer runs the
-        engine's forward over the merged weights, its gradients reaching the peft factors), back to the
-        trainer's view after. The merged weights are rebuilt first when the factors changed since."""
-        self.engine_view()
-        for p in self.lora.slots.values():  # peft turns gradients off when it disables an adapter
-            p.requires_grad_(True)
+    def merged_for_training(self) -> None:
+        """task.trainer_forward=engine, before a trainer forward: the merged weights rebuilt when the factors
+        changed since the last rebuild (an optimizer step), so the engine's forward reads W + s B A of the
+        factors it differentiates."""
+        if not self.engine_forward:
+            raise RuntimeError("SharedModel(engine_forward=False) runs the trainer through transformers")
+        self._trainable()
         seen = tuple(p._version for p in self.lora.slots.values())
         if seen != getattr(self, "_merged_at", None):
             self.lora.refresh()
-            self._merged_at = seen
-        try:
-            yield
-        finally:
-            self.trainer_view()
+            self._merged_at = tuple(p._version for p in self.lora.slots.values())
 
     def base_bytes(self) -> dict[str, int]:
         """Bytes of the weights the trainer and engine share, of the engine's merged copies and of the

@@ -267,7 +267,8 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
         (recorder.dir / "ranks.jsonl").write_text("")  # a re-run starts its lines afresh, as metrics.jsonl does
     trainer, shared, _ = grpo_trainer(
         engine, grpo_args(cfg, recorder.dir, device, w.size), [reward], dataset, tokenizer, ids_of, generator,
-        bool(t.is_correction), callbacks=[logger], rank=w.rank, world_size=w.size)
+        bool(t.is_correction), callbacks=[logger], rank=w.rank, world_size=w.size,
+        trainer_forward=str(t.trainer_forward))
     ref.extend([trainer, shared])
     trainer.remove_callback(PrinterCallback)  # TRL's per-step dict print; the rows go to metrics.jsonl
     t0 = time.perf_counter()
@@ -276,7 +277,8 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
     summary = summarise(rows)
     opt_bytes = sum(v.numel() * v.element_size() for st in trainer.optimizer.state.values()
                     for v in st.values() if torch.is_tensor(v))
-    summary.update({"grpo/generator": generator, "grpo/wall_s": train_wall, "grpo/optimizer_state_bytes": opt_bytes,
+    summary.update({"grpo/generator": generator, "grpo/trainer_forward": str(t.trainer_forward),
+                    "grpo/wall_s": train_wall, "grpo/optimizer_state_bytes": opt_bytes,
                     "grpo/ranks": w.size,
                     **{f"grpo/{k}": v for k, v in shared.base_bytes().items()}})
     # the engine ends with the trained adapter: what the saved directory reloads to
