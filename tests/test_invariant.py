@@ -71,6 +71,63 @@ def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
     assert out.split() == ["True", "True", "True", "True"]
 
 
+# Triton's interpreter converts a loop bound held in a tensor with int(), which numpy 2 refuses for the
+# one-element arrays the interpreter keeps scalars in; the kernels loop over runtime bounds
+INTERPRETER_LOOPS = """
+import triton.runtime.interpreter as _interp
+_patch = _interp._patch_lang_tensor
+def _patch_index(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+_interp._patch_lang_tensor = _patch_index
+"""
+
+
+def test_triton_attention_decode_equals_prefill_interpreted():
+    """The GPU attention kernel through Triton's interpreter (float32): prefill tiles of several queries
+    (GQA, two KV heads, sliding or causal, a padding run) and decode (chunks in parallel programs, then
+    folded) give each query the same bits, close to the CPU path's softmax."""
+    out = run_interpreted(INTERPRETER_LOOPS + """
+import torch
+from flexgemma.model.invariant.attention import RowTable, _paged_attention_cpu
+from flexgemma.model.invariant import triton_attention as ta
+torch.manual_seed(0)
+k, v = torch.randn(1, 2, 320, 64), torch.randn(1, 2, 320, 64)
+table = torch.tensor([[3, 9, 1, 4, 12, 7, -1, -1], [5, 6, 2, 8, 10, -1, -1, -1], [-1] * 8], dtype=torch.int32)
+q = torch.randn(76, 8, 64)
+q_row = torch.tensor([1] * 20 + [0] * 50 + [2] * 6, dtype=torch.int32)
+q_pos = torch.cat([torch.arange(10, 30), torch.arange(5, 55), torch.zeros(6, dtype=torch.long)]).int()
+for win in (None, 24):
+    pre = ta.paged_attention(q, k, v, RowTable(table, q_row, q_pos, win, False, 96, [(0, 20), (20, 50), (70, 6)]),
+                             16, 32, 16)
+    dec = ta.paged_attention(q, k, v, RowTable(table, q_row, q_pos, win, True, 96), 16, 32, 16)
+    ref = _paged_attention_cpu(q, k, v, RowTable(table, q_row, q_pos, win, False, 96), 16, 32, 16)
+    print(torch.equal(dec, pre), (pre - ref).abs().max().item() < 1e-4, pre[70:].abs().max().item() == 0.0)
+""")
+    assert out.split() == ["True"] * 6
+
+
+def test_triton_logprobs_whole_and_streamed_agree_interpreted():
+    """The sampler's one-program kernel and the trainer's slice-by-slice kernels (update, finish): the
+    same bits, close to torch's log_softmax of the capped logits."""
+    out = run_interpreted(INTERPRETER_LOOPS + """
+import torch
+from flexgemma.model.invariant import triton_logprobs as tl_
+torch.manual_seed(0)
+head = torch.randn(6, 8192 + 300) * 20
+tokens = torch.randint(0, head.shape[1], (6,))
+whole = tl_.token_logprobs(head, tokens, 30.0)
+lane_max = torch.full((6, 4096), float("-inf"))
+lane_sum = torch.zeros(6, 4096)
+for v0 in range(0, head.shape[1], 4096):
+    tl_.update(head[:, v0: v0 + 4096], lane_max, lane_sum, 30.0)
+streamed = tl_.finish(lane_max, lane_sum, head.gather(1, tokens[:, None])[:, 0], 30.0)
+ref = torch.log_softmax(torch.tanh(head / 30) * 30, -1).gather(1, tokens[:, None])[:, 0]
+print(torch.equal(whole, streamed), (whole - ref).abs().max().item() < 1e-4)
+""")
+    assert out.split() == ["True", "True"]
+
+
 def _pools(pages=40, page=8, hkv=2, d=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(1, hkv, pages * page, d, generator=g), torch.randn(1, hkv, pages * page, d, generator=g))

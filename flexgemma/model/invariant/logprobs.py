@@ -64,7 +64,7 @@ class LogprobStream:
 
 
 def capped(head: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
-    """float32 soft-capped logits (the GPU kernels compute the same formula with libdevice's tanh)."""
+    """float32 soft-capped logits (the GPU kernels compute cap * tanh(x / cap) through exp: other last bits)."""
     z = head.float()
     return z if softcap is None else torch.tanh(z / softcap) * softcap
 
