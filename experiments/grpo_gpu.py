@@ -27,11 +27,18 @@ from pathlib import Path
 REWARD = ["task.reward.low=3", "task.reward.high=32771"]
 COMMON = ["task=grpo", "logger=none", "workload.num_prompts=64", "workload.min_prompt_len=64",
           "workload.max_prompt_len=128", "task.learning_rate=1e-5", "task.temperature=1.0", *REWARD]
+# the trainer's logprobs through the engine's kernels, the rollout batch-invariant: exact IS ratios
+EXACT = ["engine.batch_invariant=true", "task.trainer_forward=engine"]
 JOBS = {
     "e2b_flexgemma": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
                       "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=flexgemma"],
+    "e2b_exact": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
+                  "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=flexgemma", *EXACT],
     "e2b_trl": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
                 "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=trl"],
+    "26b_bnb4_exact": ["+model=26b_a4b", "quant=bnb4", "lora=r16", "task.prompts_per_step=4",
+                       "task.num_generations=8", "task.max_new_tokens=256", "task.generator=flexgemma",
+                       "task.micro_batch=8", *EXACT],
     "26b_bnb4_flexgemma": ["+model=26b_a4b", "quant=bnb4", "lora=r16", "task.prompts_per_step=4",
                            "task.num_generations=8", "task.max_new_tokens=256", "task.generator=flexgemma",
                            "task.micro_batch=8", "task.gradient_checkpointing=true"],
@@ -41,7 +48,10 @@ SMOKE = ["device=cpu", "model.dtype=float32", "workload.num_prompts=8", "workloa
          "workload.max_prompt_len=16", "task.prompts_per_step=2", "task.num_generations=4", "task.max_new_tokens=4",
          "task.micro_batch=4", "task.reward.high=67"]
 SMOKE_JOBS = {"e2b_flexgemma": ["+model=tiny", "lora=r32", "task.generator=flexgemma", *SMOKE],
+              "e2b_exact": ["+model=tiny", "lora=r32", "task.generator=flexgemma", *SMOKE, *EXACT],
               "e2b_trl": ["+model=tiny", "lora=r32", "task.generator=trl", *SMOKE],
+              "26b_bnb4_exact": ["+model=tiny_moe", "quant=bnb4", "lora=r16", "task.generator=flexgemma", *SMOKE,
+                                 "model.dtype=bfloat16", *EXACT],
               "26b_bnb4_flexgemma": ["+model=tiny_moe", "quant=bnb4", "lora=r16", "task.generator=flexgemma",
                                      "task.gradient_checkpointing=true", *SMOKE]}
 COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_median"),

@@ -34,11 +34,13 @@ def test_trainer_logprobs_are_the_engines_bit_for_bit(model, dtype):
     check_bitwise(make_engine(INV, f"model.dtype={dtype}", "lora=r16", model=model))
 
 
-@pytest.mark.parametrize("extra", [["lora.merge=false"], ["quant=bnb4", "model.dtype=bfloat16"]], ids=["unmerged", "bnb4"])
-def test_trainer_logprobs_bitwise_unmerged_and_4bit(extra):
+@pytest.mark.parametrize("model, extra", [("tiny", ["lora.merge=false"]), ("tiny", ["quant=bnb4", "model.dtype=bfloat16"]),
+                                          ("tiny_moe", ["quant=bnb4", "model.dtype=bfloat16"])],
+                         ids=["unmerged", "bnb4", "moe_bnb4"])
+def test_trainer_logprobs_bitwise_unmerged_and_4bit(model, extra):
     if "quant=bnb4" in extra:
         pytest.importorskip("bitsandbytes")
-    check_bitwise(make_engine(INV, "lora=r16", *extra))
+    check_bitwise(make_engine(INV, "lora=r16", *extra, model=model))
 
 
 # -- the GPU: every model's shapes, fewer layers ------------------------------------------------
@@ -67,8 +69,9 @@ def _reference_grads(shared, seqs, firsts, weights):
     return {k: p.grad.clone() for k, p in shared.lora.slots.items()}
 
 
-@pytest.mark.parametrize("model, extra", [("tiny", []), ("tiny_moe", []), ("tiny", ["lora.merge=false"])],
-                         ids=["tiny_merged", "tiny_moe_merged_experts", "tiny_unmerged"])
+@pytest.mark.parametrize("model, extra", [("tiny", []), ("tiny_moe", []), ("tiny", ["lora.merge=false"]),
+                                          ("tiny_moe", ["quant=bnb4", "lora.experts=false"])],
+                         ids=["tiny_merged", "tiny_moe_merged_experts", "tiny_unmerged", "tiny_moe_bnb4"])
 def test_lora_gradients_match_transformers(model, extra):
     from flexgemma.rl.shared import SharedModel
 

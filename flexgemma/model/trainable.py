@@ -275,10 +275,10 @@ def _merged_or_dense(modules, lora, linear):
 
 
 # -- routed experts ----------------------------------------------------------------------------------
-def _expert_matrix(w, e: int, factors) -> torch.Tensor:
+def _expert_matrix(w, e: int, factors, device) -> torch.Tensor:
     """Expert e's [out, in] matrix in float32: stored (or 4-bit, dequantised), plus its merged adapters
     (s B_e A_e, differentiable) when the experts carry LoRA."""
-    base = w[e].float() if torch.is_tensor(w) else w.dequantize(torch.tensor([e], device=w.device))[0].float()
+    base = w[e].float() if torch.is_tensor(w) else w.dequantize(torch.tensor([e], device=device))[0].float()
     for lhs, rhs, scale in factors:
         base = base + scale * (lhs[e].float() @ rhs[e].float())
     return base
@@ -289,9 +289,9 @@ def _experts_reference(x, top_k_index, top_k_weights, gate_up, down, act, gate_u
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(top_k_index).tolist():
         tok, slot = torch.where(top_k_index == e)
-        h = x[tok].float() @ _expert_matrix(gate_up, e, gate_up_factors).t()
+        h = x[tok].float() @ _expert_matrix(gate_up, e, gate_up_factors, x.device).t()
         g, u = h.chunk(2, dim=-1)
-        y = (act(g) * u) @ _expert_matrix(down, e, down_factors).t()
+        y = (act(g) * u) @ _expert_matrix(down, e, down_factors, x.device).t()
         out = out.index_add(0, tok, y * top_k_weights[tok, slot, None].float())
     return out.to(x.dtype)
 
