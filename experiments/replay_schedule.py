@@ -45,7 +45,7 @@ def main(argv=None) -> list:
         if plan.kind == "prefill":
             steps.append([(s.index // args.n, s.index % args.n, k) for s, k in zip(plan.seqs, plan.chunk_lens)])
         rows = sum(plan.samples(i) for i in range(len(plan.seqs)))
-        return [5] * rows, [0.0] * rows
+        return [5] * rows, [0.0] * rows, None  # tokens, logprobs, no routed experts
 
     engine.runner.run = run
     rng = random.Random(0)

@@ -312,3 +312,24 @@ def test_gpu_alone_slot_chunked_and_scored(model):
 def test_gpu_26b_a4b_4bit_and_lora(extra):
     pytest.importorskip("bitsandbytes") if "quant=bnb4" in extra else None
     check_alone_slot_and_score(gpu_engine("26b_a4b", *extra), prompts(33, seed=23, lo=20, hi=400))
+
+
+# -- routed experts (SamplingParams.return_routed_experts) ---------------------------------------
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "default"])
+def test_routed_experts_per_token_in_generate_and_score(invariant):
+    import numpy as np
+
+    eng = make_engine(*([INV] if invariant else []), "engine.max_batch_size=64", "kv.cpu_pages=400", model="tiny_moe")
+    ps = prompts(9, seed=29)
+    sp = [SamplingParams(max_new_tokens=7, seed=i, ignore_eos=True, return_routed_experts=True) for i in range(9)]
+    batch = eng.generate(ps, sp)
+    alone = eng.generate([ps[4]], [sp[4]])[0]
+    r = alone.routed_experts
+    assert r.shape == (7, 6, 2) and r.dtype == np.uint8 and int(r.max()) < 8  # 6 MoE layers, top-2 of 8
+    assert all((len(set(row)) == 2) for layer in r for row in [layer.tolist()[0]])  # two distinct experts
+    assert np.array_equal(batch[4].routed_experts, r) and np.array_equal(batch[4].outputs[0].routed_experts, r)
+    scored = eng.score([ps[4] + alone.token_ids], [len(ps[4])], return_routed_experts=True)[0]
+    assert np.array_equal(scored.routed_experts, r)
+    assert eng.generate([ps[0]], SamplingParams(max_new_tokens=3))[0].routed_experts is None  # not asked
+    assert make_engine().generate([ps[0]], SamplingParams(max_new_tokens=3, return_routed_experts=True))[0] \
+        .routed_experts is None  # a dense model routes nothing

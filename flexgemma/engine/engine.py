@@ -117,7 +117,7 @@ class InflightDecode:
         chain = sch.can_chain(cur.seqs) and sch.grow_for_decode(cur.seqs)
         self.step = self._queue(cur.seqs, cur) if chain else None
         stats.chained_steps += chain
-        tokens, logprobs = self.runner.collect(cur)
+        tokens, logprobs, routed = self.runner.collect(cur)
         now = time.perf_counter()
         stats.add_decode(len(cur.seqs), now - self.mark)
         if cur.events is not None:  # both have passed: cur's tokens are read
@@ -126,7 +126,7 @@ class InflightDecode:
             stats.add_gpu_decode(start.elapsed_time(end) / 1e3, idle)
             self.prev_end = end if chain else None
         self.mark = now
-        return sch.postprocess_launched(cur.seqs, cur.index, tokens, logprobs, now)
+        return sch.postprocess_launched(cur.seqs, cur.index, tokens, logprobs, now, routed)
 
     def drop(self) -> None:
         """Forgets the step in flight after a failure, once the device has finished it."""
@@ -215,11 +215,12 @@ class Engine:
                 self.scheduler.prefix.clear()
 
     # -- scoring, sleep / wake ---------------------------------------------------------------------
-    def score(self, sequences, prompt_lens, top_k: int = 0) -> list:
+    def score(self, sequences, prompt_lens, top_k: int = 0, return_routed_experts: bool = False) -> list:
         """Teacher-forced log-probabilities: for each token sequence, the log-probability of each of
         its tokens from prompt_lens[i] on given the tokens before it (and, with top_k > 0, the
-        top_k most likely tokens at each of those positions), through the engine's own batched,
-        paged prefill. Returns a score.ScoreOutput per sequence, in order. Needs an idle engine."""
+        top_k most likely tokens at each of those positions; with return_routed_experts, on MoE models,
+        the experts each scoring row routed to), through the engine's own batched, paged prefill.
+        Returns a score.ScoreOutput per sequence, in order. Needs an idle engine."""
         from flexgemma.engine.score import run_score, score_problems
 
         with self._lock:
@@ -231,7 +232,7 @@ class Engine:
                 errs.append(f"top_k={top_k!r} must be an int in [0, {self.spec.vocab_size}]")
             if errs:
                 raise RequestError("invalid score() call (nothing was run): " + "; ".join(errs))
-            return run_score(self, tokens, [int(p) for p in prompt_lens], int(top_k))
+            return run_score(self, tokens, [int(p) for p in prompt_lens], int(top_k), bool(return_routed_experts))
 
     def sleep(self) -> dict:
         """Releases the KV pool's memory (weights and the decode graphs stay); until wake(),
@@ -390,10 +391,10 @@ class Engine:
             self._inflight.launch(plan.seqs)
             return []
         t0 = time.perf_counter()
-        tokens, logprobs = self.runner.run(plan)
+        tokens, logprobs, routed = self.runner.run(plan)
         now = time.perf_counter()
         self.stats.add_step(plan, now - t0)
-        return self.scheduler.postprocess(plan, tokens, logprobs, now)
+        return self.scheduler.postprocess(plan, tokens, logprobs, now, routed)
 
     def abort(self, request_id: int) -> Optional[RequestOutput]:
         """Stops a pending request and frees its pages. Returns its output (finish_reason "abort",

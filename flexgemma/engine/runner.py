@@ -58,13 +58,18 @@ def sampling_arrays(seqs: list[Sequence]):
 
 def decode_step(forward: GemmaForward, sample_fn, input_ids, positions, slots, masks, temperature, top_k, top_p,
                 seed, greedy_only: bool):
-    """One decode step of B rows: the head's output (logits before the soft-cap) and the (unfiltered)
-    sample, all on the device."""
+    """One decode step of B rows: the head's output (logits before the soft-cap), the (unfiltered)
+    sample and, for MoE models, the rows' routed experts (else None), all on the device."""
     head = forward(input_ids, positions, slots, masks, None, decode=True)
     batch = SamplingBatch(temperature, top_k, top_p, seed, positions + 1, needs_filter=False,
                           greedy_only=greedy_only)
     tokens, logprobs = sample_fn(head, batch, forward.spec.softcap)
-    return head, tokens, logprobs
+    return head, tokens, logprobs, forward.routing
+
+
+def host_rows(routing: Optional[torch.Tensor]) -> Optional[list]:
+    """A step's routed experts as one uint8 [MoE layers, top-k] array a row (None without MoE)."""
+    return None if routing is None else list(routing.cpu().numpy())
 
 
 class ModelRunner:
@@ -92,30 +97,32 @@ class ModelRunner:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> tuple[list[int], list[float]]:
-        """Runs one step; returns the sampled token and logprob of each sequence that samples."""
+    def run(self, plan: StepPlan) -> tuple[list[int], list[float], Optional[list]]:
+        """Runs one step; returns the sampled token, logprob and routed experts (MoE models, else None) of
+        each sequence that samples."""
         if plan.kind == "decode":
-            tokens, logprobs, _ = self._decode(plan.seqs)
-            return tokens.tolist(), logprobs.tolist()
+            tokens, logprobs, routing, _ = self._decode(plan.seqs)
+            return tokens.tolist(), logprobs.tolist(), host_rows(routing)
         if plan.copies:  # last prompt pages copied from the request that computed them, before reads
             self.cache.copy_pages(plan.copies)
         head, sampled, positions = self._prefill(plan)
+        routing = self.forward.routing
         seqs = [s for s, smp in zip(plan.seqs, sampled) if smp]
         if not seqs:
-            return [], []
+            return [], [], None
         temp, top_k, top_p, seed = sampling_arrays(seqs)
         batch = SamplingBatch(self._to_dev(temp), self._to_dev(top_k), self._to_dev(top_p), self._to_dev(seed),
                               self._to_dev(np.asarray(positions, dtype=np.int64)), needs_filter(seqs),
                               greedy_only=greedy_only(seqs))
         tokens, logprobs = self.sample_fn(head, batch, self.forward.spec.softcap)
-        return tokens.tolist(), logprobs.tolist()
+        return tokens.tolist(), logprobs.tolist(), host_rows(routing)
 
     @torch.inference_mode()
-    def prefill_head(self, plan: StepPlan, rows: list[int]) -> torch.Tensor:
+    def prefill_head(self, plan: StepPlan, rows: list[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Runs a prefill step (KV written as usual) and returns the head's output (before the soft-cap)
-        of the step's token rows `rows` (indices into the packed chunks, in plan order): engine.score's
-        teacher-forced forward."""
-        return self._prefill(plan, rows)[0]
+        of the step's token rows `rows` (indices into the packed chunks, in plan order), and their routed
+        experts (MoE models, else None): engine.score's teacher-forced forward."""
+        return self._prefill(plan, rows)[0], self.forward.routing
 
     def _prefill(self, plan: StepPlan, rows: Optional[list[int]] = None):
         total = plan.num_tokens
@@ -197,16 +204,17 @@ class ModelRunner:
             self.decode_in.input_ids[:n].copy_(chained.tokens)
         start = self._event() if timed else None
         if self.graphs is not None:
-            head, tokens, logprobs = self.graphs.replay(rows, n, greedy)
+            head, tokens, logprobs, routing = self.graphs.replay(rows, n, greedy)
         else:
-            head, tokens, logprobs = self.decode_step(rows, greedy)
+            head, tokens, logprobs, routing = self.decode_step(rows, greedy)
         events = (start, self._event()) if start is not None else None
+        routing = routing[:n] if routing is not None else None
         if filtered:  # top-k / top-p sort the vocabulary: only for batches that ask for it
             d = self.decode_in
             batch = SamplingBatch(d.temperature[:n], d.top_k[:n], d.top_p[:n], d.seed[:n], d.positions[:n] + 1,
                                   needs_filter=True)
-            return (*self.sample_fn(head[:n], batch, self.forward.spec.softcap), events)
-        return tokens[:n], logprobs[:n], events
+            return (*self.sample_fn(head[:n], batch, self.forward.spec.softcap), routing, events)
+        return tokens[:n], logprobs[:n], routing, events
 
     def _event(self) -> Optional[torch.cuda.Event]:
         """A timing event recorded on the device's stream now (None on the CPU): around each decode
@@ -223,28 +231,35 @@ class ModelRunner:
         """Queues a decode step and the copy of its tokens to the host; returns without waiting.
         With `chained`, the step's input tokens are `chained`'s (same sequences, same order), so it
         can be queued before the host has read them."""
-        tokens, logprobs, events = self._decode(seqs, chained, timed=True)
+        tokens, logprobs, routing, events = self._decode(seqs, chained, timed=True)
         if not hasattr(self, "_out_host"):  # two pinned mirrors: a step's copy never overwrites unread tokens
             pin = self.device.type == "cuda"
             self._out_host = [(torch.zeros(self.max_batch, dtype=torch.long, pin_memory=pin),
-                               torch.zeros(self.max_batch, dtype=torch.float32, pin_memory=pin)) for _ in range(2)]
+                               torch.zeros(self.max_batch, dtype=torch.float32, pin_memory=pin),
+                               None if routing is None else
+                               torch.zeros(self.max_batch, *routing.shape[1:], dtype=torch.uint8, pin_memory=pin))
+                              for _ in range(2)]
             self._out_turn = 0
-        tok_host, lp_host = self._out_host[self._out_turn]
+        tok_host, lp_host, routing_host = self._out_host[self._out_turn]
         self._out_turn ^= 1
         n = len(seqs)
         tok_host[:n].copy_(tokens, non_blocking=True)
         lp_host[:n].copy_(logprobs, non_blocking=True)
+        if routing is not None:
+            routing_host[:n].copy_(routing, non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return DecodeLaunch(list(seqs), tokens, tok_host[:n], lp_host[:n], done, events)
+        return DecodeLaunch(list(seqs), tokens, tok_host[:n], lp_host[:n], done, events,
+                            host_routing=routing_host[:n] if routing is not None else None)
 
     @staticmethod
-    def collect(launch: "DecodeLaunch") -> tuple[list[int], list[float]]:
+    def collect(launch: "DecodeLaunch") -> tuple[list[int], list[float], Optional[list]]:
         if launch.done is not None:
             launch.done.synchronize()
-        return launch.host_tokens.tolist(), launch.host_logprobs.tolist()
+        routing = None if launch.host_routing is None else list(launch.host_routing.numpy().copy())
+        return launch.host_tokens.tolist(), launch.host_logprobs.tolist(), routing
 
 
 @dataclass
@@ -256,3 +271,4 @@ class DecodeLaunch:
     done: Optional[torch.cuda.Event]
     events: Optional[tuple] = None  # timing events (start, end) around the step on the GPU; None on the CPU
     index: list[int] = field(default_factory=list)  # per sequence: where its token goes in `generated`
+    host_routing: Optional[torch.Tensor] = None  # pinned uint8 [n, MoE layers, top-k] (MoE models)

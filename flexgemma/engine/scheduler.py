@@ -318,7 +318,8 @@ class Scheduler:
         self._release_all(seq)
 
     # -- after a step: the only place sequence state changes ---------------------------------------
-    def postprocess(self, plan: StepPlan, tokens: list[int], logprobs: list[float], now: float) -> list[Sequence]:
+    def postprocess(self, plan: StepPlan, tokens: list[int], logprobs: list[float], now: float,
+                    routed: Optional[list] = None) -> list[Sequence]:
         """Applies a step that ran to completion: its KV is computed, sampling rows get their token,
         out-of-window pages are reclaimed, and finished sequences release their pages. `now` is
         time.perf_counter() when the tokens arrived. Returns the sequences that finished."""
@@ -339,6 +340,8 @@ class Scheduler:
                 self.reclaim(s)
             s.generated.append(tokens[k])
             s.logprobs.append(logprobs[k])
+            if s.params.return_routed_experts:
+                s.routed.append(routed[k] if routed is not None else None)
             k += 1
             if self._finish_if_done(s, len(s.generated) - 1, now):
                 finished.append(s)
@@ -353,17 +356,21 @@ class Scheduler:
             index.append(len(s.generated))
             s.generated.append(PENDING)
             s.logprobs.append(float("nan"))
+            if s.params.return_routed_experts:
+                s.routed.append(None)
             s.num_computed += 1
         return index
 
     def postprocess_launched(self, seqs: list[Sequence], index: list[int], tokens: list[int],
-                             logprobs: list[float], now: float) -> list[Sequence]:
+                             logprobs: list[float], now: float, routed: Optional[list] = None) -> list[Sequence]:
         """Fills in the placeholders of a queued decode step whose tokens were read (see `launched`)."""
         finished = []
-        for s, i, tok, lp in zip(seqs, index, tokens, logprobs):
+        for r, (s, i, tok, lp) in enumerate(zip(seqs, index, tokens, logprobs)):
             if s.status is Status.FINISHED:
                 continue  # finished (or aborted) before: this row was computed in vain
             s.generated[i], s.logprobs[i] = tok, lp
+            if s.params.return_routed_experts:
+                s.routed[i] = routed[r] if routed is not None else None
             self.tokens_generated += 1
             if self._finish_if_done(s, i, now):
                 finished.append(s)
@@ -381,7 +388,7 @@ class Scheduler:
         reason = self.stop_rule.reason(s, s.generated[i], count=i + 1)
         if not reason:
             return False
-        del s.generated[i + 1:], s.logprobs[i + 1:]
+        del s.generated[i + 1:], s.logprobs[i + 1:], s.routed[i + 1:]
         s.finish_time = now - s.arrival
         self.finish(s, reason)
         return True

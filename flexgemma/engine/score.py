@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from flexgemma.engine.sampler import logsumexp_rows
@@ -32,6 +33,8 @@ class ScoreOutput:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per token: the top_k (token, logprob)
+    # MoE models with return_routed_experts: uint8 [tokens, MoE layers, top-k], the rows that scored them
+    routed_experts: Optional[np.ndarray] = None
 
 
 def score_problems(engine, sequences, prompt_lens) -> tuple[list[list[int]], list[str]]:
@@ -57,7 +60,8 @@ def score_problems(engine, sequences, prompt_lens) -> tuple[list[list[int]], lis
     return seqs, errs
 
 
-def run_score(engine, token_lists: list[list[int]], prompt_lens: list[int], top_k: int) -> list[ScoreOutput]:
+def run_score(engine, token_lists: list[list[int]], prompt_lens: list[int], top_k: int,
+              routed: bool = False) -> list[ScoreOutput]:
     """Scores on an idle engine (the caller holds its lock); frees every page it took, even on failure."""
     sch = engine.scheduler
     # no prefix cache: every row whose logits it needs must be computed
@@ -80,9 +84,11 @@ def run_score(engine, token_lists: list[list[int]], prompt_lens: list[int], top_
                     rows.append(t + p - start)
                     where.append((s.index, p))
                 t += n
-            head = engine.runner.prefill_head(plan, rows or [0])
+            head, routing = engine.runner.prefill_head(plan, rows or [0])
             if rows:
                 _fill(outs, token_lists, prompt_lens, where, head, top_k, engine.runner)
+                if routed and routing is not None:
+                    _fill_routing(outs, prompt_lens, where, routing)
             for s, n in zip(list(plan.seqs), plan.chunk_lens):
                 s.num_computed += n
                 sch.reclaim(s)
@@ -92,6 +98,14 @@ def run_score(engine, token_lists: list[list[int]], prompt_lens: list[int], top_
         sch.abort_all(seqs)
         raise
     return outs
+
+
+def _fill_routing(outs, prompt_lens, where, routing: torch.Tensor) -> None:
+    rows = routing.cpu().numpy()
+    for r, (i, p) in enumerate(where):
+        if outs[i].routed_experts is None:
+            outs[i].routed_experts = np.zeros((len(outs[i].token_ids), *rows.shape[1:]), dtype=np.uint8)
+        outs[i].routed_experts[p + 1 - prompt_lens[i]] = rows[r]
 
 
 @torch.inference_mode()

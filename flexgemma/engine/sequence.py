@@ -52,6 +52,9 @@ class SamplingParams:
     n: int = 1  # completions of this prompt, each its own sequence with seed child_seed(seed, i)
     stop: tuple[str, ...] = ()  # strings that end a completion (needs a tokenizer); excluded from .text
     include_stop_str_in_output: bool = False
+    # MoE models: each generated token's routed experts (uint8 [MoE layers, top-k]: the forward row that
+    # produced the token), in RequestOutput.routed_experts (vLLM's / SGLang's return_routed_experts)
+    return_routed_experts: bool = False
 
     def problems(self) -> list[str]:
         """Everything wrong with these values (types, ranges, int64 bounds); empty when valid."""
@@ -72,6 +75,8 @@ class SamplingParams:
         out.append(_stop_strings_problem(self.stop))
         if not isinstance(self.include_stop_str_in_output, (bool, np.bool_)):
             out.append(f"include_stop_str_in_output={self.include_stop_str_in_output!r} must be True or False")
+        if not isinstance(self.return_routed_experts, (bool, np.bool_)):
+            out.append(f"return_routed_experts={self.return_routed_experts!r} must be True or False")
         return [p for p in out if p]
 
     def _stop_problem(self) -> Optional[str]:
@@ -94,6 +99,7 @@ class SamplingParams:
             ignore_eos=bool(self.ignore_eos), stop_token_ids=tuple(int(t) for t in ids), n=int(self.n),
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            return_routed_experts=bool(self.return_routed_experts),
         )
 
 
@@ -153,6 +159,7 @@ class CompletionOutput:
     text: Optional[str] = None  # the decoded tokens, when the engine has a tokenizer
     stop_reason: Optional[str] = None  # the stop string that ended it, if one did
     token_times: list[float] = field(default_factory=list)  # seconds after the request was added, a token each
+    routed_experts: Optional[np.ndarray] = None  # uint8 [tokens, MoE layers, top-k] (return_routed_experts)
 
     @property
     def cumulative_logprob(self) -> float:
@@ -180,6 +187,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     text: Optional[str] = None  # outputs[0].text
     prompt: Optional[str] = None  # the prompt's text, when it was given as text or chat messages
+    routed_experts: Optional[np.ndarray] = None  # outputs[0].routed_experts
 
 
 @dataclass(frozen=True)
@@ -229,6 +237,7 @@ class Sequence:
     block_hashes: Optional[tuple] = None  # (weight version, hashes of its full prompt pages), memoised
     tail_name: Optional[tuple] = None  # (weight version, its prompt's last-page name or None), memoised
     kv_version: Optional[int] = None  # the weight version its prompt KV was computed with
+    routed: list = field(default_factory=list)  # per generated token its routed experts (return_routed_experts)
 
     @property
     def tokens(self) -> list[int]:
@@ -250,9 +259,15 @@ class Sequence:
         """
         return self.num_computed < self.num_tokens - 1
 
+    def routed_experts(self) -> Optional[np.ndarray]:
+        if not self.params.return_routed_experts or not self.routed or self.routed[0] is None:
+            return None
+        return np.stack(self.routed)
+
     def to_completion(self) -> CompletionOutput:
         return CompletionOutput(self.sample_index, list(self.generated), list(self.logprobs),
-                                self.finish_reason or "length", token_times=list(self.token_times))
+                                self.finish_reason or "length", token_times=list(self.token_times),
+                                routed_experts=self.routed_experts())
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
@@ -266,4 +281,5 @@ class Sequence:
             finish_time=self.finish_time,
             request_id=self.seq_id if self.request_id is None else self.request_id,
             outputs=[self.to_completion()],
+            routed_experts=self.routed_experts(),
         )

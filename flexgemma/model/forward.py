@@ -49,6 +49,9 @@ class GemmaForward(torch.nn.Module):
             return made
 
         self.checkpoint_layers = False  # the trainer's forward recomputes each layer in the backward
+        # MoE models: the last forward's routed experts, uint8 [rows whose head it returned, MoE layers, top-k]
+        self.routing: Optional[torch.Tensor] = None
+        self._routing: Optional[list] = None
         self.attn = [
             PagedAttention(
                 s, layer.self_attn, pools, kernels, ops, self.eps,
@@ -97,6 +100,7 @@ class GemmaForward(torch.nn.Module):
         x = self.hidden(input_ids, positions, slots, masks, decode)
         if logits_index is not None:
             x = x[logits_index]
+        self.routing = self.routed_experts(logits_index)
         # the head's output, before the soft-cap: the sampler caps it inside its own compiled graph,
         # so the cap can fuse into its reductions over the vocabulary (capping here wrote float32
         # logits, 108 us a step at E2B 256 rows x 262k, which the sampler then read at twice the
@@ -105,9 +109,17 @@ class GemmaForward(torch.nn.Module):
             return self.run_module(self.model.lm_head, x)
         return self.model.lm_head(x)
 
+    def routed_experts(self, rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """uint8 [T or len(rows), MoE layers, top-k]: the last hidden()'s routed experts (None: no MoE)."""
+        if not self._routing:
+            return None
+        routing = torch.stack(self._routing, dim=1).to(torch.uint8)
+        return routing if rows is None else routing[rows]
+
     def hidden(self, input_ids, positions, slots, masks, decode: bool) -> torch.Tensor:
         """[T, hidden]: every token through the layers and the final norm (what the head reads)."""
         base, ops, eps = self.model.model, self.ops, self.eps
+        self._routing = [] if any(s.moe for s in self.spec.layers) else None
         embeds = base.embed_tokens(input_ids)
         per_layer = self.per_layer_inputs(input_ids, embeds) if self.spec.per_layer_input_dim else None
         rope = {t: (cos[positions], sin[positions]) for t, (cos, sin) in self.rope.items()}
@@ -135,7 +147,7 @@ class GemmaForward(torch.nn.Module):
         g, u = project["gate_up"](x)
         m = project["down"](ops.gelu_mul(g, u))[0]
         if s.moe:
-            m = moe_block(layer, h, m, ops, eps, self.run_module if self.invariant else None)
+            m = moe_block(layer, h, m, ops, eps, self.run_module if self.invariant else None, self._routing)
         if s.per_layer_input:
             h = ops.add_norm(h, m, layer.post_feedforward_layernorm.weight, eps)
             g = ops.gelu_mul(project["ple_gate"](h)[0], per_layer[:, s.index, :])

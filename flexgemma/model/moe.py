@@ -12,6 +12,8 @@ same code runs compiled and inside a CUDA graph.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -134,7 +136,8 @@ def experts_loop(x, top_k_index, top_k_weights, gate_up, down, act) -> torch.Ten
     return out
 
 
-def moe_block(layer, residual: torch.Tensor, dense_out: torch.Tensor, ops, eps: float, run_module=None) -> torch.Tensor:
+def moe_block(layer, residual: torch.Tensor, dense_out: torch.Tensor, ops, eps: float, run_module=None,
+              routing: Optional[list] = None) -> torch.Tensor:
     """Gemma-4's MLP + experts: both normed, summed (before the post-feedforward norm). The router's
     and the norms' elementwise maths are ops' fused glue; its projection is the model's module, run by
     `run_module(module, x)` when given (engine.batch_invariant)."""
@@ -143,6 +146,8 @@ def moe_block(layer, residual: torch.Tensor, dense_out: torch.Tensor, ops, eps: 
                                   router.scalar_root_size, eps)
     scores = router.proj(router_in) if run_module is None else run_module(router.proj, router_in)
     weights, index = ops.route(scores, router.per_expert_scale, router.config.top_k_experts)
+    if routing is not None:  # the forward keeps each layer's routed experts (return_routed_experts)
+        routing.append(index)
     experts = layer.experts
     if hasattr(experts, "get_base_layer"):  # peft's expert LoRA wraps the module; the merge is in its Parameters
         experts = experts.get_base_layer()
