@@ -329,6 +329,9 @@ class TaskConfig:
     # engine's own forward and kernels with a backward, model/trainable.py; with engine.batch_invariant the
     # rollout's logprobs bit for bit: docs/grpo.md)
     trainer_forward: str = "transformers"
+    # MoE models, trainer_forward=engine: the trainer routes each completion token to the experts the rollout
+    # routed it to (R3, arXiv 2510.11370); grpo/router_flip_rate is logged either way
+    routing_replay: bool = False
 
 
 @dataclass
@@ -383,6 +386,9 @@ class Config:
         if t.trainer_forward == "engine" and not eng.batch_invariant:
             raise ConfigError("task.trainer_forward=engine runs the engine's batch-invariant kernels in the trainer: "
                               "add engine.batch_invariant=true (or use task.trainer_forward=transformers)")
+        if t.routing_replay and t.trainer_forward != "engine":
+            raise ConfigError("task.routing_replay=true replays the rollout's experts in the engine's forward: add "
+                              "task.trainer_forward=engine engine.batch_invariant=true")
         if t.trainer_forward == "engine" and t.beta:
             raise ConfigError(f"task.beta={t.beta} needs a reference forward without the adapter, which "
                               "task.trainer_forward=engine does not run: use task.beta=0 or task.trainer_forward=transformers")

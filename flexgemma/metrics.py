@@ -56,6 +56,8 @@ ROUND_METRICS: dict[str, str] = {
     "grpo/logprob_absdiff_mean": "mean |engine logprob - trainer logprob| of the sampled tokens, before the update",
     "grpo/logprob_absdiff_max": "max of the same over the step's tokens",
     "grpo/kl_k3": "k3 estimate of KL(engine || trainer) per token: r - 1 - log r, r = p_trainer / p_engine",
+    "grpo/router_flip_rate": "MoE models: share of (completion token, MoE layer) whose routed experts differ between "
+                             "the rollout and the trainer's forward (NaN for dense models)",
     "grpo/is_ratio_p99": "99th percentile of the token importance ratio p_trainer / p_engine (before clipping)",
     "grpo/is_ratio_max": "largest token importance ratio of the step (before clipping at task.is_clip_max)",
     "memory/allocated_gib": "task=grpo row: memory allocated by torch at the end of the step (GiB; GPU)",
@@ -167,8 +169,10 @@ METRICS: dict[str, str] = {
     "grpo/logprob_absdiff_mean": "mean over steps of the engine-vs-trainer mean |logprob difference|",
     "grpo/logprob_absdiff_max": "largest engine-vs-trainer |logprob difference| of the run",
     "grpo/kl_k3": "mean over steps of the k3 KL(engine || trainer) per token",
+    "grpo/router_flip_rate": "mean over steps of the router flip rate (MoE models)",
     "grpo/is_ratio_max": "largest token importance ratio of the run (before clipping)",
     "grpo/generator": "flexgemma (the engine generates) | trl (TRL's transformers generate)",
+    "grpo/trainer_forward": "what computed the trainer's logprobs: transformers, or engine (the engine's kernels)",
     "grpo/ranks": "processes that trained (torchrun/accelerate world size): one engine and one shard of prompts each",
     "grpo/wall_s": "wall time of trainer.train() (s)",
     "grpo/shared_base_bytes": "bytes of the weights trainer and engine share (one copy: base, norms, embeddings, "

@@ -139,3 +139,48 @@ def test_trainer_forward_engine_needs_the_invariant_engine():
         compose(["+model=tiny", "task=grpo", "task.trainer_forward=engine"])
     with pytest.raises(ConfigError, match="transformers or engine"):
         compose(["+model=tiny", "task=grpo", "task.trainer_forward=vllm"])
+
+
+# -- routing: the router flip rate and routing replay (R3) -------------------------------------
+def test_routing_replay_routes_the_trainer_as_told():
+    import numpy as np
+
+    eng = make_engine(INV, "model.dtype=float32", "lora=r16", model="tiny_moe")
+    g = torch.Generator().manual_seed(31)
+    ps = [torch.randint(3, 500, (int(k),), generator=g).tolist() for k in (9, 17, 30)]
+    outs = eng.generate(ps, [SamplingParams(max_new_tokens=6, seed=i, ignore_eos=True, return_routed_experts=True)
+                             for i in range(3)])
+    seqs, firsts = [p + o.token_ids for p, o in zip(ps, outs)], [len(p) for p in ps]
+    tf = TrainableForward(eng.runner.forward, eng.lora)
+    plain, _ = tf.token_logprobs(seqs, firsts)
+    assert all(np.array_equal(a, o.routed_experts) for a, o in zip(tf.last_routed, outs))  # its own routing
+    same, _ = tf.token_logprobs(seqs, firsts, replay=[o.routed_experts for o in outs])
+    assert all(torch.equal(a, b) for a, b in zip(plain, same))  # replaying its own routing changes nothing
+    other = [(o.routed_experts + 1) % 8 for o in outs]  # every token to other experts
+    moved, _ = tf.token_logprobs(seqs, firsts, replay=[other[0], None, other[2]])
+    assert np.array_equal(tf.last_routed[0], other[0]) and np.array_equal(tf.last_routed[2], other[2])
+    assert np.array_equal(tf.last_routed[1], outs[1].routed_experts)  # not replayed: routes itself
+    assert not torch.equal(moved[0], plain[0]) and torch.equal(moved[1], plain[1])
+
+
+def test_router_flip_rate():
+    import numpy as np
+
+    from flexgemma.rl.rollout import router_flip_rate
+
+    a = np.array([[[1, 2], [3, 4]], [[5, 6], [7, 0]]], dtype=np.uint8)  # 2 tokens x 2 layers x top-2
+    b = a.copy()
+    b[0, 0] = [2, 1]  # the same set in another order: no flip
+    b[1, 1] = [7, 1]  # one of four (token, layer) differs
+    assert router_flip_rate([(a, b)]) == 0.25 and router_flip_rate([(a, a), (None, a)]) == 0.0
+    assert router_flip_rate([]) != router_flip_rate([])  # NaN: nothing to compare
+
+
+def test_grpo_routing_replay_on_tiny_moe(tmp_path):
+    from flexgemma import compose
+    from flexgemma.run import run_job
+
+    summary = run_job(compose(["+model=tiny_moe", *EXACT, "model.dtype=bfloat16", "task.steps=2",
+                               "task.routing_replay=true"]), tmp_path)
+    rows = _rows(tmp_path)
+    assert [r["grpo/router_flip_rate"] for r in rows] == [0.0, 0.0] and summary["grpo/logprob_absdiff_max"] == 0.0

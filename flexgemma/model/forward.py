@@ -52,6 +52,8 @@ class GemmaForward(torch.nn.Module):
         # MoE models: the last forward's routed experts, uint8 [rows whose head it returned, MoE layers, top-k]
         self.routing: Optional[torch.Tensor] = None
         self._routing: Optional[list] = None
+        # routing replay (the trainer's forward): MoE layer index -> [T, k] expert ids to use (-1: the row's own)
+        self.replay: dict[int, torch.Tensor] = {}
         self.attn = [
             PagedAttention(
                 s, layer.self_attn, pools, kernels, ops, self.eps,
@@ -147,7 +149,8 @@ class GemmaForward(torch.nn.Module):
         g, u = project["gate_up"](x)
         m = project["down"](ops.gelu_mul(g, u))[0]
         if s.moe:
-            m = moe_block(layer, h, m, ops, eps, self.run_module if self.invariant else None, self._routing)
+            m = moe_block(layer, h, m, ops, eps, self.run_module if self.invariant else None, self._routing,
+                          self.replay.get(s.index))
         if s.per_layer_input:
             h = ops.add_norm(h, m, layer.post_feedforward_layernorm.weight, eps)
             g = ops.gelu_mul(project["ple_gate"](h)[0], per_layer[:, s.index, :])

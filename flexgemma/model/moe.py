@@ -123,6 +123,18 @@ def route(scores: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple
     return weights * per_expert_scale[index], index
 
 
+def replay_route(scores: torch.Tensor, per_expert_scale: torch.Tensor, weights: torch.Tensor, index: torch.Tensor,
+                 replay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing replay (R3): rows whose `replay` [T, k] holds expert ids (>= 0) take those experts, with
+    `route`'s weights for them (the softmax's values there, renormalised, scaled: the same numbers
+    route gives when it picks them itself); other rows keep (weights, index)."""
+    replayed = replay[:, :1] >= 0
+    ids = torch.where(replayed, replay.long(), index)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).gather(-1, ids)
+    mine = probs / probs.sum(dim=-1, keepdim=True) * per_expert_scale[ids]
+    return torch.where(replayed, mine, weights), ids
+
+
 def experts_loop(x, top_k_index, top_k_weights, gate_up, down, act) -> torch.Tensor:
     """Reference: each expert on the rows routed to it."""
     out = torch.zeros_like(x)
@@ -137,7 +149,7 @@ def experts_loop(x, top_k_index, top_k_weights, gate_up, down, act) -> torch.Ten
 
 
 def moe_block(layer, residual: torch.Tensor, dense_out: torch.Tensor, ops, eps: float, run_module=None,
-              routing: Optional[list] = None) -> torch.Tensor:
+              routing: Optional[list] = None, replay: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Gemma-4's MLP + experts: both normed, summed (before the post-feedforward norm). The router's
     and the norms' elementwise maths are ops' fused glue; its projection is the model's module, run by
     `run_module(module, x)` when given (engine.batch_invariant)."""
@@ -146,6 +158,8 @@ def moe_block(layer, residual: torch.Tensor, dense_out: torch.Tensor, ops, eps: 
                                   router.scalar_root_size, eps)
     scores = router.proj(router_in) if run_module is None else run_module(router.proj, router_in)
     weights, index = ops.route(scores, router.per_expert_scale, router.config.top_k_experts)
+    if replay is not None:  # the trainer replaying the rollout's experts
+        weights, index = replay_route(scores, router.per_expert_scale, weights, index, replay)
     if routing is not None:  # the forward keeps each layer's routed experts (return_routed_experts)
         routing.append(index)
     experts = layer.experts

@@ -447,10 +447,12 @@ class TrainableForward:
         self.forward.checkpoint_layers = checkpoint
         self.windows = {s.layer_type: s.window for s in f.spec.layers}
 
-    def token_logprobs(self, sequences: list[list[int]], first: list[int],
-                       entropy: bool = False) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
+    def token_logprobs(self, sequences: list[list[int]], first: list[int], entropy: bool = False,
+                       replay: Optional[list] = None) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
         """For each sequence, the log-probabilities of its tokens from index first[i] on (given those
-        before), float32 with gradients; and their entropies (no gradient) when asked."""
+        before), float32 with gradients; and their entropies (no gradient) when asked. MoE models: `replay`
+        (per sequence uint8 [scored tokens, MoE layers, k] or None) routes the scoring rows to those experts
+        (R3); `last_routed` then holds each sequence's own routing of them."""
         device = self.engine.model.model.embed_tokens.weight.device
         lengths = [len(s) for s in sequences]
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
@@ -460,16 +462,36 @@ class TrainableForward:
         rows = torch.tensor([a + p - 1 for a, n, f0 in zip(starts, lengths, first) for p in range(f0, n)],
                             dtype=torch.long, device=device)
         targets = ids[rows + 1]
+        counts = [n - f0 for n, f0 in zip(lengths, first)]
         self.forward.pools.clear()
+        self.forward.replay = self._replay(replay, rows, counts, ids.shape[0]) if replay is not None else {}
         if ids.is_cuda:
             x = self.forward.hidden(ids, positions, dict.fromkeys(self.windows), masks, decode=False)[rows]
         else:
             with serial():  # the engine's CPU forward runs on one thread (model/invariant/rows.py)
                 x = self.forward.hidden(ids, positions, dict.fromkeys(self.windows), masks, decode=False)[rows]
         # the K/V stay until the next call: the backward recomputes KV-shared layers, which read them
+        routed = self.forward.routed_experts(rows)
+        self.last_routed = None if routed is None else [r.cpu().numpy() for r in routed.split(counts)]
         logp, ent = self._head(x, targets, entropy)
-        counts = [n - f0 for n, f0 in zip(lengths, first)]
         return list(logp.split(counts)), (list(ent.split(counts)) if entropy else None)
+
+    def _replay(self, replay: list, rows: torch.Tensor, counts: list[int], total: int) -> dict[int, torch.Tensor]:
+        """MoE layer index -> [T, k] expert ids for the packed rows (-1: the row routes itself)."""
+        moe = [s.index for s in self.engine.spec.layers if s.moe]
+        given = [r for r in replay if r is not None]
+        if not moe or not given:
+            return {}
+        ids = torch.full((total, len(moe), given[0].shape[-1]), -1, dtype=torch.long)
+        for i, (where, r) in enumerate(zip(rows.cpu().split(counts), replay)):
+            if r is None:
+                continue
+            if tuple(r.shape[:2]) != (len(where), len(moe)):
+                raise ValueError(f"routing replay: sequence {i} has experts for {r.shape[0]} tokens x {r.shape[1]} "
+                                 f"layers, its scored tokens are {len(where)} x {len(moe)} MoE layers")
+            ids[where] = torch.as_tensor(r, dtype=torch.long)
+        ids = ids.to(rows.device)
+        return {layer: ids[:, j] for j, layer in enumerate(moe)}
 
     def _head(self, x: torch.Tensor, targets: torch.Tensor, entropy: bool):
         weight = self.forward.model.lm_head.weight

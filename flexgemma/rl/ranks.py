@@ -125,6 +125,7 @@ def reduce_step(parts: list[dict]) -> dict:
         "rollout_tokens": sum(p.get("rollout_tokens", 0.0) for p in parts),
         "logprob_absdiff_mean": agg("logprob_absdiff_mean", mean), "logprob_absdiff_max": agg("logprob_absdiff_max", max),
         "kl_k3": agg("kl_k3", mean), "is_ratio_p99": agg("is_ratio_p99", max), "is_ratio_max": agg("is_ratio_max", max),
+        "router_flip_rate": agg("router_flip_rate", mean),
     }
 
 

@@ -18,6 +18,7 @@ mismatch statistics are kept for the metrics.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Callable, Optional
 
 import torch
@@ -45,13 +46,18 @@ class EngineRollout:
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.calls = 0
         self.last: dict[str, float] = {}
+        # MoE models: the last rollout's routed experts by sequence (prompt + completion ids), for the trainer's
+        # router flip rate and routing replay
+        self.moe = any(s.moe for s in engine.spec.layers)
+        self.routed_by_seq: dict[tuple, object] = {}
 
     def __call__(self, prompts: list, trainer) -> dict:
         ids = [list(self.prompt_ids_of(p)) for p in prompts]
         # every row of every rank and step its own seed (ranks hold equal-sized shards of a step)
         base = (self.seed * 1_000_003 + (self.calls * self.world_size + self.rank) * len(ids)) & 0x3FFFFFFF
         params = [SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
-                                 top_p=self.top_p, seed=base + i) for i in range(len(ids))]
+                                 top_p=self.top_p, seed=base + i, return_routed_experts=self.moe)
+                  for i in range(len(ids))]
         self.calls += 1
         with self.shared.engine_side():
             refresh = self.engine.update_lora(self.shared.peft_model)
@@ -63,6 +69,7 @@ class EngineRollout:
         tokens = sum(len(o.token_ids) for o in outs)
         self.last = {"refresh_ms": refresh["refresh_ms"], "generate_s": gen_s, "tokens": float(tokens),
                      "prompts": list(prompts)}
+        self.routed_by_seq = {tuple(i + o.token_ids): o.routed_experts for i, o in zip(ids, outs)} if self.moe else {}
         return {"prompt_ids": ids, "completion_ids": [o.token_ids for o in outs],
                 "logprobs": [o.logprobs for o in outs]}
 
@@ -93,6 +100,51 @@ def mismatch_stats(trainer_lp: torch.Tensor, engine_lp: torch.Tensor, mask: torc
     return clipped, stats
 
 
+def router_flip_rate(pairs: list[tuple]) -> float:
+    """Share of (token, MoE layer) whose set of routed experts differs between the rollout and the trainer:
+    pairs of uint8 [tokens, layers, k] arrays (rollout, trainer), NaN when there are none."""
+    import numpy as np
+
+    flips = total = 0
+    for a, b in pairs:
+        if a is None or b is None:
+            continue
+        n = min(len(a), len(b))
+        differ = (np.sort(a[:n], axis=-1) != np.sort(b[:n], axis=-1)).any(axis=-1)
+        flips, total = flips + int(differ.sum()), total + differ.size
+    return flips / total if total else float("nan")
+
+
+class RouterHooks:
+    """transformers' forward: each Gemma-4 router's top-k expert ids, in layer order (forward hooks)."""
+
+    def __init__(self, model):
+        self.model, self.index, self.handles = model, [], []
+
+    def __enter__(self):
+        for m in self.model.modules():
+            if type(m).__name__ == "Gemma4TextRouter":
+                self.handles.append(m.register_forward_hook(lambda mod, args, out: self.index.append(out[2])))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def rows(self, attention_mask: torch.Tensor, keep: int) -> list:
+        """Per TRL row, uint8 [completion tokens, layers, k] of the rows that scored its completion (the
+        forward ran its rows in chunks: each chunk's layers in order)."""
+        if not self.index:
+            return []
+        length, layers = attention_mask.shape[1], len(self.handles)
+        chunks = [torch.stack([i.reshape(i.shape[0] // length, length, -1) for i in self.index[c: c + layers]], dim=2)
+                  for c in range(0, len(self.index), layers)]
+        ids = torch.cat(chunks)  # [B, L, layers, k]
+        counts = attention_mask[:, -keep:].sum(-1).tolist()
+        return [ids[r, length - keep - 1: length - keep - 1 + c].to(torch.uint8).cpu().numpy()
+                for r, c in enumerate(counts)]
+
+
 def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int) -> tuple[list[list[int]], list[int]]:
     """TRL's rows (prompt left-padded, completion right-padded, the completion the last `keep` columns)
     as token lists and the index of each row's first completion token."""
@@ -105,16 +157,21 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int) -> t
     return seqs, firsts
 
 
-def engine_logps(forward, shared, input_ids, attention_mask, keep: int, batch_size: int, entropy: bool):
+def engine_logps(forward, shared, input_ids, attention_mask, keep: int, batch_size: int, entropy: bool,
+                 replay_of: Optional[dict] = None, routed_out: Optional[list] = None):
     """TRL's (logps [B, keep], entropies or None, aux loss None) through the engine's forward, `batch_size`
-    rows at a time; padding positions hold 0."""
+    rows at a time; padding positions hold 0. MoE models: `replay_of` (sequence -> the rollout's routed
+    experts) replays the rollout's routing (R3); `routed_out` receives (sequence, the trainer's routing)."""
     logps = torch.zeros(input_ids.shape[0], keep, dtype=torch.float32, device=input_ids.device)
     ents = torch.zeros_like(logps) if entropy else None
     for start in range(0, input_ids.shape[0], batch_size):
         seqs, firsts = unpad(input_ids[start: start + batch_size], attention_mask[start: start + batch_size], keep)
         scored = [i for i, (s, f) in enumerate(zip(seqs, firsts)) if len(s) > f]  # rows with a completion token
         shared.merged_for_training()
-        lps, es = forward.token_logprobs([seqs[i] for i in scored], [firsts[i] for i in scored], entropy)
+        replay = [replay_of.get(tuple(seqs[i])) for i in scored] if replay_of is not None else None
+        lps, es = forward.token_logprobs([seqs[i] for i in scored], [firsts[i] for i in scored], entropy, replay)
+        if routed_out is not None and forward.last_routed is not None:
+            routed_out.extend((tuple(seqs[i]), r) for i, r in zip(scored, forward.last_routed))
         for j, i in enumerate(scored):
             n = lps[j].shape[0]
             logps[start + i, :n] = lps[j]
@@ -130,12 +187,14 @@ def make_trainer_class():
     class FlexGemmaGRPOTrainer(GRPOTrainer):
         """GRPOTrainer + the engine's importance-sampling correction and per-step mismatch/timing stats."""
 
-        def __init__(self, *args, is_correction: bool = True, engine_forward=None, shared=None, **kwargs):
+        def __init__(self, *args, is_correction: bool = True, engine_forward=None, shared=None,
+                     routing_replay: bool = False, **kwargs):
             super().__init__(*args, **kwargs)
             self.is_correction = is_correction
             self.step_stats: dict[str, float] = {}
             # task.trainer_forward=engine: a model.trainable.TrainableForward (None: transformers' forward)
-            self.engine_forward, self.shared = engine_forward, shared
+            self.engine_forward, self.shared, self.routing_replay = engine_forward, shared, routing_replay
+            self._routed: Optional[list] = None  # (sequence, trainer routing) pairs while the IS forward runs
 
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                                compute_entropy=False, compute_aux_loss=False, **kwargs):
@@ -143,8 +202,26 @@ def make_trainer_class():
                 return super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                     **kwargs)
+            replay_of = self.rollout_func.routed_by_seq if self.routing_replay and self.rollout_func else None
             return engine_logps(self.engine_forward, self.shared, input_ids, attention_mask, logits_to_keep,
-                                batch_size or input_ids.size(0), compute_entropy)
+                                batch_size or input_ids.size(0), compute_entropy, replay_of, self._routed)
+
+        def _trainer_logps_and_flips(self, ids, attn, keep: int):
+            """The trainer's logprobs of the rollout (no gradient) and, on MoE models, its router flip rate."""
+            rollout = self.rollout_func
+            moe = rollout is not None and rollout.moe
+            self._routed = [] if moe and self.engine_forward is not None else None
+            hooks = RouterHooks(self.model) if moe and self.engine_forward is None else nullcontext()
+            with torch.no_grad(), hooks:
+                trainer_lp, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, ids, attn, keep, batch_size=self.args.per_device_train_batch_size)
+            flips = float("nan")
+            if moe:
+                seqs = [tuple(seq) for seq in unpad(ids, attn, keep)[0]]
+                mine = self._routed if self.engine_forward is not None else list(zip(seqs, hooks.rows(attn, keep)))
+                flips = router_flip_rate([(rollout.routed_by_seq.get(seq), r) for seq, r in mine])
+            self._routed = None
+            return trainer_lp, flips
 
         def _generate(self, prompts):
             _sync()
@@ -162,14 +239,11 @@ def make_trainer_class():
                 return out
             ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
             attn = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-            with torch.no_grad():
-                trainer_lp, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, ids, attn, out["completion_ids"].size(1),
-                    batch_size=self.args.per_device_train_batch_size)
+            trainer_lp, flips = self._trainer_logps_and_flips(ids, attn, out["completion_ids"].size(1))
             a = self.args
             ratio, stats = mismatch_stats(trainer_lp, engine_lp, out["completion_mask"],
                                           a.vllm_importance_sampling_clip_min, a.vllm_importance_sampling_clip_max)
-            self.step_stats.update(stats)
+            self.step_stats.update(stats, router_flip_rate=flips)
             if self.is_correction:
                 adv = out["advantages"]
                 out["advantages"] = (adv.unsqueeze(1) if adv.dim() == 1 else adv) * ratio.to(adv.dtype)
@@ -181,7 +255,7 @@ def make_trainer_class():
 
 def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=None, prompt_ids_of=None,
                  generator: str = "flexgemma", is_correction: bool = True, callbacks=None, rank: int = 0,
-                 world_size: int = 1, trainer_forward: str = "transformers"):
+                 world_size: int = 1, trainer_forward: str = "transformers", routing_replay: bool = False):
     """A FlexGemmaGRPOTrainer training `engine`'s LoRA adapter (one model: see shared.SharedModel),
     generating through the engine (generator="flexgemma") or with TRL's transformers generate ("trl").
 
@@ -191,6 +265,8 @@ def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=Non
     keep the rollout seeds of the ranks apart.
     trainer_forward: "engine" computes the trainer's logprobs through the engine's forward (model/trainable.py;
     the engine built with engine.batch_invariant), "transformers" through the peft model.
+    routing_replay: MoE models with trainer_forward="engine": the trainer routes each completion token to the
+    experts the rollout routed it to (R3).
     Returns (trainer, shared, rollout or None)."""
     from flexgemma.rl.shared import SharedModel
     from flexgemma.rl.tokenizer import tiny_tokenizer
@@ -217,5 +293,6 @@ def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=Non
         model=shared.peft_model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
         processing_class=tokenizer, rollout_func=rollout, callbacks=callbacks,
         is_correction=is_correction and rollout is not None, engine_forward=engine_forward, shared=shared,
+        routing_replay=routing_replay,
     )
     return trainer, shared, rollout

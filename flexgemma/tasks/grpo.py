@@ -189,7 +189,8 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
                 "grpo/rollout_tok_s": red["rollout_tokens"] / rollout_s if rollout_s > 0 else float("nan"),
                 "grpo/refresh_ms": red["refresh_ms"],
             }
-            for k in ("logprob_absdiff_mean", "logprob_absdiff_max", "kl_k3", "is_ratio_p99", "is_ratio_max"):
+            for k in ("logprob_absdiff_mean", "logprob_absdiff_max", "kl_k3", "is_ratio_p99", "is_ratio_max",
+                      "router_flip_rate"):
                 row[f"grpo/{k}"] = red[k]
             if torch.cuda.is_available():
                 row["memory/allocated_gib"] = torch.cuda.memory_allocated() / 2**30
@@ -230,6 +231,7 @@ def summarise(rows: list[dict]) -> dict:
     v = col("grpo/logprob_absdiff_max")
     out["grpo/logprob_absdiff_max"] = max(v) if v else float("nan")
     out["grpo/kl_k3"] = mean("grpo/kl_k3")
+    out["grpo/router_flip_rate"] = mean("grpo/router_flip_rate")
     v = col("grpo/is_ratio_max")
     out["grpo/is_ratio_max"] = max(v) if v else float("nan")
     return out
@@ -268,7 +270,7 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
     trainer, shared, _ = grpo_trainer(
         engine, grpo_args(cfg, recorder.dir, device, w.size), [reward], dataset, tokenizer, ids_of, generator,
         bool(t.is_correction), callbacks=[logger], rank=w.rank, world_size=w.size,
-        trainer_forward=str(t.trainer_forward))
+        trainer_forward=str(t.trainer_forward), routing_replay=bool(t.routing_replay))
     ref.extend([trainer, shared])
     trainer.remove_callback(PrinterCallback)  # TRL's per-step dict print; the rows go to metrics.jsonl
     t0 = time.perf_counter()
