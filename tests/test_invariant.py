@@ -7,6 +7,8 @@ the end, on each model's real shapes). Each check can fail: `test_the_check_sees
 runs it with a product whose rows depend on the batch (torch's own float32 GEMM) and expects it to fail.
 """
 
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,7 +55,7 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(dtype):
 def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
     """The GPU kernels through Triton's interpreter (float32): a program adding its K chunks in order and
     the chunks computed apart then summed in order give the same bits, at any row count."""
-    out = run_interpreted("""
+    out = run_interpreted(INTERPRETER_LOOPS + textwrap.dedent("""
         import torch
         from flexgemma.model.invariant import triton_matmul as tm
         torch.manual_seed(0)
@@ -67,7 +69,7 @@ def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
         counts = torch.tensor([3, 0, 30, 7])
         g = tm.grouped(x, torch.randn(4, 70, 1100), counts, 512, cfg)
         print(torch.equal(a, b), torch.equal(a[5], c[0]), (a - x @ w.t()).abs().max().item() < 1e-3, g.shape[0] == 40)
-    """)
+    """))
     assert out.split() == ["True", "True", "True", "True"]
 
 

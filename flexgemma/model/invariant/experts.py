@@ -15,7 +15,10 @@ def grouped_linear(rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) ->
     if rows.is_cuda:
         from flexgemma.model.invariant import triton_matmul
 
-        return triton_matmul.grouped(rows.contiguous(), w, counts, K_CHUNK, _tiles(64, rows.dtype))
+        # few rows an expert (decode): 16-row tiles; many (prefill): 64 (speed only, not a row's bits)
+        per_expert = rows.shape[0] / max(1, w.shape[0])
+        return triton_matmul.grouped(rows.contiguous(), w, counts, K_CHUNK, _tiles(16 if per_expert <= 16 else 64,
+                                                                                 rows.dtype))
     out = rows.new_empty(rows.shape[0], w.shape[1])
     start = 0
     for e, n in enumerate(counts.tolist()):

@@ -1,4 +1,7 @@
-"""The Triton kernels of `matmul.linear` (imported only on a GPU: CPU installs may lack Triton)."""
+"""The Triton kernels of `matmul.linear` (imported only on a GPU: CPU installs may lack Triton).
+
+Shapes are runtime arguments (only tiles are constexprs): one compilation a tile configuration serves
+every projection of every model."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_start, K: tl.constexpr, stride_x,
+def _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_start, K, stride_x,
                    KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     """float32 [BM, BN]: x[rows, k_start:k_start+KC] @ w[cols, same K]^T, tl.dot steps in K order."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -25,7 +28,7 @@ def _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_start, K: tl.cons
 
 
 @triton.jit(do_not_specialize=["M"])
-def _mm_fold(x_ptr, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, stride_x, CHUNKS: tl.constexpr,
+def _mm_fold(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, CHUNKS,
              KC: tl.constexpr, BM: tl.constexpr,
              BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     """Program (tile): the output tile's K chunks one after another, each added to the total in order."""
@@ -43,7 +46,7 @@ def _mm_fold(x_ptr, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, stride_
 
 
 @triton.jit(do_not_specialize=["M"])
-def _mm_split(x_ptr, w_ptr, part_ptr, M, N: tl.constexpr, K: tl.constexpr, stride_x, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def _mm_split(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
               BK: tl.constexpr, IEEE: tl.constexpr):
     """Program (tile, chunk): one K chunk's float32 product, stored at part[chunk, rows, cols]."""
     pid = tl.program_id(0)
@@ -57,7 +60,7 @@ def _mm_split(x_ptr, w_ptr, part_ptr, M, N: tl.constexpr, K: tl.constexpr, strid
 
 
 @triton.jit(do_not_specialize=["M"])
-def _sum_chunks(part_ptr, out_ptr, M, N: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_chunks(part_ptr, out_ptr, M, N, CHUNKS, BLOCK: tl.constexpr):
     """out = ((0 + part[0]) + part[1]) + ... in float32, then rounded: `_mm_fold`'s arithmetic."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
@@ -77,7 +80,7 @@ def _launch_args(x, w, cfg):
 
 def fold(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kc: int, cfg: dict) -> None:
     m, n, k, tiles, meta = _launch_args(x, w, cfg)
-    _mm_fold[(tiles,)](x, w, out, m, n, k, x.stride(0), CHUNKS=triton.cdiv(k, kc), KC=kc, **meta)
+    _mm_fold[(tiles,)](x, w, out, m, n, k, x.stride(0), triton.cdiv(k, kc), KC=kc, **meta)
 
 
 def split_then_sum(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, kc: int, cfg: dict) -> None:
@@ -85,12 +88,12 @@ def split_then_sum(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: 
     part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device)
     _mm_split[(tiles, chunks)](x, w, part, m, n, k, x.stride(0), KC=kc, **meta)
     block = 1024
-    _sum_chunks[(triton.cdiv(m * n, block),)](part, out, m, n, CHUNKS=chunks, BLOCK=block, num_warps=4)
+    _sum_chunks[(triton.cdiv(m * n, block),)](part, out, m, n, chunks, BLOCK=block, num_warps=4)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _grouped_fold(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_first_ptr, tile_end_ptr, M, E, N: tl.constexpr,
-                  K: tl.constexpr, stride_x, CHUNKS: tl.constexpr, KC: tl.constexpr, BM: tl.constexpr,
+def _grouped_fold(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_first_ptr, tile_end_ptr, M, E, N,
+                  K, stride_x, CHUNKS, KC: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     """Program (row tile, feature tile): rows [first, end) of one expert's group against that expert's
     [N, K] matrix, K chunks added in order as in `_mm_fold` (a row's bits do not depend on its group)."""
@@ -131,5 +134,5 @@ def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kc: int, cfg
                 num_stages=cfg["num_stages"])
     if m:
         _grouped_fold[(slots, triton.cdiv(n, cfg["BN"]))](x, w, out, expert, first, ends[safe], m, e, n, k,
-                                                          x.stride(0), CHUNKS=triton.cdiv(k, kc), KC=kc, **meta)
+                                                          x.stride(0), triton.cdiv(k, kc), KC=kc, **meta)
     return out
