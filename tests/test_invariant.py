@@ -295,8 +295,9 @@ GPU_MODELS = {
 def gpu_engine(model: str, *extra: str):
     from flexgemma import build_engine, compose
 
+    # two graph buckets: a lone row runs at 2 rows, the batch at 64 (different products, fewer captures)
     return build_engine(compose([f"+model={model}", INV, "device=cuda", "engine.max_batch_size=64",
-                                 "engine.max_model_len=2048", *GPU_MODELS[model], *extra]))
+                                 "engine.max_model_len=2048", "cudagraph.buckets=[2,64]", *GPU_MODELS[model], *extra]))
 
 
 @pytest.mark.gpu
