@@ -89,22 +89,6 @@ def measure(engine, prompts, params, warmup: int, rounds: int, peak_tb_s: float,
     }
 
 
-def set_inductor_option(kv: str) -> None:
-    """KEY=VALUE (a Python literal) into torch._inductor.config; an unknown key is an error."""
-    import ast
-
-    import torch._inductor.config as inductor
-
-    key, _, value = kv.partition("=")
-    if key not in inductor.get_config_copy():
-        raise SystemExit(f"--inductor-config {kv}: torch {torch.__version__} has no Inductor option {key!r}")
-    *parents, leaf = key.split(".")
-    target = inductor
-    for name in parents:
-        target = getattr(target, name)
-    setattr(target, leaf, ast.literal_eval(value))
-
-
 def fmt(v, digits: int = 2) -> str:
     if v is None:
         return "-"
@@ -142,12 +126,7 @@ KNOBS = (
     ("moe_dequant", "flexgemma.model.moe_kernel", "DEQUANT_KERNEL", "_moe_dequant_{}"),
     ("linear4bit_max_rows", "flexgemma.model.linear4bit", "KERNEL_MAX_ROWS", "_linear4bit_max_rows_{}"),
     ("linear4bit_dequant", "flexgemma.model.linear4bit", "DEQUANT_KERNEL", "_dequant_{}"),
-    ("attention_row_factor", "flexgemma.engine.cuda_graphs", "ATTENTION_ROW_FACTOR", "_attention_rows_x{}"),
     ("prefill_full_blocks", "flexgemma.engine.block_mask", "PREFILL_FULL_BLOCKS", "_full_blocks_{}"),
-    ("glue_dynamic", "flexgemma.model.glue", "GLUE_DYNAMIC", "_glue_dynamic_{}"),
-    ("moe_up_packed_k", "flexgemma.model.moe_kernel", "UP_PACKED_K", "_up_packed_k_{}"),
-    ("moe_down_packed_k", "flexgemma.model.moe_kernel", "DOWN_PACKED_K", "_down_packed_k_{}"),
-    ("moe_up_split_k", "flexgemma.model.moe_kernel", "UP_SPLIT_K", "_up_split_k_{}"),
 )
 
 
@@ -172,9 +151,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--peak-tb-s", type=float, default=4.8, help="the GPU's peak memory bandwidth (H200: 4.8)")
     ap.add_argument("--out", default=None, help="folder for bench_batches_MODEL.md and .json")
-    ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
-                    help="set torch._inductor.config KEY (e.g. triton.enable_pdl=True) before the build: an A/B of "
-                         "an Inductor option (repeatable); the output files get a suffix")
     ap.add_argument("--moe-sort-above", type=int, default=None,
                     help="MoE decode steps of more routed entries than this sort them by expert (an A/B of "
                          "moe_kernel.ROUTED_MAX_ENTRIES on the real router; 0: always); the output files get a suffix")
@@ -191,37 +167,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--linear4bit-dequant", choices=("bnb", "triton"), default=None,
                     help="how 4-bit groups dequantise past the kernel's rows (an A/B of linear4bit.DEQUANT_KERNEL); "
                          "the output files get a suffix")
-    ap.add_argument("--attention-row-factor", type=int, default=None,
-                    help="flex decode attention compiled at max_batch_size, then this factor smaller each time (an "
-                         "A/B of cuda_graphs.ATTENTION_ROW_FACTOR, 4; 2 pads a step to at most twice its rows); "
-                         "the output files get a suffix")
-    ap.add_argument("--moe-up-packed-k", type=int, default=None,
-                    help="K elements of a fused 4-bit step in the routed experts' up kernel, whole quantisation "
-                         "blocks (an A/B of moe_kernel.UP_PACKED_K; default one block); the output files get a suffix")
-    ap.add_argument("--moe-down-packed-k", type=int, default=None,
-                    help="the same for the down kernel (moe_kernel.DOWN_PACKED_K; 26B-A4B's K of 704 keeps one block)")
-    ap.add_argument("--moe-up-split-k", type=int, default=None,
-                    help="the fused 4-bit up kernel's K split across this many programs, partials summed by a "
-                         "second kernel (an A/B of moe_kernel.UP_SPLIT_K, 1); the output files get a suffix")
     ap.add_argument("--fused-kv-write", type=int, choices=(0, 1), default=None,
                     help="1: K/V normed and written into the pools by one compiled function (an A/B of the "
                          "override attn.fused_kv_write, false by default); the output files get a suffix")
-    ap.add_argument("--glue-dynamic", choices=("all", "auto"), default=None,
-                    help="all: the glue compiled with every dimension symbolic (the default); auto: torch's automatic "
-                         "dynamic, feature sizes constant (an A/B of glue.GLUE_DYNAMIC); the output files get a suffix")
     ap.add_argument("--prefill-full-blocks", type=int, choices=(0, 1), default=None,
                     help="1: prefill masks list wholly passing pages as full blocks (no mask_mod on them), 0: all "
                          "partial (an A/B of block_mask.PREFILL_FULL_BLOCKS); the output files get a suffix")
     ap.add_argument("--results", default=None, help="also append the table, with date, command, hardware, versions "
                                                     "and commit, to this markdown file (experiments/RESULTS.md)")
     args, extra = ap.parse_known_args(argv)
-    suffix = "".join(f"_{kv.replace('=', '-')}" for kv in args.inductor_config)
+    suffix = ""
     if args.fused_kv_write is not None:  # a config field, set as an override before the caller's own
         extra = [f"attn.fused_kv_write={bool(args.fused_kv_write)}", *extra]
         suffix += f"_fused_kv_write_{args.fused_kv_write}"
     overrides = overrides_for(args, extra)
-    for kv in args.inductor_config:
-        set_inductor_option(kv)
     suffix += set_knobs(args)
     cfg = compose(overrides)
     device = str(getattr(cfg.device, "value", cfg.device))  # an enum in the typed config ("Device.cuda" as str)
@@ -233,7 +192,6 @@ def main(argv=None) -> dict:
     work = synthetic(cfg.workload, engine.spec.vocab_size)
     res = {"model": args.model, "overrides": overrides, **{name: getattr(args, name) for name, *_ in KNOBS},
            "fused_kv_write": args.fused_kv_write,
-           "inductor_config": args.inductor_config,
            "batch_sizes": args.batch_sizes, "peak_tb_s": args.peak_tb_s,
            "build_seconds": build_s, "engine": engine.info, "rows": []}
     for bs in args.batch_sizes:

@@ -63,12 +63,9 @@ def main() -> None:
     act = GELUTanh()
     # (up BLOCK_N, down BLOCK_N, BLOCK_K, num_warps, num_stages); the up kernel reads a gate and an up
     # tile per step, so its BLOCK_N streams twice as many weight rows
-    grid = list(itertools.product((32, 64), (64, 128), (128, 256), (4, 8), (3,), ("table",), (1,)))
-    # fused 4-bit: the third option is PACKED_K, the K elements of a step (1, 2 or 4 quantisation blocks;
-    # BLOCK_K unused; a matrix whose K it does not divide keeps one block), the last the up kernel's
-    # SPLIT_K (programs along K; 1 where it does not divide the steps); the table lookup (a tree of
-    # selects was slower, session 4); down at its best BLOCK_N of the bf16 grid
-    grid_4bit = list(itertools.product((32, 64), (128,), (64, 128, 256), (4, 8), (3,), ("table",), (1, 2, 11)))
+    grid = list(itertools.product((32, 64), (64, 128), (128, 256), (4, 8), (3,), ("table",)))
+    # fused 4-bit steps are one quantisation block each (BLOCK_K unused); both ways of decoding a value
+    grid_4bit = list(itertools.product((32, 64), (64, 128), (64,), (4, 8), (3,), ("table", "select")))
     grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
     grid_quants = set(args.grid_quants.split(","))
     res: dict = {"shape": {"experts": e, "hidden": h, "intermediate": i, "top_k": k},
@@ -103,15 +100,10 @@ def main() -> None:
                 row["slots_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, packed_mode="slots"))
                 row["select_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, code_lookup="select"))
             configs = []
-            for ubn, dbn, bk, warps, stages, lookup, split in (grid_4bit if quant == "bnb4" else grid) \
+            for ubn, dbn, bk, warps, stages, lookup in (grid_4bit if quant == "bnb4" else grid) \
                     if quant in grid_quants and bs in grid_sizes else []:
                 up = dict(BLOCK_N=ubn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 dn = dict(BLOCK_N=dbn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-                if quant == "bnb4":
-                    if (args.hidden // bk) % split:
-                        continue  # the kernel would run one program along K: the split-1 config again
-                    up = {**up, "BLOCK_K": 64, "PACKED_K": bk, "SPLIT_K": split}
-                    dn = {**dn, "BLOCK_K": 64, "PACKED_K": bk}
                 fn = lambda: decode_experts(x, idx, w, gate_up, down, up, dn, code_lookup=lookup)  # noqa: E731
                 c = {"up": up, "down": dn, "code_lookup": lookup}
                 try:
@@ -130,8 +122,7 @@ def main() -> None:
             print(f"bs {bs:3d} {quant:4s} experts {used:3d} {nbytes / 1e6:7.1f} MB: torch {row['torch_us']:7.1f} us "
                   f"({nbytes / row['torch_us'] / 1e6:.2f} TB/s), triton default {row['default_us']:7.1f} us "
                   f"({nbytes / row['default_us'] / 1e6:.2f} TB/s), best {best['us']:7.1f} us "
-                  f"({nbytes / best['us'] / 1e6:.2f} TB/s) up {best['up']} down {best['down']['BLOCK_N']}"
-                  f"{' PACKED_K ' + str(best['down']['PACKED_K']) if 'PACKED_K' in best['down'] else ''}, "
+                  f"({nbytes / best['us'] / 1e6:.2f} TB/s) up {best['up']} down {best['down']['BLOCK_N']}, "
                   f"entries sorted {row['sorted_us']:7.1f} us / matched {row.get('matched_us', float('nan')):7.1f} us, "
                   + (f"lookup {best.get('code_lookup')}, slots {row['slots_us']:7.1f} us, select "
                      f"{row['select_us']:7.1f} us, " if "slots_us" in row else "") +

@@ -3,7 +3,7 @@
 # scarce: a call may run 10 minutes, so pick the stages of one call by name).
 #   bash experiments/gpu_suite.sh STAGE...
 #   sampler_tests: the compiled top-k/top-p sampler on the GPU (a quick probe before the long stages)
-# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq linear4bit_ksteps dequant_grid batches_31b_bnb4_tdq batches_31b_bnb4_bdq attn_rows_ab attn_31b_sweep attn_31b_split kernels_large moe_packed_k batches_26b_bnb4_packed_k moe_slots_ab batches_26b_bnb4_slots moe_dequant_ab moe_sort_vs_match moe_block_m moe_sort_ab pdl_ab moe_grid_rl gen_profile_e2b profile_31b_64 prefill_full_tests e2b_parity_tests batches_31b_full_blocks decode_sweep_31b decode_tuned_31b decode_tuned_26b decode_tuned_e2b decode_tuned_e4b batches_31b_vs_defaults prefill_sweep_31b batches_31b_prefill16k fused_kv_write_31b glue_dynamic_31b gen_profile_31b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_bs8 moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
+# Stages (in this order): sampler_tests sampler_head nosync_test batches batches_e2b batches_e2b_quick batches_26b batches_e4b batches_26b_bnb4 batches_31b batches_31b_bnb4 linear4bit_rows batches_31b_bnb4_dq linear4bit_ksteps dequant_grid batches_31b_bnb4_tdq batches_31b_bnb4_bdq attn_31b_sweep attn_31b_split kernels_large moe_slots_ab batches_26b_bnb4_slots moe_dequant_ab moe_sort_vs_match moe_block_m moe_sort_ab moe_grid_rl gen_profile_e2b profile_31b_64 prefill_full_tests e2b_parity_tests batches_31b_full_blocks decode_sweep_31b decode_tuned_31b decode_tuned_26b decode_tuned_e2b decode_tuned_e4b batches_31b_vs_defaults prefill_sweep_31b batches_31b_prefill16k fused_kv_write_31b gen_profile_31b gen_profile_26b prefix prefix_26b prefix_26b_full prefix_26b_greedy prefix_speed prefix_tests grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu speed_old_new tests moe_kernel_tests linear4bit_tests linear4bit_bench retest e2b e2b_quick moe moe_bs8 moe_quick moe_grouped moe_kernel_bench lora lora_bnb4 sweep profile profile_e2b_256 profile_26b_128 profile_moe profile_moe_grouped moe_bnb4 moe_bnb4_grouped 31b e4b lora_26b
 # Logs and JSON go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into
 # $OUT/results.tgz (the device tool brings back at most 8 files) and a digest is printed.
 # Expects the wheels of `../shared/device/fetch-wheels --with-wandb submitit==1.5.4 hydra-submitit-launcher==1.2.0`
@@ -95,14 +95,6 @@ run dequant_grid 150 python3 experiments/bench_dequant4bit.py --out "$WORK/dequa
 # bitsandbytes' op (the same bits), one build each
 run batches_31b_bnb4_tdq 330 bash -c 'batches_31b_bnb4 --linear4bit-dequant triton'
 run batches_31b_bnb4_bdq 330 bash -c 'batches_31b_bnb4 --linear4bit-dequant bnb'
-# E4B's 64 rows in a 128-row build (7,478 tok/s against 8,090 in a 64-row build): attention padded to
-# 128 rows gets 1 KV split a row where 64 rows get 2 (torch's get_split_k). Variants, a build each
-# (~2.3 min): the default; flex decode compiled at every 2x of the rows; SPLIT_KV=2 at every size
-run attn_rows_ab 450 bash -c 'for f in 4 2; do python3 experiments/bench_batches.py --model e4b --batch-sizes 64,128 \
-  --new-tokens 512 --rounds 3 --warmup-rounds 0 --attention-row-factor $f --out "$WORK/batches_attn_rows"; done;
-  python3 experiments/bench_batches.py --model e4b --batch-sizes 64,128 --new-tokens 512 --rounds 3 --warmup-rounds 0 \
-  --out "$WORK/batches_attn_split2" +attn.decode.extra.SPLIT_KV=2;
-  cat "$WORK"/batches_attn_rows/*.md "$WORK"/batches_attn_split2/*.md'
 # 31B bf16 at 64 rows (1,770-1,791 tok/s, under its 1,800 floor): flex decode's BLOCK_N on the
 # head_dim-256 sliding layers, tuned on E2B (one KV head of 8 query heads; 31B: 16 KV heads of 2).
 # Sixth session: 64 1,720, 16 1,732, 32 (the default) 1,770
@@ -127,17 +119,6 @@ run kernels_large 300 bash -c 'python3 experiments/bench_linear4bit.py --batch-s
 # the routed 4-bit experts at 32-512 rows, decoded inside the kernels (the default up to 2,048 entries)
 # against dequantised into slots by the sixth session's faster dequantise form (slots_us in the JSON),
 # then 26B-A4B bnb4 at 128 rows through the engine, the default (2,048) against slots past 512 entries
-# the fused 4-bit experts with steps of 1, 2 or 4 quantisation blocks (PACKED_K) and the up kernel's K
-# split across programs (SPLIT_K; both CPU-tested only, 2026-12-02): the GPU test, the tile grid at
-# 8-128 rows, then 26B-A4B bnb4 with the grid's best up step and split (MOE_UP_K, MOE_UP_SPLIT)
-# against one block, one program along K, one build each
-run moe_packed_k 330 bash -c 'python3 -m pytest -q -p no:logging -m gpu -s tests/test_moe_kernel.py -k several_blocks;
-  python3 experiments/bench_moe_kernel.py --batch-sizes 8,64,128 --bnb4 --grid-batch-sizes 8,64,128 \
-  --grid-quants bnb4 --block-m "" --out "$WORK/moe_packed_k.json"'
-run batches_26b_bnb4_packed_k 330 bash -c 'for ks in "${MOE_UP_K:-256} ${MOE_UP_SPLIT:-1}" "64 1"; do set -- $ks;
-  python3 experiments/bench_batches.py --model 26b_a4b --batch-sizes 8,128 --new-tokens 256 --rounds 3 \
-  --warmup-rounds 0 --moe-up-packed-k $1 --moe-up-split-k $2 --out "$WORK/batches_bnb4" quant=bnb4; done;
-  cat "$WORK"/batches_bnb4/*packed_k*.md'
 run moe_slots_ab 200 python3 experiments/bench_moe_kernel.py --batch-sizes 32,64,128,256,512 --bnb4 \
   --grid-batch-sizes 0 --block-m "" --out "$WORK/moe_slots_ab.json"
 run batches_26b_bnb4_slots 400 bash -c 'for f in 2048 512; do python3 experiments/bench_batches.py --model 26b_a4b \
@@ -159,11 +140,6 @@ run moe_block_m 200 python3 experiments/bench_moe_kernel.py --batch-sizes 64,128
 # uniform routing: 26B-A4B at 64 and 128 rows sorting every step vs the default (sort past 512 entries)
 run moe_sort_ab 330 bash -c 'for a in 0 512; do python3 experiments/bench_batches.py --model 26b_a4b --batch-sizes 64,128 \
   --new-tokens 256 --rounds 3 --warmup-rounds 0 --moe-sort-above $a --out "$WORK/batches_sort"; done; cat "$WORK"/batches_sort/*.md'
-# Programmatic Dependent Launch for Inductor's Triton kernels (each may start while the previous one
-# ends): E2B with and without, ~600 kernels a step, ~2.6 ms of a 6.7 ms step between kernels (call 1)
-run pdl_ab 330 bash -c 'for v in False True; do python3 experiments/bench_batches.py --model e2b --batch-sizes 64,256 \
-  --new-tokens 512 --rounds 3 --warmup-rounds 0 --inductor-config triton.enable_pdl=$v --out "$WORK/batches_pdl"; done;
-  cat "$WORK"/batches_pdl/*.md'
 # the tile grid (BLOCK_N, BLOCK_K, warps) at RL batch sizes, entries sorted, BLOCK_M as the default picks
 run moe_grid_rl 200 python3 experiments/bench_moe_kernel.py --batch-sizes 128,256,512 --grid-batch-sizes 128,256,512 \
   --block-m "" --out "$WORK/moe_grid_rl.json"
@@ -228,11 +204,6 @@ run batches_31b_prefill16k 330 bash -c 'for n in 16384 8192; do python3 experime
 run fused_kv_write_31b 420 bash -c 'python3 -m pytest -q -p no:logging -m gpu -s tests/test_gpu.py -k fused_kv_write;
   for f in 1 0; do python3 experiments/bench_batches.py --model 31b --batch-sizes 64 --new-tokens 256 --rounds 3 \
   --warmup-rounds 0 --fused-kv-write $f --out "$WORK/batches_fused_kv"; done; cat "$WORK"/batches_fused_kv/*.md'
-# the glue compiled with torch's automatic dynamic (feature sizes constant in the kernels' index
-# maths; glue.GLUE_DYNAMIC, CPU-tested only) against every dimension symbolic: 31B bf16 at 64, a build each
-run glue_dynamic_31b 330 bash -c 'for g in auto all; do python3 experiments/bench_batches.py --model 31b \
-  --batch-sizes 64 --new-tokens 256 --rounds 3 --warmup-rounds 0 --glue-dynamic $g --out "$WORK/batches_glue"; done;
-  cat "$WORK"/batches_glue/*.md'
 # 31B bf16 at 64 (issue 21's one floor not met): the round's prefill/decode split, the host's gaps, a prefill step's kernels
 run gen_profile_31b 240 python3 experiments/profile_generate.py --model 31b --batch 64 --new-tokens 256 --profile-prefill \
   --out "$WORK/gen_profile_31b.json"

@@ -69,9 +69,6 @@ def test_attention_row_sizes():
     assert attention_row_sizes(64) == [16, 64]
     assert attention_row_sizes(8) == [8]
     assert attention_row_sizes(200) == [50, 200]
-    assert attention_row_sizes(128, factor=2) == [16, 32, 64, 128]
-    with pytest.raises(ValueError, match="at least 2"):
-        attention_row_sizes(64, factor=1)
 
 
 def test_decode_attention_padded_to_a_row_count_gives_the_same_tokens():
@@ -160,19 +157,16 @@ def test_bench_batches_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(moe_kernel, "ROUTED_MAX_ENTRIES", moe_kernel.ROUTED_MAX_ENTRIES)  # restored after
     monkeypatch.setattr(moe_kernel, "FUSED_MAX_ENTRIES", moe_kernel.FUSED_MAX_ENTRIES)
     monkeypatch.setattr(moe_kernel, "DEQUANT_KERNEL", moe_kernel.DEQUANT_KERNEL)
-    from flexgemma.engine import cuda_graphs
 
     monkeypatch.setattr(linear4bit, "KERNEL_MAX_ROWS", linear4bit.KERNEL_MAX_ROWS)
     monkeypatch.setattr(linear4bit, "DEQUANT_KERNEL", linear4bit.DEQUANT_KERNEL)
-    monkeypatch.setattr(cuda_graphs, "ATTENTION_ROW_FACTOR", cuda_graphs.ATTENTION_ROW_FACTOR)
     script = load_script("bench_batches")
     res = script.main([
         "--model", "tiny", "--device", "cpu", "--batch-sizes", "2,3", "--new-tokens", "3", "--rounds", "2",
         "--warmup-rounds", "0", "--out", str(tmp_path), "--moe-sort-above", "0", "--moe-fused-max-entries", "16",
         "--moe-dequant", "triton",
         "--linear4bit-max-rows", "32",
-        "--linear4bit-dequant", "triton", "--attention-row-factor", "2",
-        "--inductor-config", "triton.enable_pdl=False", "--results", str(tmp_path / "RESULTS.md"),
+        "--linear4bit-dequant", "triton", "--results", str(tmp_path / "RESULTS.md"),
         "workload.min_prompt_len=4", "workload.max_prompt_len=12", "kv.page_size=8"])
     assert [r["batch"] for r in res["rows"]] == [2, 3] and res["engine"]["device"] == "cpu"
     assert all(r["tok_s_median"] > 0 and r["limit_tok_s"] > 0 and len(r["tok_s_rounds"]) == 2 for r in res["rows"])
@@ -182,9 +176,8 @@ def test_bench_batches_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
     assert moe_kernel.FUSED_MAX_ENTRIES == 16 and res["moe_fused_max_entries"] == 16
     assert moe_kernel.DEQUANT_KERNEL == "triton" and res["moe_dequant"] == "triton"
     assert linear4bit.KERNEL_MAX_ROWS == 32 and res["linear4bit_max_rows"] == 32
-    assert linear4bit.DEQUANT_KERNEL == "triton" and cuda_graphs.ATTENTION_ROW_FACTOR == 2
-    name = ("bench_batches_tiny_triton.enable_pdl-False_sort_above_0_fused_max_16_moe_dequant_triton"
-            "_linear4bit_max_rows_32_dequant_triton_attention_rows_x2")
+    assert linear4bit.DEQUANT_KERNEL == "triton"
+    name = "bench_batches_tiny_sort_above_0_fused_max_16_moe_dequant_triton_linear4bit_max_rows_32_dequant_triton"
     table = (tmp_path / f"{name}.md").read_text()
     assert "| batch | tok/s | first/median | step ms | prefill s |" in table
     assert table.count("\n| ") == 3  # header + two rows

@@ -83,15 +83,6 @@ def final_logits(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-# how the glue is compiled: "all", every dimension symbolic (one graph per function, the default);
-# "auto", torch's automatic dynamic (a dimension turns symbolic once it has been seen to change, so
-# feature sizes stay constants). With every dimension symbolic, a kernel's flat index is divided by
-# a runtime feature size (Inductor's CPU code shows the divisor as a kernel argument): 31B's prefill
-# gelu x mul moved 1.3 TB/s on the H200. Not yet timed: bench_batches.py --glue-dynamic auto
-GLUE_DYNAMIC = "all"
-_DYNAMIC = {"all": True, "auto": None}
-
-
 def make_ops(counter=None, moe_kernel: str = "grouped_mm") -> SimpleNamespace:
     """The glue functions: compiled with `counter` as backend (GPU), or plain (the CPU reference);
     and the routed experts' GEMMs (`experts_kernel`: None for torch's grouped GEMM)."""
@@ -99,9 +90,7 @@ def make_ops(counter=None, moe_kernel: str = "grouped_mm") -> SimpleNamespace:
                kv_norm_write=kv_norm_write, gelu_mul=gelu_mul, final_logits=final_logits, moe_inputs=moe_inputs,
                route=route, add_two_norms=add_two_norms)
     if counter is not None:
-        if GLUE_DYNAMIC not in _DYNAMIC:
-            raise ValueError(f"glue.GLUE_DYNAMIC={GLUE_DYNAMIC!r}: one of {sorted(_DYNAMIC)}")
-        fns = {k: compile_fn(f, counter, dynamic=_DYNAMIC[GLUE_DYNAMIC]) for k, f in fns.items()}
+        fns = {k: compile_fn(f, counter) for k, f in fns.items()}
     fns["experts_kernel"] = None
     if moe_kernel == "triton":  # the routed experts and the router's top-k as Triton kernels
         from flexgemma.model import moe_kernel as mk
