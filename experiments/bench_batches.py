@@ -20,7 +20,6 @@ versions, commit).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
 import sys
@@ -118,29 +117,6 @@ def markdown(res: dict) -> str:
     return head + "\n".join(rows) + "\n"
 
 
-# A/B flags: each sets a module constant that the engine reads when it builds or runs a step, and
-# names the output files: (argument, module, constant, file-name suffix)
-KNOBS = (
-    ("moe_sort_above", "flexgemma.model.moe_kernel", "ROUTED_MAX_ENTRIES", "_sort_above_{}"),
-    ("moe_fused_max_entries", "flexgemma.model.moe_kernel", "FUSED_MAX_ENTRIES", "_fused_max_{}"),
-    ("moe_dequant", "flexgemma.model.moe_kernel", "DEQUANT_KERNEL", "_moe_dequant_{}"),
-    ("linear4bit_max_rows", "flexgemma.model.linear4bit", "KERNEL_MAX_ROWS", "_linear4bit_max_rows_{}"),
-    ("linear4bit_dequant", "flexgemma.model.linear4bit", "DEQUANT_KERNEL", "_dequant_{}"),
-    ("prefill_full_blocks", "flexgemma.engine.block_mask", "PREFILL_FULL_BLOCKS", "_full_blocks_{}"),
-)
-
-
-def set_knobs(args) -> str:
-    """Sets the constants of the A/B flags given; returns their file-name suffix."""
-    suffix = ""
-    for name, module, constant, fmt in KNOBS:
-        value = getattr(args, name)
-        if value is not None:
-            setattr(importlib.import_module(module), constant, value)
-            suffix += fmt.format(value)
-    return suffix
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="e2b")
@@ -151,37 +127,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--peak-tb-s", type=float, default=4.8, help="the GPU's peak memory bandwidth (H200: 4.8)")
     ap.add_argument("--out", default=None, help="folder for bench_batches_MODEL.md and .json")
-    ap.add_argument("--moe-sort-above", type=int, default=None,
-                    help="MoE decode steps of more routed entries than this sort them by expert (an A/B of "
-                         "moe_kernel.ROUTED_MAX_ENTRIES on the real router; 0: always); the output files get a suffix")
-    ap.add_argument("--moe-fused-max-entries", type=int, default=None,
-                    help="4-bit MoE decode steps of more routed entries than this dequantise the routed experts "
-                         "into slots instead of decoding them inside the kernels (an A/B of "
-                         "moe_kernel.FUSED_MAX_ENTRIES); the output files get a suffix")
-    ap.add_argument("--moe-dequant", choices=("bnb", "triton"), default=None,
-                    help="how 4-bit experts dequantise in prefill-sized steps (an A/B of moe_kernel.DEQUANT_KERNEL); "
-                         "the output files get a suffix")
-    ap.add_argument("--linear4bit-max-rows", type=int, default=None,
-                    help="4-bit projection steps of more rows than this dequantise + GEMM instead of the Triton kernel "
-                         "(an A/B of linear4bit.KERNEL_MAX_ROWS); the output files get a suffix")
-    ap.add_argument("--linear4bit-dequant", choices=("bnb", "triton"), default=None,
-                    help="how 4-bit groups dequantise past the kernel's rows (an A/B of linear4bit.DEQUANT_KERNEL); "
-                         "the output files get a suffix")
-    ap.add_argument("--fused-kv-write", type=int, choices=(0, 1), default=None,
-                    help="1: K/V normed and written into the pools by one compiled function (an A/B of the "
-                         "override attn.fused_kv_write, false by default); the output files get a suffix")
-    ap.add_argument("--prefill-full-blocks", type=int, choices=(0, 1), default=None,
-                    help="1: prefill masks list wholly passing pages as full blocks (no mask_mod on them), 0: all "
-                         "partial (an A/B of block_mask.PREFILL_FULL_BLOCKS); the output files get a suffix")
     ap.add_argument("--results", default=None, help="also append the table, with date, command, hardware, versions "
                                                     "and commit, to this markdown file (experiments/RESULTS.md)")
     args, extra = ap.parse_known_args(argv)
-    suffix = ""
-    if args.fused_kv_write is not None:  # a config field, set as an override before the caller's own
-        extra = [f"attn.fused_kv_write={bool(args.fused_kv_write)}", *extra]
-        suffix += f"_fused_kv_write_{args.fused_kv_write}"
     overrides = overrides_for(args, extra)
-    suffix += set_knobs(args)
     cfg = compose(overrides)
     device = str(getattr(cfg.device, "value", cfg.device))  # an enum in the typed config ("Device.cuda" as str)
     if device.startswith("cuda"):
@@ -190,8 +139,7 @@ def main(argv=None) -> dict:
     engine = build_engine(cfg, pool_demand(cfg.workload))
     build_s = time.perf_counter() - t0
     work = synthetic(cfg.workload, engine.spec.vocab_size)
-    res = {"model": args.model, "overrides": overrides, **{name: getattr(args, name) for name, *_ in KNOBS},
-           "fused_kv_write": args.fused_kv_write,
+    res = {"model": args.model, "overrides": overrides,
            "batch_sizes": args.batch_sizes, "peak_tb_s": args.peak_tb_s,
            "build_seconds": build_s, "engine": engine.info, "rows": []}
     for bs in args.batch_sizes:
@@ -207,8 +155,8 @@ def main(argv=None) -> dict:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"bench_batches_{args.model}{suffix}.md").write_text(table)
-        (out / f"bench_batches_{args.model}{suffix}.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / f"bench_batches_{args.model}.md").write_text(table)
+        (out / f"bench_batches_{args.model}.json").write_text(json.dumps(res, indent=1, default=str))
     if args.results:
         append_to_results(Path(args.results), res, table, argv if argv is not None else sys.argv[1:])
     return res

@@ -1,6 +1,6 @@
 """The routed experts of one 26B-A4B layer at decode batch sizes, alone on the GPU: torch's path
 (sort by expert, two grouped GEMMs, index_add) against the two Triton kernels of
-`engine.moe_kernel=triton` over a grid of tile options, bf16 and (with --bnb4) packed 4-bit, the
+`kernels.moe=triton` over a grid of tile options, bf16 and (with --bnb4) packed 4-bit, the
 latter both decoded inside the GEMM kernels (the default) and dequantised into slots first.
 
     python experiments/bench_moe_kernel.py --batch-sizes 8,32,64 --out moe_kernel.json

@@ -193,7 +193,7 @@ run decode_tuned_e4b 590 bash -c 'decode_tuned e4b 128 544 512'
 run batches_31b_vs_defaults 330 bash -c 'for d in preset defaults; do python3 experiments/bench_batches.py --model 31b \
   --batch-sizes 64 --new-tokens 256 --rounds 3 --warmup-rounds 0 --out "$WORK/batches_31b_$d" \
   $([[ $d == defaults ]] && echo attn.decode.block_n=32 attn.decode.num_warps=null attn.decode.num_stages=null \
-  attn.fused_kv_write=false); done; cat "$WORK"/batches_31b_*/*.md'
+  kernels.fused_kv_write=false); done; cat "$WORK"/batches_31b_*/*.md'
 run prefill_sweep_31b 400 python3 experiments/profile_decode.py +model=31b +experiment=rl_batch_31b \
   cudagraph.buckets=[64] --batch 64 --context 416 --prefill-sweep --out "$WORK/prefill_sweep_31b.json"
 run batches_31b_prefill16k 330 bash -c 'for n in 16384 8192; do python3 experiments/bench_batches.py --model 31b \
@@ -345,7 +345,7 @@ run moe_bs8 150 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload
 run moe_quick 200 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 --batch-sizes 8,16,32,64 \
   --no-hf --out "$WORK/moe_quick.json"
 run moe_grouped 300 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b workload.num_prompts=64 \
-  engine.moe_kernel=grouped_mm --batch-sizes 8,16,32,64 --no-hf --parity 4 --parity-tokens 32 --out "$WORK/moe_grouped.json"
+  kernels.moe=grouped_mm --batch-sizes 8,16,32,64 --no-hf --parity 4 --parity-tokens 32 --out "$WORK/moe_grouped.json"
 run moe_kernel_bench 150 python3 experiments/bench_moe_kernel.py --batch-sizes 8,32,64 --bnb4 --grid-quants bnb4 --out "$WORK/moe_kernel_bench.json"
 run lora 200 python3 experiments/bench_lora.py +model=e2b +experiment=speed_e2b workload.rounds=3 lora=r32 --out "$WORK/lora_e2b.json"
 # two bnb4 engines (build, Triton compiles, capture) and 3 timed rounds each: 124 s with 2 rounds and
@@ -366,10 +366,10 @@ run profile_26b_128 200 python3 experiments/profile_decode.py +model=26b_a4b +ex
 run profile_moe 150 python3 experiments/profile_decode.py +model=26b_a4b +experiment=speed_26b_a4b \
   workload.num_prompts=8 engine.max_batch_size=8 cudagraph.buckets=[8] --batch 8 --context 384 --out "$WORK/profile_moe.json"
 run profile_moe_grouped 150 python3 experiments/profile_decode.py +model=26b_a4b +experiment=speed_26b_a4b \
-  engine.moe_kernel=grouped_mm workload.num_prompts=8 engine.max_batch_size=8 cudagraph.buckets=[8] --batch 8 --context 384 --out "$WORK/profile_moe_grouped.json"
+  kernels.moe=grouped_mm workload.num_prompts=8 engine.max_batch_size=8 cudagraph.buckets=[8] --batch 8 --context 384 --out "$WORK/profile_moe_grouped.json"
 run moe_bnb4 240 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b quant=bnb4 workload.num_prompts=32 \
   engine.max_batch_size=32 --batch-sizes 8,32 --no-hf --out "$WORK/moe_bnb4.json"
-run moe_bnb4_grouped 240 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b quant=bnb4 engine.moe_kernel=grouped_mm \
+run moe_bnb4_grouped 240 python3 $bench +model=26b_a4b +experiment=speed_26b_a4b quant=bnb4 kernels.moe=grouped_mm \
   workload.num_prompts=32 engine.max_batch_size=32 --batch-sizes 8,32 --no-hf --out "$WORK/moe_bnb4_grouped.json"
 run 31b 240 python3 $bench +model=31b +experiment=speed_e2b workload.num_prompts=32 engine.max_batch_size=32 \
   kv.max_pages=520 cudagraph=ladder16 workload.rounds=2 workload.max_new_tokens=256 --no-hf --out "$WORK/31b.json"

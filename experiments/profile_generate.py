@@ -147,18 +147,15 @@ def main(argv=None) -> dict:
     return res
 
 
-def profile_first_prefill(engine, prompts, params, cuda: bool) -> list[dict]:
+def profile_first_prefill(engine, prompts, params, cuda: bool) -> dict:
     """The kernels of one engine step with every prompt waiting (a prefill of up to
-    engine.max_prefill_tokens tokens), with the prefill masks' full blocks and without (after a step
-    of each untimed, to compile); the requests are aborted after each step."""
+    engine.max_prefill_tokens tokens), after one such step untimed (it compiles); the requests are
+    aborted after each step. An A/B of a kernel choice runs the script once per setting
+    (kernels.prefill_full_blocks=false: the prefill masks without full blocks)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from flexgemma.engine import block_mask
-
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    out, setting = [], block_mask.PREFILL_FULL_BLOCKS
-    for full in (True, False, True, False):
-        block_mask.PREFILL_FULL_BLOCKS = full
+    for attempt in range(2):
         engine.reset_prefix_cache()  # the prompts were cached by the rounds before: prefill them again
         ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         sync()
@@ -169,21 +166,15 @@ def profile_first_prefill(engine, prompts, params, cuda: bool) -> list[dict]:
         wall = time.perf_counter() - t0
         for i in ids:
             engine.abort(i)
-        if len(out) < 2:  # the first of each: compiles
-            out.append(None)
-            continue
-        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-        total = sum(e.self_device_time_total for e in events) / 1e3
-        attn = sum(e.self_device_time_total for e in events if "flex_attention" in e.key) / 1e3
-        print(f"first prefill step, full blocks {full}: {wall * 1e3:.1f} ms wall (under the profiler), kernels "
-              f"{total:.1f} ms, of which flex attention {attn:.1f} ms")
-        sort = "cuda_time_total" if cuda else "cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=90))
-        out.append({"full_blocks": full, "wall_ms": wall * 1e3, "kernels_ms": total, "flex_ms": attn,
-                    "kernels": [{"name": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count}
-                                for e in events[:30]]})
-    block_mask.PREFILL_FULL_BLOCKS = setting
-    return out[2:]
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    attn = sum(e.self_device_time_total for e in events if "flex_attention" in e.key) / 1e3
+    print(f"first prefill step: {wall * 1e3:.1f} ms wall (under the profiler), kernels {total:.1f} ms, of which "
+          f"flex attention {attn:.1f} ms")
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=90))
+    return {"wall_ms": wall * 1e3, "kernels_ms": total, "flex_ms": attn,
+            "kernels": [{"name": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count} for e in events[:30]]}
 
 
 if __name__ == "__main__":

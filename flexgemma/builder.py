@@ -14,7 +14,7 @@ from flexgemma.config import Config, ConfigError, validate
 from flexgemma.engine.block_mask import MaskBuilder
 from flexgemma.engine.engine import Engine
 from flexgemma.engine.kv_cache import KVCache, PoolDemand
-from flexgemma.engine.cuda_graphs import DecodeGraphs, attention_row_sizes, resolve_buckets
+from flexgemma.engine.cuda_graphs import DecodeGraphs, resolve_buckets
 from flexgemma.engine.runner import ModelRunner
 from flexgemma.engine.sampler import sample
 from flexgemma.engine.warm import eager_decode_steps, warm_up
@@ -139,7 +139,7 @@ def _build_from_config(cfg: DictConfig, demand: PoolDemand) -> Engine:
     # quantisation: quant=bnb4 quantises inside build_model, module by module as weights are made or
     # loaded (never the whole bf16 model on the device); info gets quant/fraction_4bit
     model, tokenizer, info = build_model(cfg.model, device, quant_cfg=cfg.quant)
-    if cfg.engine.fuse_projections:  # before peft wraps the modules: adapters then merge into the fused rows
+    if r.kernels.fuse_projections:  # before peft wraps the modules: adapters then merge into the fused rows
         info["fused_projections"] = fuse_projections(model)
     # LoRA
     lora = attach_lora(model, cfg.lora, r.lora_merge)  # merged into the weights before the KV pool and graphs
@@ -149,14 +149,12 @@ def _build_from_config(cfg: DictConfig, demand: PoolDemand) -> Engine:
 def _forward(cfg, r: Resolved, model, spec: ModelSpec, cache: KVCache, max_len: int, counter: CompileCounter,
              lora, info: dict) -> GemmaForward:
     """The model's forward with the resolved kernels (attention, MoE, 4-bit projections)."""
-    kernels = AttentionKernels(r.attention_backend, decode_rows=attention_row_sizes(cfg.engine.max_batch_size),
-                               counter=counter)
-    ops = make_ops(counter if r.compile else None, r.moe_kernel)
-    forward = GemmaForward(model, spec, cache.pools, cfg.attn, max_len, kernels, ops, lora,
-                           linear4bit=r.linear4bit_kernel == "triton")
+    attention = AttentionKernels(r.attention_backend, r.kernels, counter=counter)
+    ops = make_ops(counter if r.compile else None, r.kernels)
+    forward = GemmaForward(model, spec, cache.pools, cfg.attn, max_len, attention, ops, lora, r.kernels)
     if r.quantised:
         groups = forward.linear4bit_groups()
-        info.update({"linear4bit_kernel": r.linear4bit_kernel, "linear4bit_groups": len(groups),
+        info.update({"linear4bit_kernel": r.kernels.linear4bit, "linear4bit_groups": len(groups),
                      "quant/linear4bit_extra_bytes": sum(g.extra_bytes for g in groups)})
     return forward
 
@@ -182,7 +180,7 @@ def _engine_facts(runner: ModelRunner, spec: ModelSpec, dtype: torch.dtype, max_
         capture_seconds=graphs.capture_seconds if graphs else 0.0,
         cudagraph_buckets=list(graphs.buckets) if graphs else [],
         graph_pool_gib=graphs.pool_bytes / 2**30 if graphs else 0.0,
-        attention_decode_rows=list(runner.forward.kernels.decode_rows or []), attention_backend=r.attention_backend,
+        attention_decode_rows=list(r.kernels.decode_rows), attention_backend=r.attention_backend,
         # KV memory per token of context: every KV-writing layer (short contexts), and the full-attention
         # layers alone (what each token adds once the sliding layers hold their window); an 8-bit cache halves both
         kv_bytes_per_token=spec.kv_bytes_per_token(dtype.itemsize),
@@ -206,9 +204,10 @@ def assemble_engine(cfg, model, tokenizer, info: dict, lora, r: Resolved,
     forward = _forward(cfg, r, model, spec, cache, max_len, counter, lora, info)
     if lora is not None:
         info.update(lora.build_info())
-    masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len)
+    masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len, r.kernels)
     sample_fn = compile_fn(sample, counter) if use_compile else sample
-    runner = ModelRunner(forward, cache, masks, cfg.engine.max_batch_size, cfg.attn.q_block_size, sample_fn)
+    runner = ModelRunner(forward, cache, masks, cfg.engine.max_batch_size, cfg.attn.q_block_size, sample_fn,
+                         r.kernels)
     info["compile_capture_seconds"] = _prepare_decode(cfg, runner, r)
     scheduler = Scheduler(cache, cfg.engine.max_batch_size, cfg.engine.max_prefill_tokens,
                           prefix_cache=bool(cfg.kv.prefix_cache))
@@ -217,7 +216,7 @@ def assemble_engine(cfg, model, tokenizer, info: dict, lora, r: Resolved,
                 page_size=cfg.kv.page_size, kv_pool_bytes=cache.nbytes, max_model_len=max_len,
                 async_decode=bool(cfg.engine.async_decode), prefix_cache=scheduler.prefix is not None)
     if any(s.moe for s in spec.layers):
-        info["moe_kernel"] = r.moe_kernel
+        info["moe_kernel"] = r.kernels.moe
     engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info)
     engine.compile_counter = counter
     engine.async_decode = bool(cfg.engine.async_decode)

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from flexgemma.config import DEFAULT_MODEL, ConfigError, register_configs, validate
+from flexgemma.config import DEFAULT_MODEL, ConfigError, check_moved_keys, register_configs, validate
 
 log = logging.getLogger("flexgemma")
 
@@ -104,6 +104,7 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
 
     register_configs()
     overrides = normalise_overrides(overrides or [])
+    check_moved_keys(overrides)
     _check_model_override(overrides)
     check_extras(overrides)
     # a caller's own Hydra (an @hydra.main app, a notebook's initialize()) gets its state back

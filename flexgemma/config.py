@@ -157,9 +157,6 @@ class AttnConfig:
     backend: AttnBackend = AttnBackend.auto
     prefill: PhaseKernels = field(default_factory=PhaseKernels)
     decode: PhaseKernels = field(default_factory=PhaseKernels)
-    # a layer's new K (norm + RoPE) and V (norm) written into the pools by one compiled function per
-    # tensor instead of a norm kernel and an index_copy kernel each (a gain with the compiled glue only)
-    fused_kv_write: bool = False
 
     def __post_init__(self):
         _check_pow2("attn.q_block_size", self.q_block_size, 16, 1024)
@@ -229,16 +226,7 @@ class EngineConfig:
     warmup: bool = True
     compile: Optional[bool] = None  # torch.compile the fused norm/RoPE/activation glue and the sampler; null = GPU only
     # queue decode step N+1 before reading step N's tokens (host work overlaps the GPU; no sync a step)
-    async_decode: bool = True  # measured on the H200: +10% on the E2B speed workload (RESULTS.md, run 8a)
-    fuse_projections: bool = True  # one GEMM for q/k/v and one for gate/up (plain bf16/fp32 weights)
-    # routed experts at decode: triton (flexgemma/model/moe_kernel.py: two kernels a step, no sort, bf16
-    # or 4-bit experts read packed, and the router's top-k as one kernel; on a GPU; prefill-sized steps
-    # on torch's path), grouped_mm (torch's sort + grouped GEMM), or auto (triton on a GPU)
-    moe_kernel: str = "auto"
-    # 4-bit projections (quant=bnb4) at decode: triton (flexgemma/model/linear4bit.py: the projections of
-    # one input as one 4-bit matrix read packed by one kernel, an unmerged LoRA inside it; on a GPU),
-    # bnb (bitsandbytes' Linear4bit: dequantise + GEMM per module), or auto (triton on a GPU)
-    linear4bit_kernel: str = "auto"
+    async_decode: bool = True  # measured on the H200: +10% on the E2B speed workload
     # sleep()/wake() between RL rollouts (vLLM: enable_sleep_mode): on a GPU the KV pool is mapped with
     # CUDA virtual memory so wake() maps it back at the same addresses and keeps the decode graphs
     # (engine/vmm.py); off, wake() re-captures the graphs when the caching allocator moved the pool
@@ -251,10 +239,65 @@ class EngineConfig:
             raise ConfigError(f"engine.max_model_len={self.max_model_len} is invalid: at least 2")
         if self.max_prefill_tokens < 16:
             raise ConfigError(f"engine.max_prefill_tokens={self.max_prefill_tokens} is invalid: at least 16")
-        if self.moe_kernel not in ("auto", "grouped_mm", "triton"):
-            raise ConfigError(f"engine.moe_kernel={self.moe_kernel!r} is invalid: auto, grouped_mm or triton")
-        if self.linear4bit_kernel not in ("auto", "bnb", "triton"):
-            raise ConfigError(f"engine.linear4bit_kernel={self.linear4bit_kernel!r} is invalid: auto, bnb or triton")
+
+
+@dataclass
+class KernelsConfig:
+    """Which implementation computes each part of a step (conf/kernels/default.yaml). Every choice
+    computes the same maths (up to rounding); the defaults are what measured fastest on the H200
+    (experiments/RESULTS.md). resolve.resolve_kernels decides each `auto` for the device and hands
+    the result, a flexgemma.kernels.Kernels of the same field names, to the constructors.
+    A new key: a field here with its check, its line in conf/kernels/default.yaml, and the same
+    field in flexgemma.kernels.Kernels (resolve copies it over)."""
+
+    # routed experts at decode: triton (model/moe_kernel.py: two kernels a step, no sort, bf16 or 4-bit
+    # experts read packed, the router's top-k as one kernel; prefill-sized steps on torch's path),
+    # grouped_mm (torch's sort + grouped GEMM), or auto (triton on a GPU)
+    moe: str = "auto"
+    # 4-bit projections (quant=bnb4): triton (model/linear4bit.py: the projections of one input as one
+    # 4-bit matrix read packed by one kernel, an unmerged LoRA inside it), bnb (bitsandbytes' Linear4bit:
+    # dequantise + GEMM per module), or auto (triton on a GPU)
+    linear4bit: str = "auto"
+    # one GEMM for q/k/v and one for gate/up (plain bf16/fp32 weights, concatenated at build)
+    fuse_projections: bool = True
+    # a layer's new K (norm + RoPE) and V (norm) written into the pools by one compiled function per
+    # tensor instead of a norm kernel and an index_copy kernel each (a gain with the compiled glue only;
+    # 31B bf16 at 64 on the H200, with its preset's decode tiles: 1,874 tok/s against 1,778)
+    fused_kv_write: bool = False
+    # prefill masks list the pages a query block passes wholly as full blocks, which the flex kernel
+    # reads without the mask_mod (31B bf16's first 8,192-token prefill step on the H200: flex prefill
+    # attention 175.4 -> 154.4 ms; the round at 64, 1,789 -> 1,795 tok/s)
+    prefill_full_blocks: bool = True
+    # 4-bit steps of more rows than this dequantise the group once and run one GEMM instead of the
+    # Triton kernel (whose programs of 64 rows each decode their weights again): on the H200 the kernel
+    # won at 64 rows and lost 1.2-4.4x at 128-512 on every group but E2B's small q/k/v (31B bnb4 at 128
+    # rows: 1,335 tok/s with 64 against 991 with 512)
+    linear4bit_max_rows: int = 64
+    # how a 4-bit group dequantises (steps past linear4bit_max_rows, prefill): triton (one kernel,
+    # 3.6-4.0 TB/s on 31B's groups on the H200; 31B bnb4 at 128 rows 1,354 -> 1,708 tok/s) or bnb
+    # (bitsandbytes' op after torch decodes the 8-bit scales, 1.6-1.9 TB/s): the same weights bit for bit
+    linear4bit_dequant: str = "triton"
+    # MoE decode steps of more (token, choice) entries than this sort them by expert before the routed
+    # kernels, so a program reads only its own; fewer are matched in every program (H200, one bf16
+    # layer: matched 566 vs sorted 795 us at 64 rows; sorted 678-742 vs matched 732-943 at 128)
+    moe_sort_above: int = 512
+    # 4-bit experts at decode steps of more entries than this are dequantised into slots for the bf16
+    # kernels instead of decoded inside them (H200, one 26B-A4B bnb4 layer: fused 1,086 vs slots 1,575
+    # us at 128 rows, 1,886 vs 1,678 at 512)
+    moe_fused_max_entries: int = 2048
+    # how torch's path (prefill-sized steps) dequantises 4-bit experts: bnb (a gather, the scales decoded
+    # by torch, bitsandbytes' op) or triton (the slot kernel in one pass: 340 vs 658 us for 26B-A4B's
+    # 128 gate_up matrices on the H200, bit for bit; not yet timed through the engine)
+    moe_dequant: str = "bnb"
+
+    def __post_init__(self):
+        _check_choice("kernels.moe", self.moe, ("auto", "grouped_mm", "triton"))
+        _check_choice("kernels.linear4bit", self.linear4bit, ("auto", "bnb", "triton"))
+        _check_choice("kernels.linear4bit_dequant", self.linear4bit_dequant, ("bnb", "triton"))
+        _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
+        for key in ("linear4bit_max_rows", "moe_sort_above", "moe_fused_max_entries"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"kernels.{key}={getattr(self, key)} is invalid: at least 0")
 
 
 @dataclass
@@ -350,6 +393,7 @@ class Config:
     kv: KVConfig = field(default_factory=KVConfig)
     cudagraph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -385,10 +429,30 @@ GROUP_SCHEMAS = {
     "kv": KVConfig,
     "cudagraph": CudaGraphConfig,
     "engine": EngineConfig,
+    "kernels": KernelsConfig,
     "workload": WorkloadConfig,
     "task": TaskConfig,
     "logger": LoggerConfig,
 }
+
+
+# keys that moved: the old spelling is refused with the new one named (Hydra's own error would only
+# say that the key is not in the struct)
+MOVED_KEYS = {
+    "engine.moe_kernel": "kernels.moe",
+    "engine.linear4bit_kernel": "kernels.linear4bit",
+    "engine.fuse_projections": "kernels.fuse_projections",
+    "attn.fused_kv_write": "kernels.fused_kv_write",
+}
+
+
+def check_moved_keys(overrides) -> None:
+    """Raises ConfigError for an override of a key that moved, naming where it lives now."""
+    for o in overrides:
+        key, eq, value = str(o).partition("=")
+        new = MOVED_KEYS.get(key.lstrip("+~"))
+        if eq and new:
+            raise ConfigError(f"{key.lstrip('+~')} moved to {new} (the kernels group): give {new}={value}")
 
 
 def short_dirname(name: str, limit: int = 120) -> str:
@@ -424,6 +488,11 @@ def _is_pow2(x: int) -> bool:
 def _check_pow2(key: str, value: Optional[int], lo: int = 1, hi: int = 1 << 16) -> None:
     if value is not None and not (_is_pow2(value) and lo <= value <= hi):
         raise ConfigError(f"{key}={value} is invalid: it must be a power of two between {lo} and {hi}")
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is invalid: choose one of {', '.join(choices)}")
 
 
 def _check_kernel(prefix: str, k: Any) -> None:

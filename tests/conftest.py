@@ -33,15 +33,11 @@ def make_engine(*overrides: str, model: str = "tiny"):
     return build_engine(compose([f"+model={model}", *SMALL, *overrides]))
 
 
-def outputs_per_setting(engine, set_value, values, prompts, params) -> list:
-    """engine.generate(prompts, params) once after set_value(v) for each of `values` (the prefix
-    cache reset before each, so every run computes the prompts)."""
-    runs = []
-    for value in values:
-        set_value(value)
-        engine.reset_prefix_cache()
-        runs.append(engine.generate(prompts, params))
-    return runs
+def outputs_per_setting(build, key: str, values, prompts, params) -> list:
+    """generate(prompts, params) on an engine built by build(f"{key}={v}") for each of `values`: one
+    config each, the same model seed (the same weights)."""
+    text = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
+    return [build(f"{key}={text(v)}").generate(prompts, params) for v in values]
 
 
 def tiny_multimodal(seed: int):

@@ -88,25 +88,23 @@ def test_graphs_equal_no_graphs(model, dtype, compile_glue):
             assert o == hf_greedy(engine.model, p, 40)
 
 
-def test_prefill_full_blocks_change_nothing_but_speed(monkeypatch):
-    """block_mask.PREFILL_FULL_BLOCKS through compiled flex, float32, E2B's window geometry on the tiny
+def test_prefill_full_blocks_change_nothing_but_speed():
+    """kernels.prefill_full_blocks through compiled flex, float32, E2B's window geometry on the tiny
     model (a 512-token window, prompts of 7, 130 and 600 tokens packed: full blocks on both layer
     types): the same greedy tokens and logprobs (to float32 rounding) as every page partial."""
-    from flexgemma.engine import block_mask
+    def build(*extra):
+        return engine_for("+model=tiny", "model.dtype=float32", "model.hf_config.sliding_window=512",
+                          "model.hf_config.max_position_embeddings=2048", "cudagraph=off", *extra)
 
-    engine = engine_for("+model=tiny", "model.dtype=float32", "model.hf_config.sliding_window=512",
-                        "model.hf_config.max_position_embeddings=2048", "cudagraph=off")
-    ps = prompts(engine.spec.vocab_size)
     sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-    runs = outputs_per_setting(engine, lambda v: monkeypatch.setattr(block_mask, "PREFILL_FULL_BLOCKS", v),
-                               (False, True), ps, sp)
+    runs = outputs_per_setting(build, "kernels.prefill_full_blocks", (False, True), prompts(512), sp)
     for plain, fast in zip(*runs):
         assert plain.token_ids == fast.token_ids
         assert max(abs(a - b) for a, b in zip(plain.logprobs, fast.logprobs)) < 1e-4
 
 
 def test_fused_kv_write_in_graphs_equals_the_norms_then_the_write():
-    """attn.fused_kv_write (the K/V norms and the pool write as one compiled function) captured in
+    """kernels.fused_kv_write (the K/V norms and the pool write as one compiled function) captured in
     the decode graphs, float32 tiny: the same greedy tokens as the default, and the pools are not
     copied: the graphs' memory pool, and a second generate's peak over what was allocated before it,
     within a pool's size of the default's (absolute peaks also count what was allocated before the
@@ -114,7 +112,7 @@ def test_fused_kv_write_in_graphs_equals_the_norms_then_the_write():
     runs, peaks, graph_pools = [], [], []
     for fused in (False, True):
         engine = engine_for("+model=tiny", "model.dtype=float32", "cudagraph.buckets=[1,2,4,8]",
-                            f"attn.fused_kv_write={fused}")
+                            f"kernels.fused_kv_write={fused}")
         graph_pools.append(engine.runner.graphs.pool_bytes)
         ps = prompts(engine.spec.vocab_size, lengths=(3, 20, 45, 70, 9))
         params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)

@@ -72,21 +72,18 @@ def test_compiled_kv_norm_write_writes_the_pools_in_place():
 
 
 def test_engine_with_the_fused_kv_write_generates_the_same():
-    """attn.fused_kv_write through a compiled engine on the CPU (prefill and decode steps): the same
-    greedy tokens and logprobs as the norms followed by KVPools.write; the override reaches every layer."""
+    """kernels.fused_kv_write through a compiled engine on the CPU (prefill and decode steps): the same
+    greedy tokens and logprobs as the norms followed by KVPools.write; the key reaches every layer."""
     from flexgemma import SamplingParams, build_engine
 
-    engine = build_engine(compose(["+model=tiny", "device=cpu", "engine.compile=true", "engine.max_batch_size=4",
-                                   "kv.cpu_pages=64", "attn.fused_kv_write=true"]))
-    assert all(a.fused_kv_write for a in engine.runner.forward.attn)
+    def build(*extra):
+        return build_engine(compose(["+model=tiny", "device=cpu", "engine.compile=true", "engine.max_batch_size=4",
+                                     "kv.cpu_pages=64", *extra]))
+
+    assert all(a.fused_kv_write for a in build("kernels.fused_kv_write=true").runner.forward.attn)
     prompts = [[2] + list(range(5, 5 + n)) for n in (9, 30, 17)]
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-
-    def set_fused(fused: bool) -> None:  # the same engine and weights, each layer's flag set
-        for a in engine.runner.forward.attn:
-            a.fused_kv_write = fused
-
-    runs = outputs_per_setting(engine, set_fused, (False, True), prompts, params)
+    runs = outputs_per_setting(build, "kernels.fused_kv_write", (False, True), prompts, params)
     for plain, fused in zip(*runs):
         assert plain.token_ids == fused.token_ids
         torch.testing.assert_close(torch.tensor(fused.logprobs), torch.tensor(plain.logprobs), atol=1e-5, rtol=0)

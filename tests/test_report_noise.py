@@ -96,12 +96,12 @@ def test_a_key_read_by_some_jobs_is_not_inert(tmp_path):
     points = [(["attn.decode.block_n=16"], 900.0, CPU_FACTS), (["attn.decode.block_n=32"], 1000.0, GPU_FACTS)]
     coll = collect([sweep(tmp_path / "s", points)])
     assert inert_keys(coll) == {}
-    # cudagraph on the CPU (no graphs captured) and engine.moe_kernel on a dense model are inert
-    points = [([f"cudagraph={c}", f"engine.moe_kernel={k}"], 900.0 + i, CPU_FACTS)
+    # cudagraph on the CPU (no graphs captured) and kernels.moe on a dense model are inert
+    points = [([f"cudagraph={c}", f"kernels.moe={k}"], 900.0 + i, CPU_FACTS)
               for i, (c, k) in enumerate([("ladder8", "triton"), ("ladder16", "grouped_mm")])]
     coll = collect([sweep(tmp_path / "t", points)])
     assert inert_keys(coll) == {"cudagraph": "no CUDA graphs were captured (a CPU run, or cudagraph=off)",
-                                "engine.moe_kernel": "the model has no MoE layers"}
+                                "kernels.moe": "the model has no MoE layers"}
 
 
 def test_csv_and_parquet_beside_the_report(tmp_path):

@@ -41,22 +41,6 @@ def resolve_buckets(buckets, max_batch: int) -> list[int]:
     return auto_buckets(max_batch) if buckets is None else [int(b) for b in buckets]
 
 
-# each row count flex decode attention is compiled at is this factor below the next: a step padded to
-# more rows gets fewer KV splits a row (torch's flex decoding splits a row's KV over SMs // (rows x KV
-# heads) programs), and every size costs two compiles (one per head_dim)
-_ROW_FACTOR = 4
-
-
-def attention_row_sizes(max_batch: int, smallest: int = 16) -> list[int]:
-    """The row counts flex decode attention is compiled at: max_batch, then a quarter of it each
-    time down to `smallest` (512: 32, 128, 512; 64: 16, 64). A step pads its queries to the next one
-    up: at most 4x the rows, and two compiles (one per head_dim) a size, not two per bucket."""
-    sizes = [max_batch]
-    while sizes[-1] // _ROW_FACTOR >= smallest:
-        sizes.append(sizes[-1] // _ROW_FACTOR)
-    return sorted(sizes)
-
-
 class DecodeGraphs:
     def __init__(self, runner, buckets: list[int]):
         self.runner = runner

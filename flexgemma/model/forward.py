@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexgemma.kernels import Kernels
 from flexgemma.model.attention import AttentionKernels, PagedAttention, kernel_options, rope_tables
 from flexgemma.model.kv_pools import KVPools
 from flexgemma.model.moe import moe_block
@@ -24,21 +25,21 @@ from flexgemma.model.spec import ModelSpec
 
 class GemmaForward(torch.nn.Module):
     def __init__(self, hf_model, spec: ModelSpec, pools: KVPools, attn_cfg, max_len: int,
-                 kernels: AttentionKernels, ops, lora=None, linear4bit: bool = False):
+                 attention: AttentionKernels, ops, lora=None, kernels: Kernels = Kernels()):
         super().__init__()
         self.hf = [hf_model]  # a list: not a submodule, so its parameters are listed once, by transformers
-        self.spec, self.pools, self.kernels, self.ops = spec, pools, kernels, ops
+        self.spec, self.pools, self.attention, self.ops = spec, pools, attention, ops
         self.layers = hf_model.model.layers
         self.eps = spec.rms_eps
         dtype = hf_model.model.embed_tokens.weight.dtype
         # every projection of the model, as `projection` decides to run it (decided here, once):
-        # `lora` the engine's adapters or None; `linear4bit` 4-bit bases may run as one group
-        project = functools.partial(projection, lora=lora, linear4bit=linear4bit)
+        # `lora` the engine's adapters or None; 4-bit bases may run as one group (kernels.linear4bit)
+        project = functools.partial(projection, lora=lora, kernels=kernels)
         self.attn = [
             PagedAttention(
-                s, layer.self_attn, pools, kernels, ops, self.eps,
+                s, layer.self_attn, pools, attention, ops, self.eps,
                 {ph: kernel_options(getattr(attn_cfg, ph), s.head_dim, pools.block_size, dtype) for ph in ("prefill", "decode")},
-                project, fused_kv_write=attn_cfg.fused_kv_write,
+                project, kernels,
             )
             for s, layer in zip(spec.layers, self.layers)
         ]

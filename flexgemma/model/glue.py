@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from flexgemma.compiled import compile_fn
+from flexgemma.kernels import Kernels
 from flexgemma.model.moe import route
 
 
@@ -83,17 +84,17 @@ def final_logits(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-def make_ops(counter=None, moe_kernel: str = "grouped_mm") -> SimpleNamespace:
+def make_ops(counter=None, kernels: Kernels = Kernels()) -> SimpleNamespace:
     """The glue functions: compiled with `counter` as backend (GPU), or plain (the CPU reference);
-    and the routed experts' GEMMs (`experts_kernel`: None for torch's grouped GEMM)."""
+    and the routed experts' GEMMs (`experts_kernel`: None for torch's grouped GEMM, kernels.moe)."""
     fns = dict(rms_norm=rms_norm, add_norm=add_norm, add_norm_norm=add_norm_norm, norm_rope=norm_rope,
                kv_norm_write=kv_norm_write, gelu_mul=gelu_mul, final_logits=final_logits, moe_inputs=moe_inputs,
                route=route, add_two_norms=add_two_norms)
     if counter is not None:
         fns = {k: compile_fn(f, counter) for k, f in fns.items()}
     fns["experts_kernel"] = None
-    if moe_kernel == "triton":  # the routed experts and the router's top-k as Triton kernels
+    if kernels.moe == "triton":  # the routed experts and the router's top-k as Triton kernels
         from flexgemma.model import moe_kernel as mk
 
-        fns["experts_kernel"], fns["route"] = mk.TritonExperts(), mk.route
+        fns["experts_kernel"], fns["route"] = mk.TritonExperts(kernels), mk.route
     return SimpleNamespace(**fns)

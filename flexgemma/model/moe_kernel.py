@@ -1,4 +1,4 @@
-"""Triton kernels for 26B-A4B's routed experts at decode (`engine.moe_kernel=triton`).
+"""Triton kernels for 26B-A4B's routed experts at decode (`kernels.moe=triton`).
 
 At decode, rows spread thin: bs 8 routes 64 (token, choice) entries to ~52 of 128 experts, one or
 two each. torch's path sorts rows by expert (argsort, counts, cumsum, a gather), runs two grouped
@@ -14,17 +14,17 @@ kernels per layer around two GEMMs that read the weights at 1.6-2.7 TB/s on the 
 - the K choices of each token summed and cast (one small kernel).
 
 Experts with no entries exit at once. Weights are read in their stored [E, N, K] layout. Steps of
-more than ROUTED_MAX_ENTRIES entries (RL batches past 64 rows) sort their entries by expert first,
-so a program reads only its own; prefill-sized steps (many rows per expert) stay on torch's grouped
-GEMM.
+more than `kernels.moe_sort_above` entries (RL batches past 64 rows) sort their entries by expert
+first, so a program reads only its own; prefill-sized steps (many rows per expert) stay on torch's
+grouped GEMM.
 
 4-bit experts (`quant.PackedExpertWeight`) are read as packed bytes by the same two kernels: a K step
 is one quantisation block, whose bytes meet the rows' even and odd elements (high and low nibbles)
 in two products, the block's scale applied to the products: on the H200, 466 / 756 us a layer at
-bs 8 / 32, 1.9-2.8x faster than torch's dequantise + grouped GEMM (experiments/RESULTS.md, session
-4; a 4-bit value decoded by a table load beat a tree of selects). A first version (session 3) ran
-at 0.05 TB/s; it addressed the bytes through a division that hides their contiguity from Triton's
-analysis and scaled every weight (our reading, not profiled). Where a row is not whole blocks, the
+bs 8 / 32, 1.9-2.8x faster than torch's dequantise + grouped GEMM (a 4-bit value decoded by a table
+load beat a tree of selects). A form that addressed the bytes through a division (hiding their
+contiguity from Triton's analysis) and scaled every weight ran at 0.05 TB/s (our reading, not
+profiled). Where a row is not whole blocks, the
 experts a step routes to are dequantised into slots by a third kernel and the bf16 kernels read
 them through an expert -> slot map.
 
@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flexgemma.kernels import Kernels
 from flexgemma.model.moe import route as torch_route, routed_experts
 from flexgemma.model.triton4bit import code4, dequant_blocks, nibble_dot, row_pairs, sum_rows
 
@@ -288,16 +289,13 @@ def route(scores: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple
     return weights, index
 
 
-# the routed kernels read a decode step's whole routing in every program: up to this many (token,
-# choice) entries (bucket 64 x top-8); bigger steps up to KERNEL_MAX_ENTRIES (RL batches of 512 x
-# top-8) have their entries sorted by expert first (a stable argsort, counts, cumsum: three small
-# kernels) and each program reads only its own range; bigger still (prefill) go to torch's path.
-# H200, bf16 a layer: matched 566 vs sorted 795 us at 64 rows; at 128 rows sorted 678-742 vs
-# matched 732-943 (two runs; every program comparing 1,024 entries per tile)
-ROUTED_MAX_ENTRIES = 512
+# the routed kernels read a decode step's whole routing in every program up to kernels.moe_sort_above
+# (token, choice) entries; bigger steps up to KERNEL_MAX_ENTRIES (RL batches of 512 x top-8) have
+# their entries sorted by expert first (a stable argsort, counts, cumsum: three small kernels) and
+# each program reads only its own range; bigger still (prefill) go to torch's path.
 KERNEL_MAX_ENTRIES = 4096
-# tile options of the two kernels, from experiments/bench_moe_kernel.py on the H200 (session 4 grid:
-# up BLOCK_N 32 with down 128 was best or within noise of it at bs 8 and 32, 9-10% under 64/128)
+# tile options of the two kernels, from experiments/bench_moe_kernel.py's grid on the H200 (up BLOCK_N
+# 32 with down 128 was best or within noise of it at bs 8 and 32, 9-10% under 64/128)
 UP_TILES = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
 DOWN_TILES = dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
 
@@ -316,27 +314,23 @@ def block_m_for(n_flat: int, experts: int, packed: bool) -> int:
 # packed bytes per program of the 4-bit dequantise kernel, whole quantisation blocks: the dense groups'
 # kernel of this form (linear4bit.DEQUANT_TILES) was best at 2,048 on the H200, 2.1x bitsandbytes' op
 DEQUANT_BYTES = 2048
-# how torch's path (prefill-sized steps) dequantises 4-bit experts: "bnb", PackedExpertWeight.dequantize
-# (a gather of the bytes, the scales decoded by torch, bitsandbytes' op), or "triton", dequantize_slots
-# in one pass. The same bits. "bnb" until the kernel is timed on a GPU (bench_batches.py --moe-dequant;
-# the dense groups' kernel of the same form ran 2.1x bitsandbytes' op)
-DEQUANT_KERNEL = "bnb"
 
 
-def dequantize_slots(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_slots(w, ids: torch.Tensor, dtype: torch.dtype, nbytes: int = DEQUANT_BYTES) -> torch.Tensor:
     """[S, N, K] weights of 4-bit experts ids ([S] int32 on the device; -1: a padding slot, left
-    unwritten) from a `quant.PackedExpertWeight` [E, N, K], in `dtype`."""
+    unwritten) from a `quant.PackedExpertWeight` [E, N, K], in `dtype`; a program dequantises
+    `nbytes` packed bytes (whole quantisation blocks)."""
     _, n, k = w.shape
-    nbytes = n * k // 2
+    expert_bytes = n * k // 2
     out = torch.empty(ids.shape[0], n, k, dtype=dtype, device=w.packed.device)
     dq = bool(w.double_quant)
     absmax = w.absmax
     nested = w.nested_absmax if dq else absmax  # placeholders when not double-quantised (never read)
-    blocks = max(1, DEQUANT_BYTES // (w.block_size // 2))
-    _dequant_kernel[(ids.shape[0], triton.cdiv(triton.cdiv(nbytes, w.block_size // 2), blocks))](
+    blocks = max(1, nbytes // (w.block_size // 2))
+    _dequant_kernel[(ids.shape[0], triton.cdiv(triton.cdiv(expert_bytes, w.block_size // 2), blocks))](
         packed_ptr=w.packed, absmax_ptr=absmax, code4_ptr=code4(w.quant_type, w.packed.device),
         ncode_ptr=w.nested_code if dq else absmax, nabsmax_ptr=nested, noffset_ptr=w.nested_offset if dq else absmax,
-        ids_ptr=ids, out_ptr=out, BYTES=nbytes, stride_pe=w.packed.stride(0), stride_ae=absmax.stride(0),
+        ids_ptr=ids, out_ptr=out, BYTES=expert_bytes, stride_pe=w.packed.stride(0), stride_ae=absmax.stride(0),
         stride_ne=nested.stride(0), QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCKS=blocks,
         enable_fp_fusion=False)  # the scale's multiply and add rounded apart, as bitsandbytes' decode rounds them
     return out
@@ -378,19 +372,13 @@ def _check_step(x, top_k_index, gate_up, down, packed_mode: Optional[str], code_
                          f"got {top_k_index.numel()}")
 
 
-# past this many entries (512 rows x top-8) 4-bit experts are dequantised into slots and run through
-# the bf16 kernels: every expert has ~32 entries, and the fused kernels decode each weight block once
-# per 16-entry tile (H200, one 26B-A4B layer at 512 rows: slots 1,927 us, fused 2,491-2,767; at 256
-# rows fused 1,469-1,918 vs slots 1,847). The slots are transient: 26B-A4B's gate_up of all 128
-# experts is 1 GB of bf16 at such a step (then the down projection's 0.5 GB), in the graph pool.
-FUSED_MAX_ENTRIES = 2048
-
-
-def _packed_mode(gate_up, down, packed_mode: Optional[str], n_flat: int) -> str:
+def _packed_mode(gate_up, down, packed_mode: Optional[str], n_flat: int, fused_max_entries: int) -> str:
     """How 4-bit experts run: the one asked for, else fused where the rows are whole blocks and the
-    step is at most FUSED_MAX_ENTRIES entries."""
+    step is at most `fused_max_entries` entries (past it every expert has many entries, and the fused
+    kernels decode each weight block once per 16-entry tile; the slots are transient: 26B-A4B's
+    gate_up of all 128 experts is 1 GB of bf16 at such a step, in the graph pool)."""
     if packed_mode is None:
-        packed_mode = "fused" if fused_4bit_fits(gate_up, down) and n_flat <= FUSED_MAX_ENTRIES else "slots"
+        packed_mode = "fused" if fused_4bit_fits(gate_up, down) and n_flat <= fused_max_entries else "slots"
     if packed_mode == "fused" and not fused_4bit_fits(gate_up, down):
         raise ValueError(f"packed_mode=fused needs rows of whole quantisation blocks: H={gate_up.shape[2]}, "
                          f"I={gate_up.shape[1] // 2}, block {gate_up.block_size}")
@@ -417,20 +405,21 @@ def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_l
 def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up, down,
                    up_tiles: Optional[dict] = None, down_tiles: Optional[dict] = None,
                    packed_mode: Optional[str] = None, code_lookup: str = "table",
-                   sort_entries: Optional[bool] = None) -> torch.Tensor:
+                   sort_entries: Optional[bool] = None, kernels: Kernels = Kernels()) -> torch.Tensor:
     """Gemma-4's routed experts for a decode-sized step in two kernels, with no sort of rows by expert.
 
     x [T, H] bf16/fp16; top_k_* [T, K]; gate_up [E, 2I, H], down [E, H, I], as tensors of x's dtype
     or PackedExpertWeights. 4-bit experts: packed_mode "fused" (the default where the rows are whole
-    quantisation blocks, up to FUSED_MAX_ENTRIES entries) decodes the bytes inside the GEMM kernels; "slots" dequantises the experts
-    with rows into slots first, one matrix at a time, then runs the bf16 kernels. The activation is
+    quantisation blocks, up to kernels.moe_fused_max_entries entries) decodes the bytes inside the
+    GEMM kernels; "slots" dequantises the experts with rows into slots first, one matrix at a time,
+    then runs the bf16 kernels. The activation is
     gelu_pytorch_tanh, Gemma-4's. Returns [T, H] in x's dtype: sum over choices of weight x expert(x).
     *_tiles override UP_TILES / DOWN_TILES (BLOCK_N, BLOCK_K, num_warps, num_stages; fused 4-bit
     steps are one quantisation block each, whatever BLOCK_K says) and BLOCK_M (default:
     block_m_for the step's size). code_lookup: how the fused mode
     turns 4-bit values into weights, "table" (a load from the 16-entry table) or "select" (a tree of
     selects over it). sort_entries: list each expert's entries through a sort outside the kernels
-    (default: above ROUTED_MAX_ENTRIES entries) instead of every program matching the whole routing;
+    (default: above kernels.moe_sort_above entries) instead of every program matching the whole routing;
     the same tiles either way."""
     _check_step(x, top_k_index, gate_up, down, packed_mode, code_lookup)
     t, topk = top_k_index.shape
@@ -440,7 +429,8 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     if n_flat == 0:
         return x.new_zeros(t, h)
     packed = not isinstance(gate_up, torch.Tensor)
-    packed_mode = _packed_mode(gate_up, down, packed_mode, n_flat) if packed else packed_mode
+    packed_mode = _packed_mode(gate_up, down, packed_mode, n_flat, kernels.moe_fused_max_entries) if packed \
+        else packed_mode
     fused, slotted = packed and packed_mode == "fused", packed and packed_mode == "slots"
     block_m = {"BLOCK_M": block_m_for(n_flat, e, fused)}
     up_tiles = {**UP_TILES, **block_m, **(up_tiles or {})}
@@ -448,7 +438,7 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     x = x.contiguous()
     index = top_k_index.reshape(-1).to(torch.int32)
     weights = top_k_weights.reshape(-1).float()
-    sort_entries = n_flat > ROUTED_MAX_ENTRIES if sort_entries is None else sort_entries
+    sort_entries = n_flat > kernels.moe_sort_above if sort_entries is None else sort_entries
     order, starts, nflat = _entry_lists(index, e, sort_entries)
     ids, slots = expert_slots(top_k_index, e) if slotted else (None, index)  # index: a placeholder, never read
     operands = functools.partial(_weight_operands, x=x, fused=fused, slotted=slotted, ids=ids,
@@ -490,7 +480,12 @@ def is_gelu_tanh(act) -> bool:
 
 
 class TritonExperts:
-    """engine.moe_kernel=triton: decode steps' routed experts in the two kernels above."""
+    """kernels.moe=triton: decode steps' routed experts in the two kernels above, with the step
+    thresholds and the prefill path's dequantise of `kernels` (moe_sort_above, moe_fused_max_entries,
+    moe_dequant)."""
+
+    def __init__(self, kernels: Kernels = Kernels()):
+        self.kernels = kernels
 
     @staticmethod
     def takes(x: torch.Tensor, top_k_index: torch.Tensor, act, gate_up, down) -> bool:
@@ -502,15 +497,13 @@ class TritonExperts:
                 and isinstance(gate_up, torch.Tensor) == isinstance(down, torch.Tensor))
 
     def __call__(self, x, top_k_index, top_k_weights, gate_up, down) -> torch.Tensor:
-        return decode_experts(x, top_k_index, top_k_weights, gate_up, down)
+        return decode_experts(x, top_k_index, top_k_weights, gate_up, down, kernels=self.kernels)
 
-    @staticmethod
-    def dequantize(w, experts: Optional[torch.Tensor]) -> torch.Tensor:
+    def dequantize(self, w, experts: Optional[torch.Tensor]) -> torch.Tensor:
         """Torch's path (prefill-sized steps) over 4-bit experts: [S, R, C] weights of `experts` ([S]
-        ids; all when None) by DEQUANT_KERNEL's way, bitsandbytes' weights bit for bit either way."""
-        if DEQUANT_KERNEL == "bnb":
+        ids; all when None) the way kernels.moe_dequant names, bitsandbytes' weights bit for bit
+        either way."""
+        if self.kernels.moe_dequant == "bnb":
             return w.dequantize(experts)
-        if DEQUANT_KERNEL != "triton":
-            raise ValueError(f"moe_kernel.DEQUANT_KERNEL={DEQUANT_KERNEL!r}: triton or bnb")
         ids = torch.arange(w.shape[0], device=w.packed.device) if experts is None else experts
         return dequantize_slots(w, ids.to(torch.int32), w.dtype)
