@@ -98,7 +98,6 @@ class LoraConfig:
     alpha: float = 16.0  # scale = alpha / rank
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     experts: bool = True  # MoE models (26B-A4B): also adapt experts.gate_up_proj / experts.down_proj
-    dropout: float = 0.0  # recorded for the peft config; dropout is the identity at inference
     seed: int = 0  # random init of A and B (peft would leave B = 0: an adapter that changes nothing)
     init_std_b: float = 0.01  # std of the random B; A ~ N(0, 1/in_features)
     adapter_names: list[str] = field(default_factory=lambda: ["default"])  # >1: all active, deltas summed
@@ -117,8 +116,6 @@ class LoraConfig:
     def _check_adapter(self) -> None:
         if not self.alpha > 0:
             raise ConfigError(f"lora.alpha={self.alpha} is invalid: it must be > 0 (the scale is alpha / rank)")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"lora.dropout={self.dropout} is invalid: allowed [0, 1)")
         names = list(self.adapter_names)
         # peft finds adapters by name inside parameter keys: no dots, and no part of its "lora_" prefix
         if not names or len(set(names)) != len(names) or any(not n or "." in n or n in "lora_" for n in names):
@@ -152,8 +149,7 @@ class PhaseKernels(FlexKernel):
 @dataclass
 class AttnConfig:
     name: str = "default"
-    q_block_size: int = 128  # BlockMask query block for prefill
-    kv_block_size: int = 64  # BlockMask KV block; must equal kv.page_size
+    q_block_size: int = 128  # BlockMask query block for prefill (a KV block is one page: kv.page_size)
     backend: AttnBackend = AttnBackend.auto
     prefill: PhaseKernels = field(default_factory=PhaseKernels)
     decode: PhaseKernels = field(default_factory=PhaseKernels)
@@ -402,14 +398,8 @@ class Config:
     seed: int = 0  # engine seed for requests that bring none
 
     def __post_init__(self):
-        """The rules that span groups (each group has checked itself already). attn.kv_block_size
-        (by default ${kv.page_size}) is checked here, after kv.page_size named any error of its own."""
-        a, kv, eng, cg = self.attn, self.kv, self.engine, self.cudagraph
-        if a.kv_block_size != kv.page_size:
-            raise ConfigError(
-                f"attn.kv_block_size={a.kv_block_size} must equal kv.page_size={kv.page_size}: a KV block of the "
-                f"BlockMask is one page of the cache (set both, e.g. kv.page_size={a.kv_block_size})"
-            )
+        """The rules that span groups (each group has checked itself already)."""
+        eng, cg = self.engine, self.cudagraph
         if self.lora.merge and self.quant.method != "none":
             raise ConfigError(f"lora.merge=true needs bf16/fp32 base weights; with quant={self.quant.name} use "
                               "lora.merge=null/false")
@@ -436,23 +426,32 @@ GROUP_SCHEMAS = {
 }
 
 
-# keys that moved: the old spelling is refused with the new one named (Hydra's own error would only
-# say that the key is not in the struct)
+# keys that moved or went away: the old spelling is refused with what to write instead (Hydra's own
+# error would only say that the key is not in the struct)
 MOVED_KEYS = {
     "engine.moe_kernel": "kernels.moe",
     "engine.linear4bit_kernel": "kernels.linear4bit",
     "engine.fuse_projections": "kernels.fuse_projections",
     "attn.fused_kv_write": "kernels.fused_kv_write",
 }
+REMOVED_KEYS = {
+    "lora.dropout": "it was checked and never used: the engine generates without dropout, and a dropout in "
+                    "the trainer's peft modules would reach the projections but not the experts (peft's "
+                    "expert LoRA has none) nor the engine's samples; leave it out",
+    "attn.kv_block_size": "a KV block of the BlockMask is one page of the cache: set kv.page_size",
+}
 
 
 def check_moved_keys(overrides) -> None:
-    """Raises ConfigError for an override of a key that moved, naming where it lives now."""
+    """Raises ConfigError for an override of a key that moved or went away, saying what to write."""
     for o in overrides:
         key, eq, value = str(o).partition("=")
-        new = MOVED_KEYS.get(key.lstrip("+~"))
-        if eq and new:
-            raise ConfigError(f"{key.lstrip('+~')} moved to {new} (the kernels group): give {new}={value}")
+        key = key.lstrip("+~")
+        if eq and key in MOVED_KEYS:
+            new = MOVED_KEYS[key]
+            raise ConfigError(f"{key} moved to {new} (the kernels group): give {new}={value}")
+        if eq and key in REMOVED_KEYS:
+            raise ConfigError(f"{key} is no longer a key: {REMOVED_KEYS[key]}")
 
 
 def short_dirname(name: str, limit: int = 120) -> str:

@@ -51,7 +51,7 @@ def test_e2b_spec_kv_sharing_and_double_wide_mlp():
     "override, needle",
     [
         (["attn.q_block_size=100"], "attn.q_block_size=100"),
-        (["attn.kv_block_size=32"], "must equal kv.page_size"),
+        (["attn.kv_block_size=32"], "attn.kv_block_size is no longer a key: a KV block of the BlockMask is one page"),
         (["lora=r16", "lora.rank=0"], "lora.rank=0"),
         (["cudagraph=ladder8", "engine.max_batch_size=80"], "has a hole"),
         (["attn.decode.num_warps=3"], "attn.decode.num_warps=3"),
