@@ -8,9 +8,8 @@ Hydra state as it was (flexgemma.compose restores an initialised GlobalHydra).
 from __future__ import annotations
 
 import torch
-from omegaconf import open_dict
 
-from flexgemma.config import ConfigError, validate
+from flexgemma.config import ConfigError
 from flexgemma.overrides import engine_config
 
 
@@ -45,10 +44,8 @@ def engine_from_model(hf_model, tokenizer=None, **overrides):
     overrides.setdefault("device", param.device.type)
     lora_name = overrides.pop("lora", None)
     cfg = engine_config(model="tiny", lora=lora_name, **overrides)  # model=tiny only fills the schema's section
-    with open_dict(cfg):
-        cfg.model.name = getattr(hf_model.config, "name_or_path", "") or "from_model"
-        cfg.model.hf_config = None
-    cfg = validate(cfg)  # typed once, as build_engine does
+    cfg.model.name = getattr(hf_model.config, "name_or_path", "") or "from_model"
+    cfg.model.hf_config = None  # the caller's model is the architecture
     r = resolve(cfg, param.device)
     if r.kernels.fuse_projections:
         from flexgemma.model.projections import fuse_projections

@@ -43,10 +43,9 @@ def outputs_per_setting(build, key: str, values, prompts, params) -> list:
 def tiny_multimodal(seed: int):
     """A multimodal Gemma4ForConditionalGeneration around the tiny text config (a small vision tower,
     no audio): what a user's checkpoint directory holds, in miniature."""
-    from omegaconf import OmegaConf
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    text = OmegaConf.to_container(compose(["+model=tiny"]).model.hf_config)
+    text = dict(compose(["+model=tiny"]).model.hf_config)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=16)
     torch.manual_seed(seed)

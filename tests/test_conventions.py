@@ -55,4 +55,4 @@ def test_cfg_job_shows_the_model_that_will_run(tmp_path, args, model):
 @pytest.mark.parametrize("order", [["experiment=grpo_tiny", "model=tiny_moe"], ["model=tiny_moe", "experiment=grpo_tiny"]])
 def test_a_presets_model_keys_win_over_the_models_whichever_is_typed_first(order):
     cfg = compose(order)
-    assert cfg.model.name == "tiny_moe" and cfg.model.hf_config.initializer_range == 0.2
+    assert cfg.model.name == "tiny_moe" and cfg.model.hf_config["initializer_range"] == 0.2

@@ -47,7 +47,7 @@ def greedy(engine, prompts, n=12):
 
 def test_grpo_learns_on_tiny_and_the_saved_adapter_reloads(tmp_path):
     cfg = compose(["experiment=grpo_tiny"])  # the preset: LEARN with 30 steps at twice the rate
-    assert cfg.model.hf_config.initializer_range == 0.2 and cfg.task.learning_rate == 2e-2 and cfg.task.steps == 30
+    assert cfg.model.hf_config["initializer_range"] == 0.2 and cfg.task.learning_rate == 2e-2 and cfg.task.steps == 30
     assert cfg.lora.name == "r16" and cfg.model.dtype == "float32" and cfg.workload.max_prompt_len == 16
     engine = build_engine(cfg, grpo.pool_demand(cfg))
     workload = build_workload(cfg, engine)

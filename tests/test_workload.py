@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from flexgemma import ConfigError, compose
 from flexgemma.run import run_job
@@ -26,7 +25,7 @@ def checkpoint_with_tokenizer(tmp_path_factory):
     from flexgemma.model.load import text_config_from_dict
 
     path = tmp_path_factory.mktemp("ckpt_tok")
-    hf = OmegaConf.to_container(compose(["+model=tiny"]).model.hf_config)
+    hf = dict(compose(["+model=tiny"]).model.hf_config)
     torch.manual_seed(7)
     Gemma4ForCausalLM(text_config_from_dict(hf)).save_pretrained(path)
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start>", "<end>"]
