@@ -167,7 +167,7 @@ def main() -> None:
     for bs in sizes:
         for async_decode in loops:
             engine.async_decode = async_decode
-            rounds = timed_rounds(engine, work.prompts[:bs], work.params[:bs], int(w.warmup_rounds), int(w.rounds))
+            rounds = timed_rounds(engine, work.prompts[:bs], work.params[:bs], int(w.rounds), int(w.warmup_rounds))
             loop = "async" if async_decode else "sync"
             prefix = ("" if len(sizes) == 1 else f"bs{bs}/") + (f"{loop}/" if async_decode != loops[0] else "")
             res.update(engine_numbers(engine, cfg, work.prompts[:bs], rounds, prefix))

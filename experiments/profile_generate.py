@@ -4,8 +4,8 @@ the host's, and the GPU's idle gaps between steps (a host-bound engine shows gap
     python experiments/profile_generate.py --model e2b --batch 256 --new-tokens 512
     python experiments/profile_generate.py --model tiny --device cpu --batch 8 --new-tokens 4   # smoke test
 
-One build (the preset +experiment=rl_batch_MODEL, as experiments/bench_batches.py), one untimed
-round, then one round with timers: the engine's own CUDA events around each async decode step (its
+One build (the preset experiment=rl_batch_MODEL at --batch prompts, where one exists; otherwise
+workload=rollout64), one untimed round, then one round with timers: the engine's own CUDA events around each async decode step (its
 busy time on the GPU, and the gap from a step's end to the start of the step chained to it: what
 scheduler/gpu_idle_pct sums), step by step, and wall-clock timers around the host's per-step work
 (growing pages, filling the step's inputs and masks, reading the tokens, bookkeeping). Prints
@@ -29,11 +29,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma import build_engine, compose  # noqa: E402
+from flexgemma.compose import conf_dir  # noqa: E402
 from flexgemma.engine.engine import StepStats  # noqa: E402
 from flexgemma.workload import pool_demand, synthetic  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_batches import overrides_for  # noqa: E402
+
+def preset_overrides(model: str, batch: int, new_tokens, device: str, extra: list[str]) -> list[str]:
+    """The RL preset of `model` at `batch` prompts, all at once; the caller's overrides last (they win)."""
+    preset = f"rl_batch_{model}"
+    workload = [f"+experiment={preset}"] if (conf_dir() / "experiment" / f"{preset}.yaml").is_file() \
+        else ["workload=rollout64"]
+    out = [f"+model={model}", *workload, f"workload.num_prompts={batch}", f"engine.max_batch_size={batch}",
+           "workload.rounds=1", f"device={device}"]
+    return out + ([f"workload.max_new_tokens={new_tokens}"] if new_tokens else []) + extra
 
 
 class Timers:
@@ -88,9 +96,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile-prefill", action="store_true",
                     help="after the timed round, the kernels of the first prefill step of the same prompts")
     args, extra = ap.parse_known_args(argv)
-    bench_args = argparse.Namespace(model=args.model, batch_sizes=[args.batch], new_tokens=args.new_tokens,
-                                    rounds=1, device=args.device)
-    cfg = compose(overrides_for(bench_args, extra))
+    cfg = compose(preset_overrides(args.model, args.batch, args.new_tokens, args.device, extra))
     engine = build_engine(cfg, pool_demand(cfg.workload))
     work = synthetic(cfg.workload, engine.spec.vocab_size)
     prompts, params = work.prompts[:args.batch], work.params[:args.batch]

@@ -2,10 +2,10 @@
 
 Every key a user can set lives here once, with its type and default. Types and enum choices are
 checked by OmegaConf when Hydra composes; value rules that a type cannot express (powers of two, a
-ladder without holes) are checked by each group's `__post_init__`, and rules that span groups (a KV
-block equal to the page size) by `Config.__post_init__`. `validate(cfg)` turns the composed config
-into these typed dataclasses once, which runs every check; a failed one raises a `ConfigError`
-naming the key and what it accepts.
+ladder without holes) are checked by each group's `__post_init__`, and rules that span groups (a
+graph ladder that covers engine.max_batch_size) by `Config.__post_init__`. `validate(cfg)` turns the
+composed config into these typed dataclasses once (compose.to_config is where that happens), which
+runs every check; a failed one raises a `ConfigError` naming the key and what it accepts.
 """
 
 from __future__ import annotations
