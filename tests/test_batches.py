@@ -212,8 +212,8 @@ def test_bench_sampler_runs_on_the_cpu(tmp_path):
 @pytest.mark.parametrize("model, sliding_stages, full_tile", [
     ("e2b", 2, (32, 3)), ("e4b", 3, (32, 3)), ("26b_a4b", 2, (32, 3)), ("31b", 2, (16, 2))])
 def test_rl_batch_presets_carry_their_measured_decode_tiles(model, sliding_stages, full_tile):
-    """Each preset's flex decode tiles are the ones its H200 round measured faster with (RESULTS.md,
-    2026-12-02): BLOCK_N 64 / 4 warps on the sliding layers (head_dim 256), and BLOCK_N 32 / 3 stages
+    """Each preset's flex decode tiles are the ones its H200 round measured faster with (RESULTS.md, RL-
+    sized batches): BLOCK_N 64 / 4 warps on the sliding layers (head_dim 256), and BLOCK_N 32 / 3 stages
     on the full-attention ones (head_dim 512) where that was measured (31B keeps the engine's)."""
     cfg = compose([f"+model={model}", f"+experiment=rl_batch_{model}"])
     validate_kernels(cfg)  # the tiles divide the preset's page size (compose checked the rest)

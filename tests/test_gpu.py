@@ -29,7 +29,7 @@ def test_e2b_eager_generates_and_fp32_matches_transformers(dtype, backend):
 
     Random weights give a near-flat distribution over 262k tokens, and 35 random layers amplify
     rounding: on E2B's geometry transformers' own float32 logprobs sit ~1e-2 from float64's at 600
-    tokens (RESULTS.md, 2026-12-02 second session). At a divergence, transformers in float64 on the
+    tokens (experiments/float32_error.py). At a divergence, transformers in float64 on the
     same weights judges: its preference for transformers' token over ours, and our logprob's error
     against it, must be within max(2e-3, 4 x flexgemma's own packed-vs-alone noise, 3 x transformers'
     float32 error there). A real difference (a wrong window, a wrong page) stands far above it."""

@@ -229,7 +229,7 @@ def test_gpu_triton_engine_agrees_with_grouped_mm_in_graphs():
     path's (mean |top logprob - float32's| on the same sequence, float32 engine on the same weights,
     within 1.5x torch's path's own + 1e-3; on the CPU, routing decode rows to the wrong experts
     moved it 3.5x). Token equality is no yardstick on a random tiny model: near-flat logits flip at
-    an ulp (session 4: 79% of the decode-step tokens equal), and torch's path rounds each choice's
+    an ulp (on the H200 79% of the decode-step tokens were equal), and torch's path rounds each choice's
     row to bf16 before summing where the kernels sum in float32."""
     sp = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[2, 5, 9, 14, 3], [2, 77, 31], [2, 8, 8, 8]]
