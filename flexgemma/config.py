@@ -242,9 +242,9 @@ class KernelsConfig:
     """Which implementation computes each part of a step (conf/kernels/default.yaml). Every choice
     computes the same maths (up to rounding); the defaults are what measured fastest on the H200
     (experiments/RESULTS.md). resolve.resolve_kernels decides each `auto` for the device and hands
-    the result, a flexgemma.kernels.Kernels of the same field names, to the constructors.
-    A new key: a field here with its check, its line in conf/kernels/default.yaml, and the same
-    field in flexgemma.kernels.Kernels (resolve copies it over)."""
+    the result, a flexgemma.kernels.Kernels (this dataclass and the decode attention row counts), to
+    the constructors. A new key: a field here with its check and its line in
+    conf/kernels/default.yaml; resolve copies it over, and a constructor reads it from its Kernels."""
 
     # routed experts at decode: triton (model/moe_kernel.py: two kernels a step, no sort, bf16 or 4-bit
     # experts read packed, the router's top-k as one kernel; prefill-sized steps on torch's path),

@@ -2,9 +2,10 @@
 with every `auto` decided for a device, and the row counts flex decode attention is compiled at.
 
 resolve.resolve_kernels builds one `Kernels` per engine; the forward, its ops, the 4-bit groups, the
-routed experts, the mask builder and the runner take it and read nothing else for a choice. The
-defaults are what the default config resolves to on the CPU (tests and kernel benchmarks build parts
-by hand with them).
+routed experts, the mask builder and the runner take it and read nothing else for a choice. It is the
+group's own dataclass with one field more, so a new key of the group reaches every constructor with
+no second definition. Built by hand (tests, kernel benchmarks) it has the group's defaults, and an
+`auto` there runs torch's kernels: triton runs only where resolve decided it.
 """
 
 from __future__ import annotations
@@ -12,24 +13,16 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from flexgemma.config import KernelsConfig
+
 # each row count flex decode attention is compiled at is this factor below the next: a step padded to
 # more rows gets fewer KV splits a row (torch's flex decoding splits a row's KV over SMs // (rows x KV
 # heads) programs), and every size costs two compiles (one per head_dim)
 _ROW_FACTOR = 4
 
 
-@dataclass(frozen=True)
-class Kernels:
-    moe: str = "grouped_mm"  # triton | grouped_mm (kernels.moe, auto decided)
-    linear4bit: str = "bnb"  # triton | bnb (kernels.linear4bit, auto decided; bnb without quant=bnb4)
-    fuse_projections: bool = True
-    fused_kv_write: bool = False
-    prefill_full_blocks: bool = True
-    linear4bit_max_rows: int = 64
-    linear4bit_dequant: str = "triton"
-    moe_sort_above: int = 512
-    moe_fused_max_entries: int = 2048
-    moe_dequant: str = "bnb"
+@dataclass
+class Kernels(KernelsConfig):
     # the row counts flex decode attention is compiled at (attention_row_sizes of engine.max_batch_size);
     # empty where attention runs at the batch it is given (the dense and flex_eager backends)
     decode_rows: tuple[int, ...] = ()

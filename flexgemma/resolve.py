@@ -60,7 +60,7 @@ def resolve_kernels(k: KernelsConfig, device: torch.device, backend: str, max_ba
                     quantised: bool) -> Kernels:
     """The kernels group as the constructors read it: each key copied over, `auto` decided for
     `device`, and the row counts flex decode attention is compiled at (flex only)."""
-    values = {f.name: getattr(k, f.name) for f in fields(Kernels) if f.name != "decode_rows"}
+    values = {f.name: getattr(k, f.name) for f in fields(KernelsConfig)}
     values.update(
         moe=kernel_choice("moe", str(k.moe), "grouped_mm", device),
         linear4bit=kernel_choice("linear4bit", str(k.linear4bit), "bnb", device) if quantised else "bnb",

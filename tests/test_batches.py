@@ -182,7 +182,7 @@ def test_one_rounds_loop_for_the_bench_task_and_the_scripts():
                           on_round=lambda r, t: events.append((r, t.tokens, t.compiled)))
     assert events == ["timed", (0, 10, 0), (1, 10, 0)]
     assert len(rounds) == 2 and rounds[0].token_ids == rounds[1].token_ids and rounds[0].tok_s > 0
-    assert rounds[1].decode_steps == 4 and rounds[1].prefill_tokens == 7 and rounds[1].stats is not rounds[0].stats
+    assert rounds[1].stats.decode_steps == 4 and rounds[1].stats.prefill_tokens == 7 and rounds[1].stats is not rounds[0].stats
 
 
 def test_after_the_warm_up_rounds_of_other_sizes_compile_nothing():

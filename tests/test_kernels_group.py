@@ -25,7 +25,7 @@ def config_keys() -> set[str]:
 
 
 def test_the_resolved_object_has_every_key_of_the_group():
-    """A key added to the group but not to the resolved object (or the other way) fails here."""
+    """The constructors' object is the group's dataclass and the decode rows; OTHER covers every key."""
     assert {f.name for f in dataclasses.fields(Kernels)} == config_keys() | {"decode_rows"}
     assert set(OTHER) == config_keys() - {"moe", "linear4bit"}
 
@@ -41,8 +41,13 @@ def test_resolve_hands_every_key_on():
         flex.padded_rows(513)
 
 
-def test_the_default_object_is_what_the_default_config_resolves_to_on_the_cpu():
-    assert resolve_kernels(KernelsConfig(), CPU, "dense", 64, quantised=False) == Kernels()
+def test_a_hand_built_object_runs_what_the_default_config_resolves_to_on_the_cpu():
+    """Kernels() (tests, kernel benchmarks) has the group's defaults; its autos run torch's kernels."""
+    from flexgemma.model.glue import make_ops
+
+    cpu = resolve_kernels(KernelsConfig(), CPU, "dense", 64, quantised=False)
+    assert dataclasses.replace(cpu, moe="auto", linear4bit="auto") == Kernels()
+    assert make_ops(None, Kernels()).experts_kernel is None and cpu.moe == "grouped_mm"
 
 
 def test_every_kernels_key_is_in_config_resolved_yaml(tmp_path):

@@ -43,33 +43,13 @@ class TimedRound:
         return self.watch["bench/compiled_in_round"]
 
     @property
-    def decode_steps(self) -> int:
-        return self.stats.decode_steps
-
-    @property
-    def decode_time(self) -> float:
-        return self.stats.decode_time
-
-    @property
-    def decode_tokens(self) -> int:
-        return self.stats.decode_tokens
-
-    @property
-    def prefill_time(self) -> float:
-        return self.stats.prefill_time
-
-    @property
-    def prefill_tokens(self) -> int:
-        return self.stats.prefill_tokens
-
-    @property
     def gpu_idle_pct(self) -> Optional[float]:
         """scheduler/gpu_idle_pct of the round (async decode on a GPU)."""
         return gpu_decode_metrics(self.stats).get("scheduler/gpu_idle_pct")
 
     @property
     def decode_step_ms(self) -> float:
-        return self.decode_time / max(self.decode_steps, 1) * 1e3
+        return self.stats.decode_time / max(self.stats.decode_steps, 1) * 1e3
 
 
 SAMPLE_CHARS = 240  # a sample's text keeps its first and last half of this
