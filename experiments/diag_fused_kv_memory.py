@@ -1,6 +1,6 @@
 """Memory of generate() with kernels.fused_kv_write on (tiny float32, decode graphs), alone in its
 process: each generate's peak over what was allocated before it, graphs compiled during it, and the
-largest allocations of the second one with their Python frames. (tests/test_gpu.py's fused KV
+largest allocations of the second one with their Python frames. (tests/model/test_gpu_model.py's fused KV
 write test had compared absolute peaks, which also count what was allocated before a generate began:
 the fused engine's was 256 MiB over the default's, in the same process after it.)"""
 

@@ -52,7 +52,7 @@ L6="model.hf_config.num_hidden_layers=6 model.hf_config.layer_types=[sliding_att
 # correctness, not timings: the GPU test files and the float32 26B-A4B parity job side by side
 gpu_tests() {
   local pids=() f
-  for f in "gpu tests/test_gpu.py" "moe_quant tests/test_moe.py tests/test_quant.py" "lora tests/test_lora_gpu.py"; do
+  for f in "gpu tests/engine/test_gpu_engine.py tests/model/test_gpu_model.py" "moe_quant tests/model/test_moe.py tests/model/test_quant.py" "lora tests/model/test_lora_gpu.py"; do
     set -- $f
     local name=$1; shift
     timeout 400 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s "$@" > "$WORK/tests_$name.log" 2>&1 &
@@ -70,8 +70,8 @@ gpu_tests() {
 export -f gpu_tests
 export L6
 run tests 420 bash -c gpu_tests
-run tests_kernels 300 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s tests/test_moe_kernel.py \
-  tests/test_linear4bit.py tests/test_sampling.py
+run tests_kernels 300 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s tests/model/test_moe_kernel.py \
+  tests/model/test_linear4bit.py tests/engine/test_sampling.py
 
 # The numbers of README.md and docs/results.md, each its preset's command (experiments/RESULTS.md)
 run speed_e2b 240 bash -c 'job speed_e2b experiment=speed_e2b'
@@ -115,7 +115,7 @@ export -f grpo_job
 run grpo_e2b 300 bash -c 'grpo_job e2b_flexgemma 12'
 run grpo_e2b_trl 330 bash -c 'grpo_job e2b_trl 12'
 run grpo_26b 450 bash -c 'grpo_job 26b_bnb4_flexgemma 10'
-run grpo_tests 240 python3 -m pytest -q -p no:logging -m gpu -s tests/test_grpo.py tests/test_engine_safety.py tests/test_api.py
+run grpo_tests 240 python3 -m pytest -q -p no:logging -m gpu -s tests/rl/test_grpo.py tests/engine/test_engine_safety.py tests/engine/test_api.py
 # issue 22: E2B + LoRA r32 GRPO on 2 GPUs (torchrun, one engine per rank) vs 1, the same per-GPU batch
 # (8 prompts x 8 a GPU): step time, rollout tok/s (target >= 1.8x), adapters equal on both ranks every
 # step (ranks.jsonl). Needs a machine with 2 GPUs (nvidia-h200-x2).

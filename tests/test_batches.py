@@ -5,7 +5,6 @@ import dataclasses
 import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from flexgemma.tasks.bench import first_round_check
 
 from conftest import make_engine
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402 - the repository
 
 
 @pytest.mark.parametrize("max_batch, ladder", [

@@ -4,14 +4,13 @@ their model and refuse another; `--cfg job` shows the model that will run."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from flexgemma import ConfigError, compose
 from flexgemma.compose import normalise_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402 - the repository
 
 
 def test_model_with_and_without_plus_compose_alike():

@@ -9,7 +9,7 @@ import pytest
 
 from flexgemma import compose
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402 - the repository
 RESULTS = ROOT / "experiments" / "RESULTS.md"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
