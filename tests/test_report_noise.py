@@ -13,7 +13,9 @@ from flexgemma.report import build_report
 from flexgemma.report.collect import collect
 from flexgemma.report.noise import inert_keys
 from flexgemma.run import run_job
-from tests.test_report import BASE, GPU_FACTS, cpu_summary, write_job
+from test_report import GPU_FACTS
+
+from conftest import BASE, cpu_summary, write_job
 
 CPU_FACTS = {"engine/attention_backend": "dense", "engine/cudagraphs": False, "engine/device": "cpu"}
 
