@@ -42,13 +42,16 @@ def main() -> None:
     ap.add_argument("--grid-quants", default="bf16", help="weight kinds that time a tile grid (bnb4: "
                     "the fused 4-bit kernels' BLOCK_N, warps and pipeline depth)")
     ap.add_argument("--block-m", default="16,32,64", help="entries per tile to time with the default tiles, "
-                    "entries sorted and (up to ROUTED_MAX_ENTRIES) matched; empty: none")
+                    "entries sorted and (up to kernels.moe_sort_above entries) matched; empty: none")
     ap.add_argument("--bnb4", action="store_true", help="also the packed 4-bit experts (needs bitsandbytes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from transformers.activations import GELUTanh
 
-    from flexgemma.model.moe_kernel import DOWN_TILES, ROUTED_MAX_ENTRIES, UP_TILES, block_m_for, decode_experts
+    from flexgemma.kernels import Kernels
+    from flexgemma.model.moe_kernel import DOWN_TILES, UP_TILES, block_m_for, decode_experts
+
+    sort_above = Kernels().moe_sort_above  # steps of more entries sort them by default
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     e, h, i, k = args.experts, args.hidden, args.intermediate, args.top_k
@@ -84,16 +87,16 @@ def main() -> None:
             row = {"batch": bs, "quant": quant, "experts_used": used, "bytes": nbytes,
                    "torch_us": time_us(lambda: experts_grouped(x, idx, w, gate_up, down, act))}
             row["default_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down))
-            # the two ways a program finds its expert's entries (the default switches above ROUTED_MAX_ENTRIES)
+            # the two ways a program finds its expert's entries (the default switches above sort_above)
             row["sorted_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, sort_entries=True))
-            if bs * k <= ROUTED_MAX_ENTRIES:
+            if bs * k <= sort_above:
                 row["matched_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, sort_entries=False))
             row["block_m_default"] = block_m_for(bs * k, e, quant == "bnb4")
             row["block_m"] = {}
             for bm in [int(b) for b in args.block_m.split(",") if b]:
                 tiles = {"BLOCK_M": bm}
                 for mode, sort in (("sorted", True), ("matched", False)):
-                    if sort or bs * k <= ROUTED_MAX_ENTRIES:
+                    if sort or bs * k <= sort_above:
                         row["block_m"][f"{bm} {mode}"] = time_us(
                             lambda: decode_experts(x, idx, w, gate_up, down, tiles, tiles, sort_entries=sort))
             if quant == "bnb4":  # the default is the fused 4-bit GEMMs; the other mode dequantises into slots
