@@ -54,6 +54,9 @@ INERT_RULES = (
               lambda v: f"the attention backend was {v}, which takes no flex kernel options"),
     InertRule("attn.prefill.", "engine/attention_backend", lambda v: v == "flex",
               lambda v: f"the attention backend was {v}, which takes no flex kernel options"),
+    # only the flex kernels read a mask's full blocks apart; the other backends evaluate the mask_mod
+    InertRule("kernels.prefill_full_blocks", "engine/attention_backend", lambda v: v == "flex",
+              lambda v: f"the attention backend was {v}, which evaluates the mask on every listed page"),
     # CUDA graphs are captured only on a GPU with cudagraph.enabled
     InertRule("cudagraph", "engine/cudagraphs", lambda v: v is True,
               lambda v: "no CUDA graphs were captured (a CPU run, or cudagraph=off)"),
