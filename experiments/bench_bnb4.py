@@ -60,9 +60,9 @@ def run_case(overrides: list[str]) -> dict:
     build_peak = torch.cuda.max_memory_allocated()
     w = cfg.workload
     work = synthetic(w, engine.spec.vocab_size)
-    rounds = timed_rounds(engine, work.prompts, work.params, int(w.warmup_rounds), int(w.rounds))
+    rounds = timed_rounds(engine, work.prompts, work.params, int(w.rounds), int(w.warmup_rounds))
     tok_s = [r.tok_s for r in rounds]
-    decode_tok_s = [r.decode_tokens / r.decode_time if r.decode_time else 0.0 for r in rounds]
+    decode_tok_s = [r.stats.decode_tokens / r.stats.decode_time if r.stats.decode_time else 0.0 for r in rounds]
     census = storage_census(engine.model)
     res = {
         "overrides": overrides,

@@ -1,11 +1,11 @@
 """The 4-bit dequantise kernels on the GPU, every option's weights checked bit for bit against
 bitsandbytes' before it is timed.
 
-Dense groups (linear4bit.DEQUANT_TILES: bytes a program, warps) beside bitsandbytes' op: past
-KERNEL_MAX_ROWS rows (31B bnb4 at 128) a decode step dequantises every 4-bit group and runs one GEMM.
-Routed experts (moe_kernel.dequantize_slots at DEQUANT_BYTES a program) beside PackedExpertWeight's
-gather + bitsandbytes' op, at 26B-A4B's shapes, every expert (prefill) and half of them: torch's path
-with moe_kernel.DEQUANT_KERNEL "triton" against "bnb".
+Dense groups (the dequantise kernel's tiles, linear4bit.DEQUANT_TILES: bytes a program, warps) beside
+bitsandbytes' op: past kernels.linear4bit_max_rows rows (31B bnb4 at 128) a decode step dequantises
+every 4-bit group and runs one GEMM. Routed experts (moe_kernel.dequantize_slots at a grid of bytes a
+program) beside PackedExpertWeight's gather + bitsandbytes' op, at 26B-A4B's shapes, every expert
+(prefill) and half of them: torch's path with kernels.moe_dequant triton against bnb.
 
     python experiments/bench_dequant4bit.py --groups 31b_gate_up,31b_down --out dequant.json
 """
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--groups", default="31b_qkv_sliding,31b_o_sliding,31b_gate_up,31b_down,gate_up_wide,down_wide")
     ap.add_argument("--bytes", default="1024,2048,4096,8192", help="bytes of one program")
     ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--expert-bytes", default="1024,2048,4096", help="moe_kernel.DEQUANT_BYTES to time ('': none)")
+    ap.add_argument("--expert-bytes", default="1024,2048,4096", help="bytes a program of the experts' slot kernel to time ('': none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from flexgemma.model import linear4bit as L
@@ -52,13 +52,10 @@ def main() -> None:
         ref = group.dequantize_bnb()
         rows = {"bnb": time_us(group.dequantize_bnb)}
         for opts in grid:
-            L.DEQUANT_TILES = {**default, **opts}
-            try:
-                if not torch.equal(group.dequantize_triton(), ref):
-                    raise AssertionError(f"{name} {opts}: not bitsandbytes' weights")
-                rows[json.dumps(opts)] = time_us(group.dequantize_triton)
-            finally:
-                L.DEQUANT_TILES = default
+            tiles = {**default, **opts}
+            if not torch.equal(group.dequantize_triton(tiles), ref):
+                raise AssertionError(f"{name} {opts}: not bitsandbytes' weights")
+            rows[json.dumps(tiles)] = time_us(lambda: group.dequantize_triton(tiles))
         for key, us in rows.items():
             totals[key] = totals.get(key, 0.0) + us
         best = min((v, key) for key, v in rows.items() if key != "bnb")
@@ -95,13 +92,9 @@ def time_experts(bytes_grid: list, dev: torch.device, dt: torch.dtype) -> dict:
             moved = ref.numel() * 2.5  # 0.5 byte read and 2 written a weight
             row = {"bnb": time_us(lambda: w.dequantize(experts))}
             for nbytes in bytes_grid:
-                moe_kernel.DEQUANT_BYTES = nbytes
-                try:
-                    if not torch.equal(moe_kernel.dequantize_slots(w, ids, dt), ref):
-                        raise AssertionError(f"{name} {label} {nbytes} bytes: not bitsandbytes' weights")
-                    row[f"slots_{nbytes}"] = time_us(lambda: moe_kernel.dequantize_slots(w, ids, dt))
-                finally:
-                    moe_kernel.DEQUANT_BYTES = default
+                if not torch.equal(moe_kernel.dequantize_slots(w, ids, dt, nbytes), ref):
+                    raise AssertionError(f"{name} {label} {nbytes} bytes: not bitsandbytes' weights")
+                row[f"slots_{nbytes}"] = time_us(lambda: moe_kernel.dequantize_slots(w, ids, dt, nbytes))
             best = min((v, k) for k, v in row.items() if k != "bnb")
             print(f"{name:12s} {label:4s} {moved / 1e6:7.1f} MB moved: gather + bnb {row['bnb']:7.1f} us "
                   f"({moved / row['bnb'] / 1e6:.2f} TB/s), slots {row[f'slots_{default}']:7.1f} us, best "

@@ -1,8 +1,9 @@
 """E2B's and 31B's 4-bit projection groups at decode batch sizes, alone on the GPU: bitsandbytes'
 Linear4bit modules (dequantise + GEMM, one member at a time), the bf16 fused GEMM they stand in for,
-`linear4bit.Linear4bitGroup` (one Triton kernel a group, `engine.linear4bit_kernel=triton`) over a
+`linear4bit.Linear4bitGroup` (one Triton kernel a group, `kernels.linear4bit=triton`) over a
 grid of tile options, with and without an unmerged LoRA r32 inside, and the group's path past
-KERNEL_MAX_ROWS (dequantised once, by bitsandbytes' op or the group's own kernel, then one GEMM).
+kernels.linear4bit_max_rows (dequantised once, by bitsandbytes' op or the group's own kernel, then
+one GEMM).
 
     python experiments/bench_linear4bit.py --batch-sizes 8,32,64 --out linear4bit.json
     python experiments/bench_linear4bit.py --groups 31b_gate_up,31b_down --batch-sizes 64,128,256 --grid-batch-sizes 0
@@ -41,7 +42,7 @@ E2B_GROUPS = {
     "ple_out": (256, (1536,)),
 }
 # 31B's (a sliding layer's q/k/v and o, a full layer's q/k (k = v), the MLP): the RL-batch question is
-# where the kernel (each program of ROW_TILE rows decodes its weights again) loses to one dequantise
+# where the kernel (each program of 64 rows decodes its weights again) loses to one dequantise
 # + GEMM, whose cost does not grow with the rows
 GROUPS = {**E2B_GROUPS,
           "31b_qkv_sliding": (5376, (8192, 4096, 4096)),
@@ -76,13 +77,13 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from flexgemma.model import linear4bit
+    from flexgemma.kernels import Kernels
     from flexgemma.model.linear4bit import TILES, Linear4bitGroup
-
-    # the "triton" columns time the kernel at every size (the engine takes it up to KERNEL_MAX_ROWS
-    # rows only; the dequant columns time its path beyond)
-    linear4bit.KERNEL_MAX_ROWS = max(512, *[int(b) for b in args.batch_sizes.split(",")])
     from flexgemma.model.quant import Bnb4Settings, linear4bit_from
+
+    # the "triton" columns time the kernel at every size (the engine takes it up to
+    # kernels.linear4bit_max_rows rows only; the dequant columns time its path beyond)
+    every_size = Kernels(linear4bit_max_rows=max(512, *[int(b) for b in args.batch_sizes.split(",")]))
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     s = Bnb4Settings("nf4", True, 64, dt)
@@ -111,7 +112,7 @@ def main() -> None:
         dense = torch.cat([m.weight.detach() for m in lin])
         mods = [linear4bit_from(m, s, dev) for m in lin]
         del lin
-        group = Linear4bitGroup(mods)
+        group = Linear4bitGroup(mods, every_size)
         nbytes = group.packed.numel()
         r = args.rank * len(outs)
         a = torch.randn(r, k, device=dev, dtype=dt) * 0.01
@@ -132,7 +133,7 @@ def main() -> None:
                    "bnb_lora_us": time_us(bnb_lora),
                    "bf16_us": time_us(lambda: F.linear(x, dense)),
                    "triton_us": time_us(lambda: group.matmul(x)),
-                   # the engine's path past KERNEL_MAX_ROWS: the group dequantised once, one GEMM
+                   # the engine's path past kernels.linear4bit_max_rows: the group dequantised once, one GEMM
                    "dequant_gemm_us": time_us(lambda: F.linear(x, group.dequantize_bnb())),
                    "dequant_triton_gemm_us": time_us(lambda: F.linear(x, group.dequantize_triton())),
                    "dequant_us": time_us(group.dequantize_triton),  # the group's kernel alone
@@ -141,7 +142,7 @@ def main() -> None:
                    "rel_err": rel(group.matmul(x))}
             configs = []
             for tiles in grid if bs in grid_sizes and name in grid_groups else []:
-                if tiles.get("ROW_TILE", 64) > max(64, bs):
+                if tiles.get("ROW_TILE", TILES["ROW_TILE"]) > max(64, bs):
                     continue
                 c = dict(tiles)
                 try:

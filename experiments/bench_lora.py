@@ -36,7 +36,7 @@ GB = 1e9
 
 
 def throughput(engine, work, w) -> dict:
-    rounds = timed_rounds(engine, work.prompts, work.params, int(w.warmup_rounds), int(w.rounds))
+    rounds = timed_rounds(engine, work.prompts, work.params, int(w.rounds), int(w.warmup_rounds))
     return {
         "tok_s_rounds": [r.tok_s for r in rounds],
         "tok_s_median": statistics.median(r.tok_s for r in rounds),

@@ -1,6 +1,6 @@
 """The routed experts of one 26B-A4B layer at decode batch sizes, alone on the GPU: torch's path
 (sort by expert, two grouped GEMMs, index_add) against the two Triton kernels of
-`engine.moe_kernel=triton` over a grid of tile options, bf16 and (with --bnb4) packed 4-bit, the
+`kernels.moe=triton` over a grid of tile options, bf16 and (with --bnb4) packed 4-bit, the
 latter both decoded inside the GEMM kernels (the default) and dequantised into slots first.
 
     python experiments/bench_moe_kernel.py --batch-sizes 8,32,64 --out moe_kernel.json
@@ -42,13 +42,16 @@ def main() -> None:
     ap.add_argument("--grid-quants", default="bf16", help="weight kinds that time a tile grid (bnb4: "
                     "the fused 4-bit kernels' BLOCK_N, warps and pipeline depth)")
     ap.add_argument("--block-m", default="16,32,64", help="entries per tile to time with the default tiles, "
-                    "entries sorted and (up to ROUTED_MAX_ENTRIES) matched; empty: none")
+                    "entries sorted and (up to kernels.moe_sort_above entries) matched; empty: none")
     ap.add_argument("--bnb4", action="store_true", help="also the packed 4-bit experts (needs bitsandbytes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from transformers.activations import GELUTanh
 
-    from flexgemma.model.moe_kernel import DOWN_TILES, ROUTED_MAX_ENTRIES, UP_TILES, block_m_for, decode_experts
+    from flexgemma.kernels import Kernels
+    from flexgemma.model.moe_kernel import DOWN_TILES, UP_TILES, block_m_for, decode_experts
+
+    sort_above = Kernels().moe_sort_above  # steps of more entries sort them by default
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     e, h, i, k = args.experts, args.hidden, args.intermediate, args.top_k
@@ -63,12 +66,9 @@ def main() -> None:
     act = GELUTanh()
     # (up BLOCK_N, down BLOCK_N, BLOCK_K, num_warps, num_stages); the up kernel reads a gate and an up
     # tile per step, so its BLOCK_N streams twice as many weight rows
-    grid = list(itertools.product((32, 64), (64, 128), (128, 256), (4, 8), (3,), ("table",), (1,)))
-    # fused 4-bit: the third option is PACKED_K, the K elements of a step (1, 2 or 4 quantisation blocks;
-    # BLOCK_K unused; a matrix whose K it does not divide keeps one block), the last the up kernel's
-    # SPLIT_K (programs along K; 1 where it does not divide the steps); the table lookup (a tree of
-    # selects was slower, session 4); down at its best BLOCK_N of the bf16 grid
-    grid_4bit = list(itertools.product((32, 64), (128,), (64, 128, 256), (4, 8), (3,), ("table",), (1, 2, 11)))
+    grid = list(itertools.product((32, 64), (64, 128), (128, 256), (4, 8), (3,), ("table",)))
+    # fused 4-bit steps are one quantisation block each (BLOCK_K unused); both ways of decoding a value
+    grid_4bit = list(itertools.product((32, 64), (64, 128), (64,), (4, 8), (3,), ("table", "select")))
     grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
     grid_quants = set(args.grid_quants.split(","))
     res: dict = {"shape": {"experts": e, "hidden": h, "intermediate": i, "top_k": k},
@@ -87,31 +87,26 @@ def main() -> None:
             row = {"batch": bs, "quant": quant, "experts_used": used, "bytes": nbytes,
                    "torch_us": time_us(lambda: experts_grouped(x, idx, w, gate_up, down, act))}
             row["default_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down))
-            # the two ways a program finds its expert's entries (the default switches above ROUTED_MAX_ENTRIES)
+            # the two ways a program finds its expert's entries (the default switches above sort_above)
             row["sorted_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, sort_entries=True))
-            if bs * k <= ROUTED_MAX_ENTRIES:
+            if bs * k <= sort_above:
                 row["matched_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, sort_entries=False))
             row["block_m_default"] = block_m_for(bs * k, e, quant == "bnb4")
             row["block_m"] = {}
             for bm in [int(b) for b in args.block_m.split(",") if b]:
                 tiles = {"BLOCK_M": bm}
                 for mode, sort in (("sorted", True), ("matched", False)):
-                    if sort or bs * k <= ROUTED_MAX_ENTRIES:
+                    if sort or bs * k <= sort_above:
                         row["block_m"][f"{bm} {mode}"] = time_us(
                             lambda: decode_experts(x, idx, w, gate_up, down, tiles, tiles, sort_entries=sort))
             if quant == "bnb4":  # the default is the fused 4-bit GEMMs; the other mode dequantises into slots
                 row["slots_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, packed_mode="slots"))
                 row["select_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, code_lookup="select"))
             configs = []
-            for ubn, dbn, bk, warps, stages, lookup, split in (grid_4bit if quant == "bnb4" else grid) \
+            for ubn, dbn, bk, warps, stages, lookup in (grid_4bit if quant == "bnb4" else grid) \
                     if quant in grid_quants and bs in grid_sizes else []:
                 up = dict(BLOCK_N=ubn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 dn = dict(BLOCK_N=dbn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-                if quant == "bnb4":
-                    if (args.hidden // bk) % split:
-                        continue  # the kernel would run one program along K: the split-1 config again
-                    up = {**up, "BLOCK_K": 64, "PACKED_K": bk, "SPLIT_K": split}
-                    dn = {**dn, "BLOCK_K": 64, "PACKED_K": bk}
                 fn = lambda: decode_experts(x, idx, w, gate_up, down, up, dn, code_lookup=lookup)  # noqa: E731
                 c = {"up": up, "down": dn, "code_lookup": lookup}
                 try:
@@ -130,8 +125,7 @@ def main() -> None:
             print(f"bs {bs:3d} {quant:4s} experts {used:3d} {nbytes / 1e6:7.1f} MB: torch {row['torch_us']:7.1f} us "
                   f"({nbytes / row['torch_us'] / 1e6:.2f} TB/s), triton default {row['default_us']:7.1f} us "
                   f"({nbytes / row['default_us'] / 1e6:.2f} TB/s), best {best['us']:7.1f} us "
-                  f"({nbytes / best['us'] / 1e6:.2f} TB/s) up {best['up']} down {best['down']['BLOCK_N']}"
-                  f"{' PACKED_K ' + str(best['down']['PACKED_K']) if 'PACKED_K' in best['down'] else ''}, "
+                  f"({nbytes / best['us'] / 1e6:.2f} TB/s) up {best['up']} down {best['down']['BLOCK_N']}, "
                   f"entries sorted {row['sorted_us']:7.1f} us / matched {row.get('matched_us', float('nan')):7.1f} us, "
                   + (f"lookup {best.get('code_lookup')}, slots {row['slots_us']:7.1f} us, select "
                      f"{row['select_us']:7.1f} us, " if "slots_us" in row else "") +

@@ -88,7 +88,7 @@ def hf_generate(model, prompts, max_new: int, rounds: int) -> dict:
 
 def engine_numbers(engine, cfg, prompts, rounds: list[TimedRound], prefix: str) -> dict:
     tok_s = [r.tok_s for r in rounds]
-    step_ms = statistics.median(r.decode_time for r in rounds) / statistics.median(r.decode_steps for r in rounds) * 1e3
+    step_ms = statistics.median(r.stats.decode_time for r in rounds) / statistics.median(r.stats.decode_steps for r in rounds) * 1e3
     esize = next(engine.model.parameters()).element_size()
     contexts = [len(p) + cfg.workload.max_new_tokens // 2 for p in prompts]
     wbytes = weight_bytes_per_decode_step(engine.model, len(prompts))  # MoE: the experts this batch routes to
@@ -97,7 +97,7 @@ def engine_numbers(engine, cfg, prompts, rounds: list[TimedRound], prefix: str) 
         f"{prefix}flexgemma/tok_s_rounds": tok_s,
         f"{prefix}flexgemma/tok_s_median": statistics.median(tok_s),
         f"{prefix}flexgemma/decode_step_ms_median": step_ms,
-        f"{prefix}flexgemma/prefill_seconds_median": statistics.median(r.prefill_time for r in rounds),
+        f"{prefix}flexgemma/prefill_seconds_median": statistics.median(r.stats.prefill_time for r in rounds),
         f"{prefix}roofline/weight_gb_per_step": wbytes / GB,
         f"{prefix}roofline/kv_gb_per_step_mean": kvbytes / GB,
         f"{prefix}roofline/achieved_tb_s": (wbytes + kvbytes) / (step_ms / 1e3) / 1e12,
@@ -167,7 +167,7 @@ def main() -> None:
     for bs in sizes:
         for async_decode in loops:
             engine.async_decode = async_decode
-            rounds = timed_rounds(engine, work.prompts[:bs], work.params[:bs], int(w.warmup_rounds), int(w.rounds))
+            rounds = timed_rounds(engine, work.prompts[:bs], work.params[:bs], int(w.rounds), int(w.warmup_rounds))
             loop = "async" if async_decode else "sync"
             prefix = ("" if len(sizes) == 1 else f"bs{bs}/") + (f"{loop}/" if async_decode != loops[0] else "")
             res.update(engine_numbers(engine, cfg, work.prompts[:bs], rounds, prefix))

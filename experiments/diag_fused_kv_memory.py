@@ -1,6 +1,6 @@
-"""Memory of generate() with attn.fused_kv_write on (tiny float32, decode graphs), alone in its
+"""Memory of generate() with kernels.fused_kv_write on (tiny float32, decode graphs), alone in its
 process: each generate's peak over what was allocated before it, graphs compiled during it, and the
-largest allocations of the second one with their Python frames. (tests/test_gpu.py's fused KV
+largest allocations of the second one with their Python frames. (tests/model/test_gpu_model.py's fused KV
 write test had compared absolute peaks, which also count what was allocated before a generate began:
 the fused engine's was 256 MiB over the default's, in the same process after it.)"""
 
@@ -15,7 +15,7 @@ from flexgemma.engine.warm import compiled_graphs  # noqa: E402
 
 e = build_engine(compose(["device=cuda", "kv.max_pages=128", "engine.max_model_len=1024", "engine.max_batch_size=8",
                           "+model=tiny", "model.dtype=float32", "cudagraph.buckets=[1,2,4,8]",
-                          "attn.fused_kv_write=true"]))
+                          "kernels.fused_kv_write=true"]))
 g = torch.Generator().manual_seed(0)
 ps = [[2] + torch.randint(3, e.spec.vocab_size, (n - 1,), generator=g).tolist() for n in (3, 20, 45, 70, 9)]
 p = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)

@@ -4,8 +4,8 @@ the host's, and the GPU's idle gaps between steps (a host-bound engine shows gap
     python experiments/profile_generate.py --model e2b --batch 256 --new-tokens 512
     python experiments/profile_generate.py --model tiny --device cpu --batch 8 --new-tokens 4   # smoke test
 
-One build (the preset +experiment=rl_batch_MODEL, as experiments/bench_batches.py), one untimed
-round, then one round with timers: the engine's own CUDA events around each async decode step (its
+One build (the preset experiment=rl_batch_MODEL at --batch prompts, where one exists; otherwise
+workload=rollout64), one untimed round, then one round with timers: the engine's own CUDA events around each async decode step (its
 busy time on the GPU, and the gap from a step's end to the start of the step chained to it: what
 scheduler/gpu_idle_pct sums), step by step, and wall-clock timers around the host's per-step work
 (growing pages, filling the step's inputs and masks, reading the tokens, bookkeeping). Prints
@@ -29,11 +29,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma import build_engine, compose  # noqa: E402
+from flexgemma.compose import conf_dir  # noqa: E402
 from flexgemma.engine.engine import StepStats  # noqa: E402
 from flexgemma.workload import pool_demand, synthetic  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_batches import overrides_for  # noqa: E402
+
+def preset_overrides(model: str, batch: int, new_tokens, device: str, extra: list[str]) -> list[str]:
+    """The RL preset of `model` at `batch` prompts, all at once; the caller's overrides last (they win)."""
+    preset = f"rl_batch_{model}"
+    workload = [f"+experiment={preset}"] if (conf_dir() / "experiment" / f"{preset}.yaml").is_file() \
+        else ["workload=rollout64"]
+    out = [f"+model={model}", *workload, f"workload.num_prompts={batch}", f"engine.max_batch_size={batch}",
+           "workload.rounds=1", f"device={device}"]
+    return out + ([f"workload.max_new_tokens={new_tokens}"] if new_tokens else []) + extra
 
 
 class Timers:
@@ -88,9 +96,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile-prefill", action="store_true",
                     help="after the timed round, the kernels of the first prefill step of the same prompts")
     args, extra = ap.parse_known_args(argv)
-    bench_args = argparse.Namespace(model=args.model, batch_sizes=[args.batch], new_tokens=args.new_tokens,
-                                    rounds=1, device=args.device)
-    cfg = compose(overrides_for(bench_args, extra))
+    cfg = compose(preset_overrides(args.model, args.batch, args.new_tokens, args.device, extra))
     engine = build_engine(cfg, pool_demand(cfg.workload))
     work = synthetic(cfg.workload, engine.spec.vocab_size)
     prompts, params = work.prompts[:args.batch], work.params[:args.batch]
@@ -147,18 +153,15 @@ def main(argv=None) -> dict:
     return res
 
 
-def profile_first_prefill(engine, prompts, params, cuda: bool) -> list[dict]:
+def profile_first_prefill(engine, prompts, params, cuda: bool) -> dict:
     """The kernels of one engine step with every prompt waiting (a prefill of up to
-    engine.max_prefill_tokens tokens), with the prefill masks' full blocks and without (after a step
-    of each untimed, to compile); the requests are aborted after each step."""
+    engine.max_prefill_tokens tokens), after one such step untimed (it compiles); the requests are
+    aborted after each step. An A/B of a kernel choice runs the script once per setting
+    (kernels.prefill_full_blocks=false: the prefill masks without full blocks)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from flexgemma.engine import block_mask
-
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    out, setting = [], block_mask.PREFILL_FULL_BLOCKS
-    for full in (True, False, True, False):
-        block_mask.PREFILL_FULL_BLOCKS = full
+    for attempt in range(2):
         engine.reset_prefix_cache()  # the prompts were cached by the rounds before: prefill them again
         ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         sync()
@@ -169,21 +172,15 @@ def profile_first_prefill(engine, prompts, params, cuda: bool) -> list[dict]:
         wall = time.perf_counter() - t0
         for i in ids:
             engine.abort(i)
-        if len(out) < 2:  # the first of each: compiles
-            out.append(None)
-            continue
-        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-        total = sum(e.self_device_time_total for e in events) / 1e3
-        attn = sum(e.self_device_time_total for e in events if "flex_attention" in e.key) / 1e3
-        print(f"first prefill step, full blocks {full}: {wall * 1e3:.1f} ms wall (under the profiler), kernels "
-              f"{total:.1f} ms, of which flex attention {attn:.1f} ms")
-        sort = "cuda_time_total" if cuda else "cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=90))
-        out.append({"full_blocks": full, "wall_ms": wall * 1e3, "kernels_ms": total, "flex_ms": attn,
-                    "kernels": [{"name": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count}
-                                for e in events[:30]]})
-    block_mask.PREFILL_FULL_BLOCKS = setting
-    return out[2:]
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    attn = sum(e.self_device_time_total for e in events if "flex_attention" in e.key) / 1e3
+    print(f"first prefill step: {wall * 1e3:.1f} ms wall (under the profiler), kernels {total:.1f} ms, of which "
+          f"flex attention {attn:.1f} ms")
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=90))
+    return {"wall_ms": wall * 1e3, "kernels_ms": total, "flex_ms": attn,
+            "kernels": [{"name": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count} for e in events[:30]]}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """flexgemma: a fast Gemma-4 generation engine on flex_attention, and the experiment framework around it.
 
     from flexgemma import compose, build_engine, SamplingParams
-    cfg = compose(["+model=tiny", "quant=bf16"])
+    cfg = compose(["+model=tiny", "quant=bf16"])   # the typed config (flexgemma.config.Config)
     engine = build_engine(cfg)
     outs = engine.generate([[2, 818, 5279], [2, 651]], SamplingParams(max_new_tokens=32, temperature=0.0))
 

@@ -8,9 +8,8 @@ Hydra state as it was (flexgemma.compose restores an initialised GlobalHydra).
 from __future__ import annotations
 
 import torch
-from omegaconf import open_dict
 
-from flexgemma.config import ConfigError, validate
+from flexgemma.config import ConfigError
 from flexgemma.overrides import engine_config
 
 
@@ -29,7 +28,7 @@ def _check_hf_model(hf_model) -> None:
 def engine_from_model(hf_model, tokenizer=None, **overrides):
     """An engine that runs `hf_model`'s weights in place (no copy), on the model's device and dtype.
 
-    The caller's model is not rewritten: projections are not fused (engine.fuse_projections=false
+    The caller's model is not rewritten: projections are not fused (kernels.fuse_projections=false
     unless overridden) and no LoRA is attached unless lora= is given (that wraps the model with peft).
     Quantised (bitsandbytes) models are not supported here: build those with quant=bnb4."""
     from flexgemma.builder import assemble_engine
@@ -41,15 +40,14 @@ def engine_from_model(hf_model, tokenizer=None, **overrides):
     if param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ConfigError(f"Engine.from_model: weights of dtype {param.dtype} are not supported (quantised?): "
                           "build with build_engine(model=..., quant='bnb4') instead")
-    overrides.setdefault("engine__fuse_projections", False)
+    overrides.setdefault("kernels__fuse_projections", False)
     overrides.setdefault("device", param.device.type)
     lora_name = overrides.pop("lora", None)
     cfg = engine_config(model="tiny", lora=lora_name, **overrides)  # model=tiny only fills the schema's section
-    with open_dict(cfg):
-        cfg.model.name = getattr(hf_model.config, "name_or_path", "") or "from_model"
-        cfg.model.hf_config = None
-    cfg = validate(cfg)  # typed once, as build_engine does
-    if cfg.engine.fuse_projections:
+    cfg.model.name = getattr(hf_model.config, "name_or_path", "") or "from_model"
+    cfg.model.hf_config = None  # the caller's model is the architecture
+    r = resolve(cfg, param.device)
+    if r.kernels.fuse_projections:
         from flexgemma.model.projections import fuse_projections
 
         fused = fuse_projections(hf_model)
@@ -57,10 +55,9 @@ def engine_from_model(hf_model, tokenizer=None, **overrides):
     info = {"name": cfg.model.name, "dtype": str(param.dtype).removeprefix("torch."), "weights": "caller's model",
             "params": census["params"], "quant/fraction_4bit": census["quant/fraction_4bit"],
             "quant/weight_bytes": census["quant/weight_bytes"]}
-    if cfg.engine.fuse_projections:
+    if r.kernels.fuse_projections:
         info["fused_projections"] = fused
     from flexgemma.model.lora import attach_lora
 
-    r = resolve(cfg, param.device)
     lora = attach_lora(hf_model, cfg.lora, r.lora_merge)
     return assemble_engine(cfg, hf_model, tokenizer, info, lora, r)

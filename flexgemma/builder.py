@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 from typing import Optional
@@ -10,11 +12,11 @@ import torch
 from omegaconf import DictConfig
 
 from flexgemma.compiled import CompileCounter, compile_fn
-from flexgemma.config import Config, ConfigError, validate
+from flexgemma.config import Config, ConfigError
 from flexgemma.engine.block_mask import MaskBuilder
 from flexgemma.engine.engine import Engine
 from flexgemma.engine.kv_cache import KVCache, PoolDemand
-from flexgemma.engine.cuda_graphs import DecodeGraphs, attention_row_sizes, resolve_buckets
+from flexgemma.engine.cuda_graphs import DecodeGraphs, resolve_buckets
 from flexgemma.engine.runner import ModelRunner
 from flexgemma.engine.sampler import InvariantSampler, sample
 from flexgemma.engine.warm import eager_decode_steps, warm_up
@@ -109,29 +111,28 @@ def _refuse_if_too_large(cfg: Config, device: torch.device) -> None:
 
 def build_engine(cfg=None, demand: PoolDemand = PoolDemand(), *, model: Optional[str] = None,
                  quant: Optional[str] = None, lora: Optional[str] = None, **overrides) -> Engine:
-    """Builds the engine a composed config describes (see flexgemma.compose); `demand` sizes the KV
-    pool on a GPU (the run orchestrator passes its workload's).
+    """Builds the engine a config describes: the typed Config of flexgemma.compose (or a composed
+    DictConfig, typed here once); `demand` sizes the KV pool on a GPU (the run orchestrator passes
+    its workload's).
 
     Or from Python arguments, composed like the CLI's overrides (the caller's Hydra state is left
     alone): build_engine(model="e2b", quant="bnb4", lora="r16", device="cpu", **{"kv.page_size": 8});
     a key may also spell dots as double underscores (engine__max_batch_size=16)."""
-    if not isinstance(cfg, DictConfig):
-        from flexgemma.overrides import engine_config
+    from flexgemma.compose import to_config
+    from flexgemma.overrides import engine_config
 
-        if isinstance(cfg, str):  # build_engine("tiny")
-            model, cfg = model or cfg, None
-        if cfg is not None:
-            raise TypeError(f"build_engine takes a composed config (DictConfig) or keyword arguments, got {cfg!r}")
+    if isinstance(cfg, str):  # build_engine("tiny")
+        model, cfg = model or cfg, None
+    if cfg is None:
         cfg = engine_config(model=model, quant=quant, lora=lora, **overrides)
+    elif not isinstance(cfg, (Config, DictConfig)):
+        raise TypeError(f"build_engine takes a config (flexgemma.compose) or keyword arguments, got {cfg!r}")
     elif model or quant or lora or overrides:
-        raise TypeError("build_engine: give either a composed config or keyword arguments, not both")
-    return _build_from_config(cfg, demand)
+        raise TypeError("build_engine: give either a config or keyword arguments, not both")
+    return _build_from_config(to_config(cfg), demand)
 
 
-def _build_from_config(cfg: DictConfig, demand: PoolDemand) -> Engine:
-    from flexgemma.compose import ensure_model
-
-    cfg = validate(ensure_model(cfg))  # typed once: every group has checked itself
+def _build_from_config(cfg: Config, demand: PoolDemand) -> Engine:
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     r = resolve(cfg, device)  # every auto decided here, before anything is built
@@ -140,7 +141,7 @@ def _build_from_config(cfg: DictConfig, demand: PoolDemand) -> Engine:
     # quantisation: quant=bnb4 quantises inside build_model, module by module as weights are made or
     # loaded (never the whole bf16 model on the device); info gets quant/fraction_4bit
     model, tokenizer, info = build_model(cfg.model, device, quant_cfg=cfg.quant)
-    if cfg.engine.fuse_projections:  # before peft wraps the modules: adapters then merge into the fused rows
+    if r.kernels.fuse_projections:  # before peft wraps the modules: adapters then merge into the fused rows
         info["fused_projections"] = fuse_projections(model)
     # LoRA
     lora = attach_lora(model, cfg.lora, r.lora_merge)  # merged into the weights before the KV pool and graphs
@@ -151,26 +152,25 @@ def _forward(cfg, r: Resolved, model, spec: ModelSpec, cache: KVCache, max_len: 
              lora, info: dict) -> GemmaForward:
     """The model's forward with the resolved kernels (attention, MoE, 4-bit projections), or with the
     batch-invariant ones (engine.batch_invariant)."""
-    invariant = None
-    if r.batch_invariant:
+    if not r.batch_invariant:
+        attention = AttentionKernels(r.attention_backend, r.kernels, counter=counter)
+        ops = make_ops(counter if r.compile else None, r.kernels)
+        forward = GemmaForward(model, spec, cache.pools, cfg.attn, max_len, attention, ops, lora, r.kernels)
+    else:
         from flexgemma.model.invariant.experts import InvariantExperts
-        from flexgemma.model.invariant.matmul import linear as invariant
+        from flexgemma.model.invariant.matmul import linear
 
-        kernels = InvariantAttentionKernels(cache.page_size)
-        ops = make_ops(counter if r.compile else None, "grouped_mm")
-        ops.experts_kernel = InvariantExperts()
+        attention = InvariantAttentionKernels(cache.page_size, r.kernels)
+        ops = make_ops(counter if r.compile else None, dataclasses.replace(r.kernels, moe="grouped_mm"))
+        ops.experts_kernel = InvariantExperts(r.kernels)
         if r.device.type == "cpu":
             for name, rows in ROW_ARGS.items():
                 setattr(ops, name, padded_rows(getattr(ops, name), rows))
-    else:
-        kernels = AttentionKernels(r.attention_backend, decode_rows=attention_row_sizes(cfg.engine.max_batch_size),
-                                   counter=counter)
-        ops = make_ops(counter if r.compile else None, r.moe_kernel)
-    forward = GemmaForward(model, spec, cache.pools, cfg.attn, max_len, kernels, ops, lora,
-                           linear4bit=r.linear4bit_kernel == "triton", invariant=invariant)
+        invariant = functools.partial(linear, k_chunk=r.kernels.invariant_k_chunk)
+        forward = GemmaForward(model, spec, cache.pools, cfg.attn, max_len, attention, ops, lora, r.kernels, invariant)
     if r.quantised:
         groups = forward.linear4bit_groups()
-        info.update({"linear4bit_kernel": r.linear4bit_kernel, "linear4bit_groups": len(groups),
+        info.update({"linear4bit_kernel": r.kernels.linear4bit, "linear4bit_groups": len(groups),
                      "quant/linear4bit_extra_bytes": sum(g.extra_bytes for g in groups)})
     return forward
 
@@ -198,7 +198,7 @@ def _engine_facts(runner: ModelRunner, spec: ModelSpec, dtype: torch.dtype, max_
         capture_seconds=graphs.capture_seconds if graphs else 0.0,
         cudagraph_buckets=list(graphs.buckets) if graphs else [],
         graph_pool_gib=graphs.pool_bytes / 2**30 if graphs else 0.0,
-        attention_decode_rows=list(runner.forward.kernels.decode_rows or []), attention_backend=r.attention_backend,
+        attention_decode_rows=list(r.kernels.decode_rows), attention_backend=r.attention_backend,
         # KV memory per token of context: every KV-writing layer (short contexts), and the full-attention
         # layers alone (what each token adds once the sliding layers hold their window); an 8-bit cache halves both
         kv_bytes_per_token=spec.kv_bytes_per_token(dtype.itemsize),
@@ -222,11 +222,12 @@ def assemble_engine(cfg, model, tokenizer, info: dict, lora, r: Resolved,
     forward = _forward(cfg, r, model, spec, cache, max_len, counter, lora, info)
     if lora is not None:
         info.update(lora.build_info())
-    masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len, invariant=r.batch_invariant)
+    masks = MaskBuilder(spec, cache, cfg.attn.q_block_size, max_len, r.kernels, invariant=r.batch_invariant)
     sample_fn = compile_fn(sample, counter) if use_compile else sample
     if r.batch_invariant:
         sample_fn = InvariantSampler(sample_fn)
-    runner = ModelRunner(forward, cache, masks, cfg.engine.max_batch_size, cfg.attn.q_block_size, sample_fn)
+    runner = ModelRunner(forward, cache, masks, cfg.engine.max_batch_size, cfg.attn.q_block_size, sample_fn,
+                         r.kernels)
     # the compiled glue is traced apart for one row (torch specialises a size of 1): under batch invariance
     # a lone decode row runs padded to two, so it meets the kernels every other batch meets
     runner.min_decode_rows = 2 if r.batch_invariant and use_compile and cfg.engine.max_batch_size > 1 else 1
@@ -239,7 +240,7 @@ def assemble_engine(cfg, model, tokenizer, info: dict, lora, r: Resolved,
                 page_size=cfg.kv.page_size, kv_pool_bytes=cache.nbytes, max_model_len=max_len,
                 async_decode=bool(cfg.engine.async_decode), prefix_cache=scheduler.prefix is not None)
     if any(s.moe for s in spec.layers):
-        info["moe_kernel"] = r.moe_kernel
+        info["moe_kernel"] = r.kernels.moe
     engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info)
     engine.compile_counter = counter
     engine.async_decode = bool(cfg.engine.async_decode)

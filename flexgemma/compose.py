@@ -1,5 +1,5 @@
-"""Where the configs live, Hydra's compose API with the same overrides as the CLI, and the
-embedded default model.
+"""Where the configs live, Hydra's compose API with the same overrides as the CLI, the embedded
+default model, and `to_config`: the one place a composed config becomes the typed Config.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from flexgemma.config import DEFAULT_MODEL, ConfigError, register_configs, validate
+from flexgemma.config import DEFAULT_MODEL, Config, ConfigError, check_moved_keys, register_configs, validate
 
 log = logging.getLogger("flexgemma")
 
@@ -39,6 +39,15 @@ def ensure_model(cfg: DictConfig) -> DictConfig:
         # the variant file sets only name and hf_config: model.dtype/seed/... overrides stay
         cfg.model = OmegaConf.merge(cfg.model, default)
     return cfg
+
+
+def to_config(cfg) -> Config:
+    """The typed Config of `cfg`: itself when typed already; a composed DictConfig (Hydra's, or one
+    composed by hand) with the embedded default model filled in, typed once (every group checks
+    itself, then the rules across groups; a ConfigError names the key)."""
+    if isinstance(cfg, Config):
+        return cfg
+    return validate(ensure_model(cfg))
 
 
 # config groups that are not in the defaults list (a model has no default variant, an experiment is
@@ -97,13 +106,15 @@ def _model_before_experiment(out: list[str]) -> list[str]:
     return out
 
 
-def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "config") -> DictConfig:
-    """Composes conf/ with Hydra's compose API, e.g. compose(["+model=tiny", "quant=bf16"])."""
+def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "config") -> Config:
+    """Composes conf/ with Hydra's compose API, e.g. compose(["+model=tiny", "quant=bf16"]), into the
+    typed Config (what build_engine and run_job take)."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     register_configs()
     overrides = normalise_overrides(overrides or [])
+    check_moved_keys(overrides)
     _check_model_override(overrides)
     check_extras(overrides)
     # a caller's own Hydra (an @hydra.main app, a notebook's initialize()) gets its state back
@@ -116,9 +127,7 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
     finally:
         original.hydra = saved
         GlobalHydra.set_instance(original)
-    cfg = ensure_model(cfg)
-    validate(cfg)
-    return cfg
+    return to_config(cfg)
 
 
 def _check_model_override(overrides: list[str]) -> None:

@@ -2,10 +2,10 @@
 
 Every key a user can set lives here once, with its type and default. Types and enum choices are
 checked by OmegaConf when Hydra composes; value rules that a type cannot express (powers of two, a
-ladder without holes) are checked by each group's `__post_init__`, and rules that span groups (a KV
-block equal to the page size) by `Config.__post_init__`. `validate(cfg)` turns the composed config
-into these typed dataclasses once, which runs every check; a failed one raises a `ConfigError`
-naming the key and what it accepts.
+ladder without holes) are checked by each group's `__post_init__`, and rules that span groups (a
+graph ladder that covers engine.max_batch_size) by `Config.__post_init__`. `validate(cfg)` turns the
+composed config into these typed dataclasses once (compose.to_config is where that happens), which
+runs every check; a failed one raises a `ConfigError` naming the key and what it accepts.
 """
 
 from __future__ import annotations
@@ -98,7 +98,6 @@ class LoraConfig:
     alpha: float = 16.0  # scale = alpha / rank
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     experts: bool = True  # MoE models (26B-A4B): also adapt experts.gate_up_proj / experts.down_proj
-    dropout: float = 0.0  # recorded for the peft config; dropout is the identity at inference
     seed: int = 0  # random init of A and B (peft would leave B = 0: an adapter that changes nothing)
     init_std_b: float = 0.01  # std of the random B; A ~ N(0, 1/in_features)
     adapter_names: list[str] = field(default_factory=lambda: ["default"])  # >1: all active, deltas summed
@@ -117,8 +116,6 @@ class LoraConfig:
     def _check_adapter(self) -> None:
         if not self.alpha > 0:
             raise ConfigError(f"lora.alpha={self.alpha} is invalid: it must be > 0 (the scale is alpha / rank)")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"lora.dropout={self.dropout} is invalid: allowed [0, 1)")
         names = list(self.adapter_names)
         # peft finds adapters by name inside parameter keys: no dots, and no part of its "lora_" prefix
         if not names or len(set(names)) != len(names) or any(not n or "." in n or n in "lora_" for n in names):
@@ -152,14 +149,10 @@ class PhaseKernels(FlexKernel):
 @dataclass
 class AttnConfig:
     name: str = "default"
-    q_block_size: int = 128  # BlockMask query block for prefill
-    kv_block_size: int = 64  # BlockMask KV block; must equal kv.page_size
+    q_block_size: int = 128  # BlockMask query block for prefill (a KV block is one page: kv.page_size)
     backend: AttnBackend = AttnBackend.auto
     prefill: PhaseKernels = field(default_factory=PhaseKernels)
     decode: PhaseKernels = field(default_factory=PhaseKernels)
-    # a layer's new K (norm + RoPE) and V (norm) written into the pools by one compiled function per
-    # tensor instead of a norm kernel and an index_copy kernel each (a gain with the compiled glue only)
-    fused_kv_write: bool = False
 
     def __post_init__(self):
         _check_pow2("attn.q_block_size", self.q_block_size, 16, 1024)
@@ -229,16 +222,7 @@ class EngineConfig:
     warmup: bool = True
     compile: Optional[bool] = None  # torch.compile the fused norm/RoPE/activation glue and the sampler; null = GPU only
     # queue decode step N+1 before reading step N's tokens (host work overlaps the GPU; no sync a step)
-    async_decode: bool = True  # measured on the H200: +10% on the E2B speed workload (RESULTS.md, run 8a)
-    fuse_projections: bool = True  # one GEMM for q/k/v and one for gate/up (plain bf16/fp32 weights)
-    # routed experts at decode: triton (flexgemma/model/moe_kernel.py: two kernels a step, no sort, bf16
-    # or 4-bit experts read packed, and the router's top-k as one kernel; on a GPU; prefill-sized steps
-    # on torch's path), grouped_mm (torch's sort + grouped GEMM), or auto (triton on a GPU)
-    moe_kernel: str = "auto"
-    # 4-bit projections (quant=bnb4) at decode: triton (flexgemma/model/linear4bit.py: the projections of
-    # one input as one 4-bit matrix read packed by one kernel, an unmerged LoRA inside it; on a GPU),
-    # bnb (bitsandbytes' Linear4bit: dequantise + GEMM per module), or auto (triton on a GPU)
-    linear4bit_kernel: str = "auto"
+    async_decode: bool = True  # measured on the H200: +10% on the E2B speed workload
     # sleep()/wake() between RL rollouts (vLLM: enable_sleep_mode): on a GPU the KV pool is mapped with
     # CUDA virtual memory so wake() maps it back at the same addresses and keeps the decode graphs
     # (engine/vmm.py); off, wake() re-captures the graphs when the caching allocator moved the pool
@@ -255,10 +239,75 @@ class EngineConfig:
             raise ConfigError(f"engine.max_model_len={self.max_model_len} is invalid: at least 2")
         if self.max_prefill_tokens < 16:
             raise ConfigError(f"engine.max_prefill_tokens={self.max_prefill_tokens} is invalid: at least 16")
-        if self.moe_kernel not in ("auto", "grouped_mm", "triton"):
-            raise ConfigError(f"engine.moe_kernel={self.moe_kernel!r} is invalid: auto, grouped_mm or triton")
-        if self.linear4bit_kernel not in ("auto", "bnb", "triton"):
-            raise ConfigError(f"engine.linear4bit_kernel={self.linear4bit_kernel!r} is invalid: auto, bnb or triton")
+
+
+@dataclass
+class KernelsConfig:
+    """Which implementation computes each part of a step (conf/kernels/default.yaml). Every choice
+    computes the same maths (up to rounding); the defaults are what measured fastest on the H200
+    (experiments/RESULTS.md). resolve.resolve_kernels decides each `auto` for the device and hands
+    the result, a flexgemma.kernels.Kernels (this dataclass and the decode attention row counts), to
+    the constructors. A new key: a field here with its check and its line in
+    conf/kernels/default.yaml; resolve copies it over, and a constructor reads it from its Kernels."""
+
+    # routed experts at decode: triton (model/moe_kernel.py: two kernels a step, no sort, bf16 or 4-bit
+    # experts read packed, the router's top-k as one kernel; prefill-sized steps on torch's path),
+    # grouped_mm (torch's sort + grouped GEMM), or auto (triton on a GPU)
+    moe: str = "auto"
+    # 4-bit projections (quant=bnb4): triton (model/linear4bit.py: the projections of one input as one
+    # 4-bit matrix read packed by one kernel, an unmerged LoRA inside it), bnb (bitsandbytes' Linear4bit:
+    # dequantise + GEMM per module), or auto (triton on a GPU)
+    linear4bit: str = "auto"
+    # one GEMM for q/k/v and one for gate/up (plain bf16/fp32 weights, concatenated at build)
+    fuse_projections: bool = True
+    # a layer's new K (norm + RoPE) and V (norm) written into the pools by one compiled function per
+    # tensor instead of a norm kernel and an index_copy kernel each (a gain with the compiled glue only;
+    # 31B bf16 at 64 on the H200, with its preset's decode tiles: 1,874 tok/s against 1,778)
+    fused_kv_write: bool = False
+    # prefill masks list the pages a query block passes wholly as full blocks, which the flex kernel
+    # reads without the mask_mod (31B bf16's first 8,192-token prefill step on the H200: flex prefill
+    # attention 175.4 -> 154.4 ms; the round at 64, 1,789 -> 1,795 tok/s)
+    prefill_full_blocks: bool = True
+    # 4-bit steps of more rows than this dequantise the group once and run one GEMM instead of the
+    # Triton kernel (whose programs of 64 rows each decode their weights again): on the H200 the kernel
+    # won at 64 rows and lost 1.2-4.4x at 128-512 on every group but E2B's small q/k/v (31B bnb4 at 128
+    # rows: 1,335 tok/s with 64 against 991 with 512)
+    linear4bit_max_rows: int = 64
+    # how a 4-bit group dequantises (steps past linear4bit_max_rows, prefill): triton (one kernel,
+    # 3.6-4.0 TB/s on 31B's groups on the H200; 31B bnb4 at 128 rows 1,354 -> 1,708 tok/s) or bnb
+    # (bitsandbytes' op after torch decodes the 8-bit scales, 1.6-1.9 TB/s): the same weights bit for bit
+    linear4bit_dequant: str = "triton"
+    # MoE decode steps of more (token, choice) entries than this sort them by expert before the routed
+    # kernels, so a program reads only its own; fewer are matched in every program (H200, one bf16
+    # layer: matched 566 vs sorted 795 us at 64 rows; sorted 678-742 vs matched 732-943 at 128)
+    moe_sort_above: int = 512
+    # 4-bit experts at decode steps of more entries than this are dequantised into slots for the bf16
+    # kernels instead of decoded inside them (H200, one 26B-A4B bnb4 layer: fused 1,086 vs slots 1,575
+    # us at 128 rows, 1,886 vs 1,678 at 512)
+    moe_fused_max_entries: int = 2048
+    # how torch's path (prefill-sized steps) dequantises 4-bit experts: bnb (a gather, the scales decoded
+    # by torch, bitsandbytes' op) or triton (the slot kernel in one pass: 340 vs 658 us for 26B-A4B's
+    # 128 gate_up matrices on the H200, bit for bit; not yet timed through the engine)
+    moe_dequant: str = "bnb"
+    # engine.batch_invariant (model/invariant/): each sets a row's summation order, so each is part of the
+    # result (any value is batch-invariant): the K elements a product sums before adding the next chunk,
+    # the KV positions a decode program takes (prefill folds in the same chunks), the positions of one
+    # attention tile (at most the page)
+    invariant_k_chunk: int = 512
+    invariant_split_tokens: int = 256
+    invariant_block_n: int = 64
+
+    def __post_init__(self):
+        _check_choice("kernels.moe", self.moe, ("auto", "grouped_mm", "triton"))
+        _check_pow2("kernels.invariant_k_chunk", self.invariant_k_chunk, 16, 1 << 16)
+        _check_pow2("kernels.invariant_block_n", self.invariant_block_n, 16, 256)
+        _check_pow2("kernels.invariant_split_tokens", self.invariant_split_tokens, self.invariant_block_n, 1 << 20)
+        _check_choice("kernels.linear4bit", self.linear4bit, ("auto", "bnb", "triton"))
+        _check_choice("kernels.linear4bit_dequant", self.linear4bit_dequant, ("bnb", "triton"))
+        _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
+        for key in ("linear4bit_max_rows", "moe_sort_above", "moe_fused_max_entries"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"kernels.{key}={getattr(self, key)} is invalid: at least 0")
 
 
 @dataclass
@@ -361,6 +410,7 @@ class Config:
     kv: KVConfig = field(default_factory=KVConfig)
     cudagraph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -369,14 +419,8 @@ class Config:
     seed: int = 0  # engine seed for requests that bring none
 
     def __post_init__(self):
-        """The rules that span groups (each group has checked itself already). attn.kv_block_size
-        (by default ${kv.page_size}) is checked here, after kv.page_size named any error of its own."""
-        a, kv, eng, cg = self.attn, self.kv, self.engine, self.cudagraph
-        if a.kv_block_size != kv.page_size:
-            raise ConfigError(
-                f"attn.kv_block_size={a.kv_block_size} must equal kv.page_size={kv.page_size}: a KV block of the "
-                f"BlockMask is one page of the cache (set both, e.g. kv.page_size={a.kv_block_size})"
-            )
+        """The rules that span groups (each group has checked itself already)."""
+        eng, cg = self.engine, self.cudagraph
         if self.lora.merge and self.quant.method != "none":
             raise ConfigError(f"lora.merge=true needs bf16/fp32 base weights; with quant={self.quant.name} use "
                               "lora.merge=null/false")
@@ -392,8 +436,8 @@ class Config:
         if t.trainer_forward == "engine" and t.beta:
             raise ConfigError(f"task.beta={t.beta} needs a reference forward without the adapter, which "
                               "task.trainer_forward=engine does not run: use task.beta=0 or task.trainer_forward=transformers")
-        if t.trainer_forward == "engine" and a.fused_kv_write:
-            raise ConfigError("task.trainer_forward=engine computes K and V unfused: set attn.fused_kv_write=false")
+        if t.trainer_forward == "engine" and self.kernels.fused_kv_write:
+            raise ConfigError("task.trainer_forward=engine computes K and V unfused: set kernels.fused_kv_write=false")
         if cg.enabled and cg.buckets is not None and cg.buckets[-1] < eng.max_batch_size:
             raise ConfigError(
                 f"cudagraph.buckets={list(cg.buckets)} has a hole: batches of {cg.buckets[-1] + 1}.."
@@ -410,10 +454,39 @@ GROUP_SCHEMAS = {
     "kv": KVConfig,
     "cudagraph": CudaGraphConfig,
     "engine": EngineConfig,
+    "kernels": KernelsConfig,
     "workload": WorkloadConfig,
     "task": TaskConfig,
     "logger": LoggerConfig,
 }
+
+
+# keys that moved or went away: the old spelling is refused with what to write instead (Hydra's own
+# error would only say that the key is not in the struct)
+MOVED_KEYS = {
+    "engine.moe_kernel": "kernels.moe",
+    "engine.linear4bit_kernel": "kernels.linear4bit",
+    "engine.fuse_projections": "kernels.fuse_projections",
+    "attn.fused_kv_write": "kernels.fused_kv_write",
+}
+REMOVED_KEYS = {
+    "lora.dropout": "it was checked and never used: the engine generates without dropout, and a dropout in "
+                    "the trainer's peft modules would reach the projections but not the experts (peft's "
+                    "expert LoRA has none) nor the engine's samples; leave it out",
+    "attn.kv_block_size": "a KV block of the BlockMask is one page of the cache: set kv.page_size",
+}
+
+
+def check_moved_keys(overrides) -> None:
+    """Raises ConfigError for an override of a key that moved or went away, saying what to write."""
+    for o in overrides:
+        key, eq, value = str(o).partition("=")
+        key = key.lstrip("+~")
+        if eq and key in MOVED_KEYS:
+            new = MOVED_KEYS[key]
+            raise ConfigError(f"{key} moved to {new} (the kernels group): give {new}={value}")
+        if eq and key in REMOVED_KEYS:
+            raise ConfigError(f"{key} is no longer a key: {REMOVED_KEYS[key]}")
 
 
 def short_dirname(name: str, limit: int = 120) -> str:
@@ -449,6 +522,11 @@ def _is_pow2(x: int) -> bool:
 def _check_pow2(key: str, value: Optional[int], lo: int = 1, hi: int = 1 << 16) -> None:
     if value is not None and not (_is_pow2(value) and lo <= value <= hi):
         raise ConfigError(f"{key}={value} is invalid: it must be a power of two between {lo} and {hi}")
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is invalid: choose one of {', '.join(choices)}")
 
 
 def _check_kernel(prefix: str, k: Any) -> None:

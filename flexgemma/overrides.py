@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from omegaconf import DictConfig
 
 
 def _value(v) -> str:
@@ -32,7 +31,7 @@ def override_list(model: Optional[str] = None, quant: Optional[str] = None, lora
 
 
 def engine_config(model: Optional[str] = None, quant: Optional[str] = None, lora: Optional[str] = None,
-                  **overrides) -> DictConfig:
+                  **overrides):
     from flexgemma.compose import compose
 
     return compose(override_list(model, quant, lora, **overrides))

@@ -1,17 +1,19 @@
 """resolve(cfg, device): every `auto` of a config turned into what runs on this device, once.
 
-The builder reads these values and nothing below it decides `auto` again. A choice that cannot run
-here (triton without Triton, or off the GPU) is a ConfigError naming the key.
+The builder reads these values and nothing below it decides `auto` again; the kernel choices go to
+the constructors as one `kernels.Kernels`. A choice that cannot run here (triton without Triton, or
+off the GPU) is a ConfigError naming the key.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from flexgemma.config import ConfigError, validate_kernels
+from flexgemma.config import ConfigError, KernelsConfig, validate_kernels
+from flexgemma.kernels import Kernels, attention_row_sizes
 from flexgemma.model.load import model_dtype
 
 
@@ -19,10 +21,9 @@ from flexgemma.model.load import model_dtype
 class Resolved:
     device: torch.device
     dtype: torch.dtype  # the model's compute dtype (model.dtype)
-    attention_backend: str  # flex | flex_eager | dense (attn.backend)
+    attention_backend: str  # flex | flex_eager | dense (attn.backend), or invariant (engine.batch_invariant)
     compile: bool  # torch.compile the glue and the sampler (engine.compile)
-    moe_kernel: str  # triton | grouped_mm (engine.moe_kernel)
-    linear4bit_kernel: str  # triton | bnb (engine.linear4bit_kernel; bnb without quant=bnb4)
+    kernels: Kernels  # the kernels group, decided for this device, and the decode attention row counts
     quantised: bool  # quant.method is not none
     lora_merge: bool  # merge LoRA into the weights (lora.merge; null: merged unless 4-bit)
     batch_invariant: bool = False  # engine.batch_invariant: the kernels of model/invariant
@@ -38,14 +39,16 @@ def resolve_device(name) -> torch.device:
 
 
 def resolve(cfg, device: torch.device) -> Resolved:
-    """`cfg` a composed (DictConfig) or typed (config.Config) config; `device` from resolve_device."""
+    """`cfg` the typed config (config.Config); `device` from resolve_device."""
     backend = str(getattr(cfg.attn.backend, "value", cfg.attn.backend))
-    if backend == "auto":
+    invariant = bool(cfg.engine.batch_invariant)
+    if invariant:  # one attention kernel for both phases (model/invariant/attention.py): no flex tiles
+        backend = "invariant"
+    elif backend == "auto":
         backend = "flex" if device.type == "cuda" else "dense"
     if backend == "flex":
         validate_kernels(cfg)  # the compiled kernels' tiles must fit the pages (the eager paths have none)
     quantised = cfg.quant is not None and cfg.quant.method != "none"
-    invariant = bool(getattr(cfg.engine, "batch_invariant", False))
     if invariant and device.type == "cuda" and int(cfg.kv.page_size) < 16:
         raise ConfigError(f"engine.batch_invariant=true on a GPU needs kv.page_size >= 16 (the attention kernel's "
                           f"smallest tile), got {cfg.kv.page_size}")
@@ -54,13 +57,24 @@ def resolve(cfg, device: torch.device) -> Resolved:
         dtype=model_dtype(cfg.model, cfg.quant, device),
         attention_backend=backend,
         compile=bool(cfg.engine.compile) if cfg.engine.compile is not None else device.type == "cuda",
-        moe_kernel=kernel_choice("moe_kernel", str(cfg.engine.moe_kernel), "grouped_mm", device),
-        linear4bit_kernel=kernel_choice("linear4bit_kernel", str(cfg.engine.linear4bit_kernel), "bnb", device)
-        if quantised else "bnb",
+        kernels=resolve_kernels(cfg.kernels, device, backend, int(cfg.engine.max_batch_size), quantised),
         quantised=quantised,
         lora_merge=(not quantised) if cfg.lora.merge is None else bool(cfg.lora.merge),
         batch_invariant=invariant,
     )
+
+
+def resolve_kernels(k: KernelsConfig, device: torch.device, backend: str, max_batch_size: int,
+                    quantised: bool) -> Kernels:
+    """The kernels group as the constructors read it: each key copied over, `auto` decided for
+    `device`, and the row counts flex decode attention is compiled at (flex only)."""
+    values = {f.name: getattr(k, f.name) for f in fields(KernelsConfig)}
+    values.update(
+        moe=kernel_choice("moe", str(k.moe), "grouped_mm", device),
+        linear4bit=kernel_choice("linear4bit", str(k.linear4bit), "bnb", device) if quantised else "bnb",
+        decode_rows=tuple(attention_row_sizes(max_batch_size)) if backend == "flex" else (),
+    )
+    return Kernels(**values)
 
 
 def _triton_available() -> bool:
@@ -72,15 +86,15 @@ def _triton_available() -> bool:
 
 
 def kernel_choice(option: str, value: str, torch_name: str, device: torch.device) -> str:
-    """engine.<option> resolved: auto is the Triton kernels on a GPU (measured faster on the H200,
+    """kernels.<option> resolved: auto is the Triton kernels on a GPU (measured faster on the H200,
     experiments/RESULTS.md), `torch_name` elsewhere; triton where Triton cannot run is an error."""
     if value == "auto":
         return "triton" if device.type == "cuda" and _triton_available() else torch_name
     if value == "triton":
         if not _triton_available():
-            raise ConfigError(f"engine.{option}=triton needs the triton package (it comes with CUDA builds of "
-                              f"torch): use engine.{option}={torch_name}")
+            raise ConfigError(f"kernels.{option}=triton needs the triton package (it comes with CUDA builds of "
+                              f"torch): use kernels.{option}={torch_name}")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError(f"engine.{option}=triton runs on a GPU, not on {device.type} (the tests run it "
-                              f"there through TRITON_INTERPRET=1): use engine.{option}={torch_name}")
+            raise ConfigError(f"kernels.{option}=triton runs on a GPU, not on {device.type} (the tests run it "
+                              f"there through TRITON_INTERPRET=1): use kernels.{option}={torch_name}")
     return value

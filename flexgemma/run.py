@@ -1,7 +1,9 @@
-"""One job: validate, build the engine, run the task on the workload, record and print the results.
+"""One job: type the config, build the engine, run the task on the workload, record and print the
+results.
 
 `hydra_task` is the Hydra task function of `python -m flexgemma` (a single run, and every job of
-a multirun); `run_job` is the job itself and needs no Hydra.
+a multirun); `run_job` is the job itself and needs no Hydra. The config is typed once, inside the
+job (so an invalid one is recorded as such); the engine and the tasks read the typed Config.
 
 A job ends in one of three states, written to its summary.json (and its W&B run):
 `ok`; `invalid` (a ConfigError: the configuration composes but cannot run, e.g. a sweep point
@@ -24,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flexgemma.builder import build_engine
 from flexgemma.compose import ensure_model
-from flexgemma.config import ConfigError, validate
+from flexgemma.config import Config, ConfigError, validate
 from flexgemma.tasks import bench, determinism, drift, grpo, parity
 from flexgemma.tasks.common import bounded
 from flexgemma.joblock import JobLock, JobLockedError
@@ -43,37 +45,40 @@ TASKS = {
 }
 
 
-def task_name(cfg: DictConfig) -> str:
+def task_name(cfg) -> str:
     return str(getattr(cfg.task.name, "value", cfg.task.name))
 
 
-def run_job(cfg: DictConfig, out_dir: str | Path, identity: Optional[dict] = None, raise_errors: bool = True) -> dict:
-    """Runs cfg.task into out_dir (summary.json, metrics.jsonl, config_resolved.yaml, W&B run).
+def run_job(cfg: Config | DictConfig, out_dir: str | Path, identity: Optional[dict] = None,
+            raise_errors: bool = True) -> dict:
+    """Runs cfg.task into out_dir (summary.json, metrics.jsonl, config_resolved.yaml, W&B run). `cfg`:
+    the typed Config (flexgemma.compose), or a composed DictConfig (Hydra's), typed inside the job.
 
     raise_errors: re-raise the job's error after recording it (a single run); False returns the
     summary with status invalid/failed instead (a sweep job). Raises JobLockedError, touching
     nothing, when another live process runs a job in out_dir."""
-    cfg = ensure_model(cfg)
+    typed = cfg if isinstance(cfg, Config) else None
+    cfg = OmegaConf.structured(cfg) if typed is not None else ensure_model(cfg)  # what the records hold
     out_dir = Path(out_dir)
     w = ranks.world()
     if w.size > 1:  # torchrun / accelerate launch: rank 0 alone writes the records (docs/grpo.md)
         ranks.check_task(task_name(cfg), w)
         ranks.use_rank_device(w)
         if not w.is_main:
-            return _run_locked(cfg, out_dir, identity, raise_errors, ranks.NullRecorder(cfg))
+            return _run_locked(cfg, typed, out_dir, identity, raise_errors, ranks.NullRecorder(cfg))
     lock = JobLock(out_dir)
     try:
         lock.acquire()
     except OSError as e:  # JobLockedError is not one: it propagates as it is
         raise unwritable(out_dir, e) from None
     try:
-        return _run_locked(cfg, out_dir, identity, raise_errors)
+        return _run_locked(cfg, typed, out_dir, identity, raise_errors)
     finally:
         lock.release()
 
 
-def _run_locked(cfg: DictConfig, out_dir: Path, identity: Optional[dict], raise_errors: bool,
-                recorder=None) -> dict:
+def _run_locked(cfg: DictConfig, typed: Optional[Config], out_dir: Path, identity: Optional[dict],
+                raise_errors: bool, recorder=None) -> dict:
     identity = identity or job_identity(cfg)
     task = task_name(cfg)
     env = environment()
@@ -83,13 +88,13 @@ def _run_locked(cfg: DictConfig, out_dir: Path, identity: Optional[dict], raise_
     error: Optional[BaseException] = None
     try:
         recorder.write_config()
-        typed = validate(cfg)  # the tasks read the typed config (each group checked itself)
-        records = check_workload(cfg)  # a bad prompts file or sampling setting fails before the model exists
+        typed = typed or validate(cfg)  # typed once: each group checked itself; the engine and tasks read it
+        records = check_workload(typed)  # a bad prompts file or sampling setting fails before the model exists
         t0 = time.perf_counter()
-        engine = build_engine(cfg, grpo.pool_demand(cfg) if task == "grpo" else pool_demand(cfg.workload))
+        engine = build_engine(typed, grpo.pool_demand(typed) if task == "grpo" else pool_demand(typed.workload))
         summary["build/seconds"] = time.perf_counter() - t0
         summary.update({f"engine/{k}": v for k, v in engine.info.items()})
-        workload = build_workload(cfg, engine, records)
+        workload = build_workload(typed, engine, records)
         summary["workload/prompts"] = len(workload.prompts)
         summary["workload/prompt_tokens"] = workload.num_prompt_tokens
         for module in TASKS[task]:
@@ -147,7 +152,6 @@ def hydra_task(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
-    cfg = ensure_model(cfg)
     if multirun:
         done = read_summary(out_dir)
         if done is not None and done.get("status") == "ok":
@@ -156,7 +160,7 @@ def hydra_task(cfg: DictConfig) -> float:
             print(f"\nflexgemma (finished before) {done.get('task')} on {done.get('model')}:\n{format_table(done)}")
             return objective(done, cfg)
     try:
-        summary = run_job(cfg, out_dir, identity=job_identity(cfg), raise_errors=not multirun)
+        summary = run_job(cfg, out_dir, raise_errors=not multirun)
     except JobLockedError as e:
         if not multirun:
             raise

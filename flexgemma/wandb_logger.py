@@ -39,8 +39,10 @@ class WandbRun:
         self.run = run
 
     @classmethod
-    def start(cls, cfg: DictConfig, out_dir: Path, identity: dict[str, Any],
+    def start(cls, cfg, out_dir: Path, identity: dict[str, Any],
               environment: dict[str, Any]) -> Optional["WandbRun"]:
+        """`cfg` the composed config (DictConfig) or the typed one (flexgemma.compose)."""
+        cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
         kind = logger_kind(cfg)
         if kind not in _MODES:
             return None

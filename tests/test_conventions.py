@@ -4,14 +4,13 @@ their model and refuse another; `--cfg job` shows the model that will run."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from flexgemma import ConfigError, compose
 from flexgemma.compose import normalise_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402 - the repository
 
 
 def test_model_with_and_without_plus_compose_alike():
@@ -55,4 +54,4 @@ def test_cfg_job_shows_the_model_that_will_run(tmp_path, args, model):
 @pytest.mark.parametrize("order", [["experiment=grpo_tiny", "model=tiny_moe"], ["model=tiny_moe", "experiment=grpo_tiny"]])
 def test_a_presets_model_keys_win_over_the_models_whichever_is_typed_first(order):
     cfg = compose(order)
-    assert cfg.model.name == "tiny_moe" and cfg.model.hf_config.initializer_range == 0.2
+    assert cfg.model.name == "tiny_moe" and cfg.model.hf_config["initializer_range"] == 0.2

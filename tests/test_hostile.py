@@ -54,7 +54,6 @@ def test_a_bad_lora_tensor_changes_nothing(lora_engine, bad, needle):
 
 
 # -- 5. a checkpoint's code never runs, asked or not -------------------------------------------------
-from test_workload import checkpoint_with_tokenizer  # noqa: E402,F401 - the fixture, reused
 
 from flexgemma.model.load import ModelLoadError, load_tokenizer  # noqa: E402
 
@@ -217,7 +216,7 @@ def test_adapter_files_that_cannot_be_parsed_name_the_file(lora_engine, tmp_path
 
 
 # -- 6. sweeps: one job's I/O failure, bad launcher options, a job directory in use -------------------
-from test_sweep import APP, APP_CONFIG, run_python  # noqa: E402
+from conftest import APP, APP_CONFIG, run_python  # noqa: E402
 
 from flexgemma.joblock import JobLock, JobLockedError, holder  # noqa: E402
 
@@ -406,7 +405,7 @@ def test_report_survives_any_swept_value(tmp_path):
     from PIL import Image
 
     from flexgemma.report import build_report
-    from test_report import BASE, cpu_summary, write_job
+    from conftest import BASE, cpu_summary, write_job
 
     sweep = tmp_path / "sweep"
     for n, v in enumerate(HOSTILE_VALUES):
@@ -440,8 +439,9 @@ print("RUN_OK")
 
 
 def _wandb_env(tmp_path: Path) -> dict:
+    from conftest import ROOT as root
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    root = Path(__file__).resolve().parents[1]
     env.update(PYTHONPATH=str(root), WANDB_CONFIG_DIR=str(tmp_path / "cfg"), WANDB_CACHE_DIR=str(tmp_path / "cache"),
                WANDB_DATA_DIR=str(tmp_path / "data"), WANDB_SILENT="true")
     return env

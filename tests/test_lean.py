@@ -5,9 +5,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402 - the repository
 
 
 def _python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:

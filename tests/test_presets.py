@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -13,7 +12,7 @@ from hydra.core.global_hydra import GlobalHydra
 from flexgemma.compose import conf_dir
 from flexgemma.config import register_configs
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402 - the repository
 
 
 def compose_with_hydra(overrides):

@@ -5,42 +5,11 @@ seeds, written to completions.jsonl."""
 import json
 
 import pytest
-import torch
-from omegaconf import OmegaConf
 
 from flexgemma import ConfigError, compose
 from flexgemma.run import run_job
 
 from conftest import SMALL
-
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start> {{ m['role'] }} {{ m['content'] }} <end> {% endfor %}"
-                 "{% if add_generation_prompt %}<start> model {% endif %}")
-
-
-@pytest.fixture(scope="module")
-def checkpoint_with_tokenizer(tmp_path_factory):
-    """A tiny Gemma-4 checkpoint (random weights) with a word-level tokenizer and a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import Gemma4ForCausalLM, PreTrainedTokenizerFast
-
-    from flexgemma.model.load import text_config_from_dict
-
-    path = tmp_path_factory.mktemp("ckpt_tok")
-    hf = OmegaConf.to_container(compose(["+model=tiny"]).model.hf_config)
-    torch.manual_seed(7)
-    Gemma4ForCausalLM(text_config_from_dict(hf)).save_pretrained(path)
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start>", "<end>"]
-    words = specials + ["user", "model", "hello", "world", "the", "cat", "sat", "on", "mat"]
-    words += [f"w{i}" for i in range(hf["vocab_size"] - len(words))]  # every id decodes to a word
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unk>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
-    return path
-
 
 def test_jsonl_prompts_with_the_checkpoints_tokenizer_and_n_samples(checkpoint_with_tokenizer, tmp_path):
     prompts = tmp_path / "prompts.jsonl"

@@ -24,14 +24,12 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexgemma.engine.kv_cache import KVCache, PageGroup
 from flexgemma.engine.sequence import Sequence
 from flexgemma.engine.staged import Staged
+from flexgemma.kernels import Kernels
 from flexgemma.model.invariant.attention import RowTable
 from flexgemma.model.spec import ModelSpec
 
 DECODE_Q_BLOCK = 128
 NO_SEQ = -2  # the document id of padding queries: matches no page owner (free pages are -1)
-# prefill masks list the pages a query block passes wholly as full blocks, which the kernel reads
-# without the mask_mod (False: every listed page partial, the form before 2026-12-02; an A/B knob)
-PREFILL_FULL_BLOCKS = True
 
 
 def make_mask_mod(group: PageGroup, q_seq: torch.Tensor, q_pos: torch.Tensor, q_row: torch.Tensor,
@@ -99,9 +97,12 @@ class MaskBuilder:
     position): `block_masks` and `prefill` then return those."""
 
     def __init__(self, spec: ModelSpec, cache: KVCache, q_block_size: int, max_model_len: int,
-                 invariant: bool = False):
+                 kernels: Kernels = Kernels(), invariant: bool = False):
         self.spec, self.cache = spec, cache
         self.invariant, self.max_model_len = invariant, max_model_len
+        # prefill masks list the pages a query block passes wholly as full blocks, read without the
+        # mask_mod (kernels.prefill_full_blocks; off: every listed page partial)
+        self.full_blocks = kernels.prefill_full_blocks
         self.page_size = cache.page_size
         self.q_block = q_block_size
         self.windows = {t: next(s.window for s in spec.layers if s.layer_type == t) for t in spec.layer_types}
@@ -235,7 +236,7 @@ class MaskBuilder:
             # list's strides (an illegal memory access on the H200 when they differed)
             width = 1 << max(1, max(len(x) for x in partial + full) - 1).bit_length()  # few widths: few recompiles
             nb, idx = self._block_arrays(partial, width)
-            full_nb, full_idx = self._block_arrays(full, width) if PREFILL_FULL_BLOCKS else (None, None)
+            full_nb, full_idx = self._block_arrays(full, width) if self.full_blocks else (None, None)
             masks[t] = BlockMask.from_kv_blocks(
                 nb, idx, full_nb, full_idx,
                 BLOCK_SIZE=(qb, self.page_size),
@@ -258,7 +259,7 @@ class MaskBuilder:
             # visit a listed block twice (its scores counted twice in the softmax)
             pages = list(dict.fromkeys(p for s, a, b in seg for p in page_span(group.pages_of(s), a, b, window, ps)))
             whole = set()
-            if PREFILL_FULL_BLOCKS and len(seg) == 1 and seg[0][2] - seg[0][1] + 1 == qb:
+            if self.full_blocks and len(seg) == 1 and seg[0][2] - seg[0][1] + 1 == qb:
                 s, a, b = seg[0]
                 lo = first_page(a, window, ps)
                 whole = {p for i, p in enumerate(page_span(group.pages_of(s), a, b, window, ps), start=lo)

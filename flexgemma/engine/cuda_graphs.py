@@ -13,8 +13,6 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter
-from typing import Optional
-
 import torch
 
 # cudagraph=auto: the ladder from engine.max_batch_size. Dense where a step's time grows with its
@@ -41,26 +39,6 @@ def auto_buckets(max_batch: int) -> list[int]:
 def resolve_buckets(buckets, max_batch: int) -> list[int]:
     """cudagraph.buckets as given, or the auto ladder when it is null."""
     return auto_buckets(max_batch) if buckets is None else [int(b) for b in buckets]
-
-
-# each row count flex decode attention is compiled at is this factor below the next (bench_batches.py
-# --attention-row-factor is an A/B: a step padded to more rows gets fewer KV splits a row, e.g. E4B at
-# 64 rows in a 128-row build ran 7.68 ms a step against 7.24 in a 64-row build; not yet separated)
-ATTENTION_ROW_FACTOR = 4
-
-
-def attention_row_sizes(max_batch: int, factor: Optional[int] = None, smallest: int = 16) -> list[int]:
-    """The row counts flex decode attention is compiled at: max_batch, then a quarter of it
-    (ATTENTION_ROW_FACTOR) each time down to `smallest` (512: 32, 128, 512; 64: 16, 64). A step pads
-    its queries to the next one up: at most 4x the rows, and two compiles (one per head_dim) a
-    size, not two per bucket."""
-    factor = ATTENTION_ROW_FACTOR if factor is None else factor
-    if factor < 2:
-        raise ValueError(f"attention row factor {factor}: at least 2")
-    sizes = [max_batch]
-    while sizes[-1] // factor >= smallest:
-        sizes.append(sizes[-1] // factor)
-    return sorted(sizes)
 
 
 class DecodeGraphs:

@@ -20,6 +20,7 @@ from flexgemma.engine.sampler import SamplingBatch, sample
 from flexgemma.engine.scheduler import StepPlan
 from flexgemma.engine.sequence import Sequence
 from flexgemma.engine.staged import Staged
+from flexgemma.kernels import Kernels
 from flexgemma.model.forward import GemmaForward
 
 
@@ -74,8 +75,8 @@ def host_rows(routing: Optional[torch.Tensor]) -> Optional[list]:
 
 class ModelRunner:
     def __init__(self, forward: GemmaForward, cache: KVCache, masks: MaskBuilder, max_batch: int, q_block: int,
-                 sample_fn: Optional[Callable] = None):
-        self.forward, self.cache, self.masks = forward, cache, masks
+                 sample_fn: Optional[Callable] = None, kernels: Kernels = Kernels()):
+        self.forward, self.cache, self.masks, self.kernels = forward, cache, masks, kernels
         self.device = cache.device
         self.q_block = q_block
         self.page_size = cache.page_size
@@ -83,8 +84,6 @@ class ModelRunner:
         self.decode_in = DecodeInputs(masks, max_batch, self.device)
         self._decode_masks: dict[int, dict] = {}  # rows -> BlockMasks over the persistent buffers
         self.sample_fn = sample_fn or sample  # the sampler, compiled on the GPU
-        # decode attention runs at one of a few fixed row counts when its kernel is compiled for them
-        self.attn_rows = forward.kernels.padded_rows
         self.graphs = None  # a cuda_graphs.DecodeGraphs once captured
         self.invariant = forward.invariant is not None  # engine.batch_invariant
         self.min_decode_rows = 1  # a decode step runs at least this many rows (the builder sets it)
@@ -177,7 +176,7 @@ class ModelRunner:
         d.ints.upload()
         d.floats.upload()
         # masks cover the rows attention runs at (its padding rows too)
-        self.masks.fill_decode(d.mask_buffers, seqs, self.attn_rows(rows))
+        self.masks.fill_decode(d.mask_buffers, seqs, self.kernels.padded_rows(rows))
         return needs_filter(seqs), greedy_only(seqs)
 
     def decode_masks(self, rows: int) -> dict:
@@ -190,7 +189,7 @@ class ModelRunner:
         return decode_step(
             self.forward, self.sample_fn, d.input_ids[:rows], d.positions[:rows],
             self._slots_by_type(d.slots[:rows], d.window_slots[:rows]),
-            self.decode_masks(self.attn_rows(rows)), d.temperature[:rows], d.top_k[:rows], d.top_p[:rows],
+            self.decode_masks(self.kernels.padded_rows(rows)), d.temperature[:rows], d.top_k[:rows], d.top_p[:rows],
             d.seed[:rows], greedy_only,
         )
 

@@ -67,7 +67,7 @@ def warm_params(n: int) -> list[SamplingParams]:
 def eager_decode_steps(runner) -> None:
     """An empty eager decode step at every row count decode attention runs at (flex: its compiled
     shapes), or at the runner's largest batch where attention takes any count (the compiled glue)."""
-    for rows in runner.forward.kernels.decode_rows or [runner.max_batch]:
+    for rows in runner.kernels.decode_rows or [runner.max_batch]:
         runner.fill_decode([], rows)
         runner.decode_step(rows)
 

@@ -5,7 +5,6 @@ KV write and the flex_attention call. The projections are the transformers modul
 
 from __future__ import annotations
 
-import bisect
 from typing import Any, Callable, Optional
 
 import torch
@@ -13,6 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexgemma.compiled import CompileCounter, compile_fn
+from flexgemma.kernels import Kernels
 from flexgemma.model.kv_pools import KVPools
 from flexgemma.model.projections import Projection
 from flexgemma.model.spec import LayerSpec
@@ -66,12 +66,12 @@ class PagedAttention:
     """One layer's attention: projections (as `projections.projection` runs them), fused norm +
     RoPE, the KV write and the attention kernel of the phase."""
 
-    def __init__(self, spec: LayerSpec, hf_attn, pools: KVPools, kernels: "AttentionKernels", ops, eps: float,
-                 options: dict[str, Optional[dict]], project: Callable[..., Projection], fused_kv_write: bool = False):
-        self.spec, self.m, self.pools, self.k, self.ops, self.eps = spec, hf_attn, pools, kernels, ops, eps
+    def __init__(self, spec: LayerSpec, hf_attn, pools: KVPools, attention: "AttentionKernels", ops, eps: float,
+                 options: dict[str, Optional[dict]], project: Callable[..., Projection], kernels: Kernels = Kernels()):
+        self.spec, self.m, self.pools, self.attention, self.ops, self.eps = spec, hf_attn, pools, attention, ops, eps
         self.options = options  # phase -> flex kernel options for this layer's head_dim
-        # attn.fused_kv_write: the K/V norms and the pool write as one compiled function (glue.kv_norm_write)
-        self.fused_kv_write = fused_kv_write
+        # kernels.fused_kv_write: the K/V norms and the pool write as one compiled function (glue.kv_norm_write)
+        self.fused_kv_write = kernels.fused_kv_write
         # the projections the layer uses: q, and k / v where it writes its own KV (one GEMM when fused)
         used = ["q_proj"] + (["k_proj"] if spec.writes_kv else []) + \
             (["v_proj"] if spec.writes_kv and not spec.k_eq_v else [])
@@ -98,9 +98,9 @@ class PagedAttention:
                 self.pools.write(s.index, k, v, slots[s.layer_type])  # each layer type's own slots
         kc, vc = self.pools.layer_kv(s.kv_source)
         if decode:
-            out = self.k.decode(q, kc, vc, mask, self.options["decode"])
+            out = self.attention.decode(q, kc, vc, mask, self.options["decode"])
         else:
-            out = self.k.prefill(q, kc, vc, mask, self.options["prefill"])
+            out = self.attention.prefill(q, kc, vc, mask, self.options["prefill"])
         return self.project_o(out.reshape(t, s.num_heads * s.head_dim))[0]
 
 
@@ -108,17 +108,15 @@ class AttentionKernels:
     """The attention calls of both phases for one backend.
 
     flex: compiled flex_attention; decode is compiled with a static batch (torch's flex *decoding*
-    kernel needs one) for each of a few row counts `decode_rows`, and a step pads its queries to the
-    smallest that holds them (padding rows list no pages, so their programs exit at once). Few
-    counts: few compiles; not one: a batch of 8 padded to 512 rows would also get the kernel's
-    split of the KV for 512 rows, one program a row, where 16 rows split each row's KV over many.
-    Prefill is compiled with a dynamic length. Other backends run at the batch they are given.
+    kernel needs one) for each of a few row counts (`kernels.decode_rows`), and a step pads its
+    queries to the smallest that holds them (padding rows list no pages, so their programs exit at
+    once). Few counts: few compiles; not one: a batch of 8 padded to 512 rows would also get the
+    kernel's split of the KV for 512 rows, one program a row, where 16 rows split each row's KV over
+    many. Prefill is compiled with a dynamic length. Other backends run at the batch they are given.
     """
 
-    def __init__(self, backend: str, decode_rows=None, counter=None):
-        self.backend = backend
-        rows = [decode_rows] if isinstance(decode_rows, int) else decode_rows
-        self.decode_rows = sorted(int(r) for r in rows) if backend == "flex" and rows else None
+    def __init__(self, backend: str, kernels: Kernels = Kernels(), counter=None):
+        self.backend, self.kernels = backend, kernels
         if backend == "flex":
             counter = counter or CompileCounter()
             self._decode = compile_fn(flex_attention, counter, dynamic=False)
@@ -126,20 +124,10 @@ class AttentionKernels:
         else:
             self._decode = self._prefill = attention_fn(backend)
 
-    def padded_rows(self, b: int) -> int:
-        """The row count a decode step of b queries runs attention at."""
-        if not self.decode_rows:
-            return b
-        i = bisect.bisect_left(self.decode_rows, b)
-        if i == len(self.decode_rows):
-            raise ValueError(f"a decode step of {b} rows: the attention kernels take at most {self.decode_rows[-1]} "
-                             "(engine.max_batch_size)")
-        return self.decode_rows[i]
-
     def decode(self, q, k, v, mask, options):
         """q [B, H, D] -> [B, H, D]: one query per sequence against the pool broadcast over B."""
         b = q.shape[0]
-        rows = self.padded_rows(b)
+        rows = self.kernels.padded_rows(b)
         if rows > b:
             q = F.pad(q, (0, 0, 0, 0, 0, rows - b))
         out = self._call(self._decode, "decode", q[:, :, None, :], k, v, mask, options)
@@ -177,11 +165,11 @@ class InvariantAttentionKernels:
     backend = "invariant"
     decode_rows = None
 
-    def __init__(self, page_size: int, options=None):
+    def __init__(self, page_size: int, kernels: Kernels = Kernels()):
         from flexgemma.model.invariant.attention import InvariantAttentionOptions
 
         self.page_size = page_size
-        self.options = options or InvariantAttentionOptions()
+        self.options = InvariantAttentionOptions(kernels.invariant_split_tokens, kernels.invariant_block_n)
 
     def padded_rows(self, b: int) -> int:
         return b

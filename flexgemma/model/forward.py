@@ -9,6 +9,7 @@ the compiled glue of glue.py over those modules' weights.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Optional
 
@@ -16,6 +17,7 @@ import torch
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask
 
+from flexgemma.kernels import Kernels
 from flexgemma.model.attention import AttentionKernels, PagedAttention, kernel_options, rope_tables
 from flexgemma.model.kv_pools import KVPools
 from flexgemma.model.moe import moe_block
@@ -25,29 +27,31 @@ from flexgemma.model.spec import ModelSpec
 
 class GemmaForward(torch.nn.Module):
     def __init__(self, hf_model, spec: ModelSpec, pools: KVPools, attn_cfg, max_len: int,
-                 kernels: AttentionKernels, ops, lora=None, linear4bit: bool = False, invariant=None,
+                 attention: AttentionKernels, ops, lora=None, kernels: Kernels = Kernels(), invariant=None,
                  project: Optional[Callable[..., Projection]] = None):
         super().__init__()
         self.hf = [hf_model]  # a list: not a submodule, so its parameters are listed once, by transformers
-        self.spec, self.pools, self.kernels, self.ops, self.attn_cfg = spec, pools, kernels, ops, attn_cfg
+        self.spec, self.pools, self.attention, self.ops, self.attn_cfg = spec, pools, attention, ops, attn_cfg
+        self.kernels = kernels
         self.layers = hf_model.model.layers
         self.eps = spec.rms_eps
         # engine.batch_invariant: the batch-invariant matrix product (model/invariant/matmul.py) that every
         # product of the forward runs through, the head's and the per-layer inputs' too; None: the usual ones
         self.invariant = invariant
         dtype = hf_model.model.embed_tokens.weight.dtype
-        # the fused K/V write is one call over the pools, which the CPU's invariant row padding cannot wrap
-        pools_on_gpu = hf_model.model.embed_tokens.weight.is_cuda
         # every projection of the model, as `projection` decides to run it (decided here, once):
-        # `lora` the engine's adapters or None; `linear4bit` 4-bit bases may run as one group
+        # `lora` the engine's adapters or None; 4-bit bases may run as one group (kernels.linear4bit)
         # (`project` given: the trainer's forward, model/trainable.py, with its own trainable projections)
-        make = project or functools.partial(projection, lora=lora, linear4bit=linear4bit, invariant=invariant)
+        make = project or functools.partial(projection, lora=lora, kernels=kernels, invariant=invariant)
         self.made: dict[tuple, Projection] = {}  # (id(owner), names) -> the projection running them
 
         def project(owner, names, fused=None):
             self.made[id(owner), tuple(names)] = made = make(owner, names, fused=fused)
             return made
 
+        # the fused K/V write is one call over the pools, which the CPU's invariant row padding cannot wrap
+        if invariant is not None and not hf_model.model.embed_tokens.weight.is_cuda:
+            kernels = dataclasses.replace(kernels, fused_kv_write=False)
         self.checkpoint_layers = False  # the trainer's forward recomputes each layer in the backward
         # MoE models: the last forward's routed experts, uint8 [rows whose head it returned, MoE layers, top-k]
         self.routing: Optional[torch.Tensor] = None
@@ -56,9 +60,9 @@ class GemmaForward(torch.nn.Module):
         self.replay: dict[int, torch.Tensor] = {}
         self.attn = [
             PagedAttention(
-                s, layer.self_attn, pools, kernels, ops, self.eps,
+                s, layer.self_attn, pools, attention, ops, self.eps,
                 {ph: kernel_options(getattr(attn_cfg, ph), s.head_dim, pools.block_size, dtype) for ph in ("prefill", "decode")},
-                project, fused_kv_write=attn_cfg.fused_kv_write and (invariant is None or pools_on_gpu),
+                project, kernels,
             )
             for s, layer in zip(spec.layers, self.layers)
         ]

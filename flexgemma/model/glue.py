@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from flexgemma.compiled import compile_fn
+from flexgemma.kernels import Kernels
 from flexgemma.model.moe import route
 
 
@@ -83,33 +84,22 @@ def final_logits(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-# how the glue is compiled: "all", every dimension symbolic (one graph per function, the default);
-# "auto", torch's automatic dynamic (a dimension turns symbolic once it has been seen to change, so
-# feature sizes stay constants). With every dimension symbolic, a kernel's flat index is divided by
-# a runtime feature size (Inductor's CPU code shows the divisor as a kernel argument): 31B's prefill
-# gelu x mul moved 1.3 TB/s on the H200. Not yet timed: bench_batches.py --glue-dynamic auto
-GLUE_DYNAMIC = "all"
-_DYNAMIC = {"all": True, "auto": None}
-
-
 # the per-row tensor arguments of each row-wise glue function (model/invariant/rows.py pads them)
 ROW_ARGS = {"rms_norm": (0,), "add_norm": (0, 1), "add_norm_norm": (0, 1), "norm_rope": (0, 2, 3),
             "gelu_mul": (0, 1), "final_logits": (0,), "moe_inputs": (0,), "route": (0,), "add_two_norms": (0, 2)}
 
 
-def make_ops(counter=None, moe_kernel: str = "grouped_mm") -> SimpleNamespace:
+def make_ops(counter=None, kernels: Kernels = Kernels()) -> SimpleNamespace:
     """The glue functions: compiled with `counter` as backend (GPU), or plain (the CPU reference);
-    and the routed experts' GEMMs (`experts_kernel`: None for torch's grouped GEMM)."""
+    and the routed experts' GEMMs (`experts_kernel`: None for torch's grouped GEMM, kernels.moe)."""
     fns = dict(rms_norm=rms_norm, add_norm=add_norm, add_norm_norm=add_norm_norm, norm_rope=norm_rope,
                kv_norm_write=kv_norm_write, gelu_mul=gelu_mul, final_logits=final_logits, moe_inputs=moe_inputs,
                route=route, add_two_norms=add_two_norms)
     if counter is not None:
-        if GLUE_DYNAMIC not in _DYNAMIC:
-            raise ValueError(f"glue.GLUE_DYNAMIC={GLUE_DYNAMIC!r}: one of {sorted(_DYNAMIC)}")
-        fns = {k: compile_fn(f, counter, dynamic=_DYNAMIC[GLUE_DYNAMIC]) for k, f in fns.items()}
+        fns = {k: compile_fn(f, counter) for k, f in fns.items()}
     fns["experts_kernel"] = None
-    if moe_kernel == "triton":  # the routed experts and the router's top-k as Triton kernels
+    if kernels.moe == "triton":  # the routed experts and the router's top-k as Triton kernels
         from flexgemma.model import moe_kernel as mk
 
-        fns["experts_kernel"], fns["route"] = mk.TritonExperts(), mk.route
+        fns["experts_kernel"], fns["route"] = mk.TritonExperts(kernels), mk.route
     return SimpleNamespace(**fns)

@@ -1,10 +1,10 @@
 """4-bit projections that read one input (q/k/v, gate/up, or one alone) as one 4-bit matrix, read
-packed by a Triton kernel at decode (`engine.linear4bit_kernel=triton`).
+packed by a Triton kernel at decode (`kernels.linear4bit=triton`).
 
 bitsandbytes' Linear4bit runs a batch of rows as a dequantise (4-bit bytes in, the whole bf16 matrix
 out) and a bf16 GEMM over that copy: per weight it moves 0.5 + 2 + 2 bytes where bf16 moves 2, in two
-launches a projection. On E2B at bs 64 that made a decode step 9.0 ms against bf16's 5.0
-(experiments/RESULTS.md, session 5). Here a group's modules are concatenated into one matrix (their
+launches a projection. On E2B at bs 64 on the H200 that made a decode step 9.0 ms against bf16's
+5.0. Here a group's modules are concatenated into one matrix (their
 bytes and block scales rebound as views of the group's, so nothing is stored twice) and a decode
 step multiplies its rows against the packed bytes directly, reading 0.5 bytes per weight: one
 kernel a group, each program one K step of one feature tile, and a second kernel that sums the
@@ -14,9 +14,9 @@ An unmerged LoRA adapter of the group rides in the same kernel: `lora.LowRankGro
 xa = x A^T for every member at once and passes a block-diagonal B, whose product the kernel adds
 to the tile before the single rounding.
 
-Steps of more than KERNEL_MAX_ROWS rows (large decode batches, prefill) dequantise the group once
-(a kernel here, bitsandbytes' weights bit for bit at twice the speed of its op; DEQUANT_KERNEL) and
-run one GEMM.
+Steps of more than `kernels.linear4bit_max_rows` rows (large decode batches, prefill) dequantise
+the group once (`kernels.linear4bit_dequant`: a kernel here, bitsandbytes' weights bit for bit at
+twice the speed of its op, or bitsandbytes' op) and run one GEMM.
 """
 
 from __future__ import annotations
@@ -28,25 +28,20 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from flexgemma.kernels import Kernels
 from flexgemma.model.quant import dequantize_blocks
 from flexgemma.model.triton4bit import code4, dequant_blocks, sum_rows
 
 NESTED_BLOCK = 256  # bitsandbytes double quantisation: one float32 scale per 256 block scales
-# the kernel takes steps of at most this many rows; more (RL decode batches, prefill) dequantise the
-# group once and run one GEMM. Each program of ROW_TILE rows decodes its weights again and writes
-# float32 partials for its rows, so the kernel's time grows with the rows and the dequantise's does
-# not: on the H200 the kernel won at 64 rows and lost 1.2-4.4x at 128-512 on every group timed but
-# E2B's small q/k/v (31B bnb4 at 128 rows: 1,335 tok/s against 991; experiments/RESULTS.md).
-# An A/B: bench_batches.py --linear4bit-max-rows
-KERNEL_MAX_ROWS = 64
-ROW_TILE = 64  # rows of one program: the tile the kernel was tuned at (128 and 256 were slower on the H200)
-# tile options: output features and K elements of a program. On the H200 (experiments/RESULTS.md,
-# session 5, bench_linear4bit.py) programs that looped over K steps ran at 0.03-0.1 TB/s whatever the
-# tiles; one 64 x 256 step a program (K split across programs, partials summed by a second kernel)
-# ran E2B's groups at bs 64 in 9.2 us (q/k/v; bitsandbytes' modules 33.6), 61.2 (double-wide
-# gate/up; 75.0) and 32.5 (double-wide down; 41.4), with LoRA r32 inside 14.1 / 71.3 / 41.5 (48.9 /
-# 92.4 / 53.6 for bitsandbytes' modules + LowRankGroup's addmms).
-TILES = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3)
+# the product kernel's tile: output features and K elements of a program, rows of a program, and K
+# steps a program. On the H200 (bench_linear4bit.py) programs that looped over K steps ran at 0.03-0.1
+# TB/s whatever the tiles; one 64 x 256 step a program (K split across programs, partials summed by a
+# second kernel) ran E2B's groups at bs 64 in 9.2 us (q/k/v; bitsandbytes' modules 33.6), 61.2
+# (double-wide gate/up; 75.0) and 32.5 (double-wide down; 41.4), with LoRA r32 inside 14.1 / 71.3 /
+# 41.5 (48.9 / 92.4 / 53.6 for bitsandbytes' modules + LowRankGroup's addmms). Programs of 128 or 256
+# rows were slower than 64 at every size; 2 or 4 K steps a program saved 12-17% on three groups at 64
+# rows and cost 17% on the fourth, and were mostly slower at 8 and 32 rows (up to 2.1x).
+TILES = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, ROW_TILE=64, K_STEPS=1)
 
 
 # Shapes are runtime arguments, not constexprs: one compilation serves every group and batch of a
@@ -129,16 +124,11 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-# how a group dequantises (steps past KERNEL_MAX_ROWS, prefill): "triton", the kernel below, or "bnb",
-# bitsandbytes' op after torch decodes the 8-bit scales; the same weights bit for bit. On the H200
-# (experiments/RESULTS.md, sixth session) the kernel moved 3.6-4.0 TB/s on 31B's groups against the
-# op's 1.6-1.9 (31B's gate/up 145 vs 305 us) and took 31B bnb4 at 128 rows from 1,354 to 1,708 tok/s.
-# A/B: bench_batches.py --linear4bit-dequant bnb
-DEQUANT_KERNEL = "triton"
 # the dequantise kernel's options: bytes of one program (whole quantisation blocks) and warps. Best of
-# bench_dequant4bit.py's grid (1,024-8,192 bytes, 4 or 8 warps) summed over 31B's and E2B's groups.
-# A first version decoded a block's scale once per byte (four gathers a byte) and ran at 1.9 TB/s; a
-# table of code pairs (one 8-byte load a byte instead of a 4-byte load a nibble) was 15-25% slower.
+# bench_dequant4bit.py's grid (1,024-8,192 bytes, 4 or 8 warps) summed over 31B's and E2B's groups on
+# the H200. A first version decoded a block's scale once per byte (four gathers a byte) and ran at 1.9
+# TB/s; a table of code pairs (one 8-byte load a byte instead of a 4-byte load a nibble) was 15-25%
+# slower.
 DEQUANT_TILES = dict(BYTES=2048, num_warps=4)
 
 
@@ -201,11 +191,13 @@ class Linear4bitGroup:
     8-bit when each member's block count is a multiple of 256 (true of Gemma-4's shapes), with one
     offset per 256-block; otherwise they are decoded to float32 (0.5 bit a weight more)."""
 
-    def __init__(self, modules: list):
+    def __init__(self, modules: list, kernels: Kernels = Kernels()):
         why = groupable(modules)
         if why is not None:
             raise ValueError(f"Linear4bitGroup: {why}")
         self.modules = list(modules)
+        # steps of more rows dequantise the group and run one GEMM, by this way (kernels.linear4bit_*)
+        self.max_rows, self.dequant = kernels.linear4bit_max_rows, kernels.linear4bit_dequant
         qs = [m.weight.quant_state for m in modules]
         self.quant_type, self.block_size, self.dtype = qs[0].quant_type, qs[0].blocksize, qs[0].dtype
         self.in_features = modules[0].in_features
@@ -260,30 +252,27 @@ class Linear4bitGroup:
         return self.nested_code[self.absmax.long()] * per_block(self.nested_absmax) + per_block(self.nested_offset)
 
     def dequantize(self) -> torch.Tensor:
-        """[out, in] weights in the compute dtype, by DEQUANT_KERNEL's way."""
-        if DEQUANT_KERNEL == "triton":
-            return self.dequantize_triton()
-        if DEQUANT_KERNEL == "bnb":
-            return self.dequantize_bnb()
-        raise ValueError(f"linear4bit.DEQUANT_KERNEL={DEQUANT_KERNEL!r}: bnb or triton")
+        """[out, in] weights in the compute dtype, the way kernels.linear4bit_dequant names."""
+        return self.dequantize_triton() if self.dequant == "triton" else self.dequantize_bnb()
 
-    def dequantize_triton(self) -> torch.Tensor:
+    def dequantize_triton(self, tiles: Optional[dict] = None) -> torch.Tensor:
         """The weights by one Triton kernel, each program whole quantisation blocks whose scales it
         decodes once (bitsandbytes' op, after torch decodes the 8-bit scales, took twice as long on
-        31B's groups: RESULTS.md)."""
+        31B's groups on the H200). `tiles` override DEQUANT_TILES (BYTES, num_warps)."""
         n = self.packed.numel()
         if 2 * n >= 2 ** 31:  # the kernel indexes weights in int32
             raise ValueError(f"Linear4bitGroup.dequantize_triton: {2 * n:,} weights in one group; the kernel takes "
-                             f"fewer than 2**31 (use linear4bit.DEQUANT_KERNEL='bnb')")
+                             f"fewer than 2**31 (use kernels.linear4bit_dequant=bnb)")
+        tiles = {**DEQUANT_TILES, **(tiles or {})}
         out = torch.empty(2 * n, dtype=self.dtype, device=self.packed.device)
         dq = self.double_quant
         q = self.block_size
-        blocks = max(1, DEQUANT_TILES["BYTES"] // (q // 2))  # a power of two: q and BYTES are
+        blocks = max(1, tiles["BYTES"] // (q // 2))  # a power of two: q and BYTES are
         n_blocks = 2 * n // q
         _dequant_4bit_kernel[(triton.cdiv(n_blocks, blocks),)](
             self.packed, self.absmax, self.code, self.nested_code if dq else self.absmax,
             self.nested_absmax if dq else self.absmax, self.nested_offset if dq else self.absmax, out, n_blocks,
-            QBLOCK=q, NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCKS=blocks, num_warps=DEQUANT_TILES["num_warps"],
+            QBLOCK=q, NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCKS=blocks, num_warps=tiles["num_warps"],
             enable_fp_fusion=False)  # the scale's multiply and add rounded apart, as torch's ops round them
         return out.view(self.out_features, self.in_features)
 
@@ -297,7 +286,7 @@ class Linear4bitGroup:
         """x [T, in] -> [T, out] = x W^T (+ xa b^T: an unmerged LoRA's rank-space rows [T, R] and its
         block-diagonal B [out, R])."""
         t = x.shape[0]
-        if t > KERNEL_MAX_ROWS or t == 0:
+        if t > self.max_rows or t == 0:
             y = F.linear(x, self.dequantize())
             return y if xa is None else torch.addmm(y, xa, b.t())
         if x.dtype != self.dtype:
@@ -313,14 +302,14 @@ class Linear4bitGroup:
         # K steps a program: the most that divide K's steps, up to K_STEPS (each program along K writes
         # a float32 partial per row and feature, which at 64 rows outweigh 31B's 4-bit weights)
         steps = k // block_k
-        k_steps = max(d for d in range(1, max(1, tiles.get("K_STEPS", 1)) + 1) if steps % d == 0)
+        k_steps = max(d for d in range(1, max(1, tiles["K_STEPS"]) + 1) if steps % d == 0)
         split = steps // k_steps
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
         dst = out if split == 1 else torch.empty(t * split, n, dtype=torch.float32, device=x.device)
         dq = self.double_quant
         lora = xa is not None
         r = xa.shape[1] if lora else 0
-        block_m = min(tiles.get("ROW_TILE", ROW_TILE), max(16, triton.next_power_of_2(t)))
+        block_m = min(tiles["ROW_TILE"], max(16, triton.next_power_of_2(t)))
         _linear_4bit_kernel[(n_tiles, split, triton.cdiv(t, block_m))](
             x_ptr=x, w_ptr=self.packed, absmax_ptr=self.absmax, code_ptr=self.code,
             ncode_ptr=self.nested_code if dq else self.absmax, nabsmax_ptr=self.nested_absmax if dq else self.absmax,
@@ -338,8 +327,8 @@ class Linear4bitGroup:
         return list(self.matmul(x).split(self.splits, dim=-1))
 
 
-def group_or_none(modules: list) -> Optional[Linear4bitGroup]:
+def group_or_none(modules: list, kernels: Kernels = Kernels()) -> Optional[Linear4bitGroup]:
     """A Linear4bitGroup of `modules` (each a Linear4bit, or a peft wrapper around one), or None
     where they cannot form one."""
     bases = [m.get_base_layer() if hasattr(m, "get_base_layer") else m for m in modules]
-    return Linear4bitGroup(bases) if groupable(bases) is None else None
+    return Linear4bitGroup(bases, kernels) if groupable(bases) is None else None

@@ -65,7 +65,7 @@ def experts_grouped(
     """x [T, H]; top_k_* [T, K]; gate_up [E, 2I, H]; down [E, H, I] -> [T, H].
 
     gate_up / down are tensors (bf16, fp32) or packed 4-bit weights with `.dequantize(ids)`.
-    kernel: moe_kernel.TritonExperts (engine.moe_kernel=triton), which takes the steps it can (decode
+    kernel: moe_kernel.TritonExperts (kernels.moe=triton), which takes the steps it can (decode
     sized, bf16/fp16) whole, over the weights as stored; the rest (and kernel=None) run here: rows
     sorted by expert, torch's grouped GEMM (4-bit experts dequantised first)."""
     if kernel is not None and kernel.takes(x, top_k_index, act, gate_up, down):

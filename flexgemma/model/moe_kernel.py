@@ -1,4 +1,4 @@
-"""Triton kernels for 26B-A4B's routed experts at decode (`engine.moe_kernel=triton`).
+"""Triton kernels for 26B-A4B's routed experts at decode (`kernels.moe=triton`).
 
 At decode, rows spread thin: bs 8 routes 64 (token, choice) entries to ~52 of 128 experts, one or
 two each. torch's path sorts rows by expert (argsort, counts, cumsum, a gather), runs two grouped
@@ -14,20 +14,19 @@ kernels per layer around two GEMMs that read the weights at 1.6-2.7 TB/s on the 
 - the K choices of each token summed and cast (one small kernel).
 
 Experts with no entries exit at once. Weights are read in their stored [E, N, K] layout. Steps of
-more than ROUTED_MAX_ENTRIES entries (RL batches past 64 rows) sort their entries by expert first,
-so a program reads only its own; prefill-sized steps (many rows per expert) stay on torch's grouped
-GEMM.
+more than `kernels.moe_sort_above` entries (RL batches past 64 rows) sort their entries by expert
+first, so a program reads only its own; prefill-sized steps (many rows per expert) stay on torch's
+grouped GEMM.
 
 4-bit experts (`quant.PackedExpertWeight`) are read as packed bytes by the same two kernels: a K step
 is one quantisation block, whose bytes meet the rows' even and odd elements (high and low nibbles)
 in two products, the block's scale applied to the products: on the H200, 466 / 756 us a layer at
-bs 8 / 32, 1.9-2.8x faster than torch's dequantise + grouped GEMM (experiments/RESULTS.md, session
-4; a 4-bit value decoded by a table load beat a tree of selects). A first version (session 3) ran
-at 0.05 TB/s; it addressed the bytes through a division that hides their contiguity from Triton's
-analysis and scaled every weight (our reading, not profiled). Where a row is not whole blocks, the
+bs 8 / 32, 1.9-2.8x faster than torch's dequantise + grouped GEMM (a 4-bit value decoded by a table
+load beat a tree of selects). A form that addressed the bytes through a division (hiding their
+contiguity from Triton's analysis) and scaled every weight ran at 0.05 TB/s (our reading, not
+profiled). Where a row is not whole blocks, the
 experts a step routes to are dequantised into slots by a third kernel and the bf16 kernels read
-them through an expert -> slot map. A step may also take several blocks (PACKED_K), decoded into
-weights as bitsandbytes decodes them before one product: fewer, larger loads along K (not yet timed).
+them through an expert -> slot map.
 
 Imported only when selected: Triton is a GPU dependency (the CPU runs it only through Triton's
 interpreter, TRITON_INTERPRET=1, which the tests use).
@@ -42,8 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from flexgemma.kernels import Kernels
 from flexgemma.model.moe import route as torch_route, routed_experts
-from flexgemma.model.triton4bit import code4, code_values, dequant_blocks, nibble_dot, row_pairs, sum_rows
+from flexgemma.model.triton4bit import code4, dequant_blocks, nibble_dot, row_pairs, sum_rows
 
 BLOCK_M = 16  # entries of one expert per tile: tl.dot's smallest M (the default at up to 64 rows)
 
@@ -156,70 +156,17 @@ def _block_dot_4bit(a_even, a_odd, w_ptr, widx, rows, ok, k0, K: tl.constexpr, s
 
 
 @triton.jit
-def _packed_step(a_even, a_odd, w_ptr, widx, rows, ok, k0, K: tl.constexpr, stride_we, absmax_ptr, code_ptr,
-                 ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK: tl.constexpr,
-                 NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr, PACKED_K: tl.constexpr):
-    """a @ W[rows, k0:k0+PACKED_K].T for 4-bit expert widx, [BLOCK_M, len(rows)] float32. One
-    quantisation block a step (PACKED_K == QBLOCK): _block_dot_4bit. Several (PACKED_K a multiple of
-    QBLOCK; fewer, larger loads along K, as the dense 4-bit kernel reads): the weights decoded as
-    bitsandbytes dequantises them (float32 code x the block's scale, rounded to a's dtype), then
-    one product per nibble half."""
-    if PACKED_K == QBLOCK:
-        return _block_dot_4bit(a_even, a_odd, w_ptr, widx, rows, ok, k0, K, stride_we, absmax_ptr, code_ptr,
-                               ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
-                               DOUBLE_QUANT, SELECT)
-    else:
-        SCALES: tl.constexpr = PACKED_K // QBLOCK
-        HALF: tl.constexpr = PACKED_K // 2
-        n: tl.constexpr = rows.shape[0]
-        kb = k0 // 2 + tl.arange(0, HALF)
-        byte = tl.load(w_ptr + widx * stride_we + rows[:, None] * (K // 2) + kb[None, :], mask=ok[:, None],
-                       other=0).to(tl.int32)
-        blk = rows[:, None] * (K // QBLOCK) + (k0 // QBLOCK + tl.arange(0, SCALES))[None, :]  # [n, SCALES]
-        scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, blk, ok[:, None], stride_ae,
-                              stride_ne, NESTED, DOUBLE_QUANT)[:, :, None]
-        dt = a_even.dtype
-        hi = tl.reshape(tl.reshape(code_values(byte >> 4, code_ptr, SELECT), (n, SCALES, HALF // SCALES)) * scale,
-                        (n, HALF)).to(dt)
-        lo = tl.reshape(tl.reshape(code_values(byte & 15, code_ptr, SELECT), (n, SCALES, HALF // SCALES)) * scale,
-                        (n, HALF)).to(dt)
-        return tl.dot(a_even, tl.trans(hi)) + tl.dot(a_odd, tl.trans(lo))
-
-
-@triton.jit
-def _gate_up_range(rows_ptr, valid, w_ptr, widx, cols, ok, k_start, I: tl.constexpr, H: tl.constexpr, stride_we,
-                   absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne,
-                   QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
-                   PACKED_K: tl.constexpr, SPAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """float32 [BLOCK_M, BLOCK_N] products of rows (rows_ptr [BLOCK_M, 1]) with features `cols` of
-    4-bit expert widx's gate (rows [0, I) of gate_up) and up (rows [I, 2I)) over K in [k_start,
-    k_start + SPAN), PACKED_K elements a step (constant loop bounds: the start is added inside)."""
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for st in range(0, SPAN, PACKED_K):
-        k0 = k_start + st
-        a_even, a_odd = row_pairs(rows_ptr, k0, valid, PACKED_K)
-        acc_g += _packed_step(a_even, a_odd, w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr, code_ptr, ncode_ptr,
-                              nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT,
-                              PACKED_K)
-        acc_u += _packed_step(a_even, a_odd, w_ptr, widx, cols + I, ok, k0, H, stride_we, absmax_ptr, code_ptr,
-                              ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
-                              DOUBLE_QUANT, SELECT, PACKED_K)
-    return acc_g, acc_u
-
-
-@triton.jit
 def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr,
                       noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_x,
                       stride_we, stride_wn, stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr,
                       QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
                       SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PACKED_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr):
     """Program (e, j): for every (token, choice) routed to expert e, features [j*BLOCK_N, (j+1)*BLOCK_N)
     of act(x @ gate.T) * (x @ up.T), written at the entry's flat row of out [T*TOPK, I]. gate is rows
     [0, I) of the expert's gate_up, up rows [I, 2I): both tiles of a feature slice are read together.
     The expert's matrix is w[e], w[slots[e]] (4-bit experts dequantised into slots), or with PACKED
-    the 4-bit bytes of expert e themselves, decoded PACKED_K elements (whole quantisation blocks) a step."""
+    the 4-bit bytes of expert e themselves, decoded a quantisation block (QBLOCK elements) at a time."""
     expert = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
     offs, match, rank, start, count = _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED, NFLAT)
@@ -230,14 +177,19 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
     while m0 < count:
         flat, valid = _entry_tile(offs, match, rank, order_ptr, start, m0, count, SORTED, BLOCK_M)
         token = flat // TOPK
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if PACKED:
-            acc_g, acc_u = _gate_up_range(x_ptr + token[:, None] * stride_x, valid, w_ptr, widx, cols, cols < I, 0, I,
-                                          H, stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
-                                          stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT, PACKED_K, H,
-                                          BLOCK_M, BLOCK_N)
+            ok = cols < I
+            for k0 in range(0, H, QBLOCK):
+                a_even, a_odd = row_pairs(x_ptr + token[:, None] * stride_x, k0, valid, QBLOCK)
+                acc_g += _block_dot_4bit(a_even, a_odd, w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr,
+                                         code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK,
+                                         NESTED, DOUBLE_QUANT, SELECT)
+                acc_u += _block_dot_4bit(a_even, a_odd, w_ptr, widx, cols + I, ok, k0, H, stride_we, absmax_ptr,
+                                         code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK,
+                                         NESTED, DOUBLE_QUANT, SELECT)
         else:
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, H, BLOCK_K):
                 k = k0 + ks
                 a = tl.load(x_ptr + token[:, None] * stride_x + k[None, :],
@@ -255,64 +207,12 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
 
 
 @triton.jit
-def _routed_up_split_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, absmax_ptr, code_ptr, ncode_ptr,
-                            nabsmax_ptr, noffset_ptr, part_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr,
-                            stride_x, stride_we, stride_ae, stride_ne, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
-                            DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr, SORTED: tl.constexpr,
-                            NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACKED_K: tl.constexpr,
-                            SPLIT_K: tl.constexpr):
-    """The up kernel's 4-bit products with K split across programs: program (e, j, s) covers K range s
-    of SPLIT_K equal ranges (whole PACKED_K steps) and writes its float32 gate and up sums for expert
-    e's entries at part[s, flat, j-slice] and part[s, flat, I + j-slice]; _up_combine_kernel sums the
-    ranges in order and applies the activation. Many short programs instead of one long loop over K
-    per feature tile (the dense 4-bit kernel's lesson on the H200)."""
-    expert = tl.program_id(0)
-    split = tl.program_id(2)
-    offs, match, rank, start, count = _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED, NFLAT)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < I
-    span: tl.constexpr = H // SPLIT_K
-    m0 = 0
-    while m0 < count:
-        flat, valid = _entry_tile(offs, match, rank, order_ptr, start, m0, count, SORTED, BLOCK_M)
-        token = flat // TOPK
-        acc_g, acc_u = _gate_up_range(x_ptr + token[:, None] * stride_x, valid, w_ptr, expert, cols, ok, split * span,
-                                      I, H, stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
-                                      stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT, PACKED_K, span,
-                                      BLOCK_M, BLOCK_N)
-        row = part_ptr + (split * n_flat + flat[:, None]) * (2 * I)
-        inside = valid[:, None] & ok[None, :]
-        tl.store(row + cols[None, :], acc_g, mask=inside)
-        tl.store(row + I + cols[None, :], acc_u, mask=inside)
-        m0 += BLOCK_M
-
-
-@triton.jit
-def _up_combine_kernel(part_ptr, out_ptr, n_flat, I: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (f, j): out[f, j-slice] = act(gate) * up from the SPLIT_K float32 partial sums of
-    flat entry f, summed in order and rounded where the unsplit kernel rounds."""
-    f = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < I
-    g = tl.zeros((BLOCK,), dtype=tl.float32)
-    u = tl.zeros((BLOCK,), dtype=tl.float32)
-    for sp in tl.static_range(SPLIT_K):
-        row = part_ptr + (sp * n_flat + f) * (2 * I)
-        g += tl.load(row + cols, mask=ok, other=0.0)
-        u += tl.load(row + I + cols, mask=ok, other=0.0)
-    dt = out_ptr.dtype.element_ty
-    g = g.to(dt).to(tl.float32)
-    h = _gelu_tanh(g).to(dt).to(tl.float32) * u.to(dt).to(tl.float32)
-    tl.store(out_ptr + f * I + cols, h.to(dt), mask=ok)
-
-
-@triton.jit
 def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr,
                         nabsmax_ptr, noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, stride_we, stride_wn,
                         stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr, QBLOCK: tl.constexpr,
                         NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
                         SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PACKED_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr):
     """Program (e, j): out[f, j-slice] = (inter[f] @ down_e.T) x router weight of f, for every flat
     entry f routed to expert e; out is float32 [T*TOPK, H], summed over the choices afterwards. The
     weights as in the up kernel: plain, through slots, or PACKED 4-bit."""
@@ -328,11 +228,11 @@ def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if PACKED:
             ok = cols < H
-            for k0 in range(0, I, PACKED_K):
-                a_even, a_odd = row_pairs(inter_ptr + flat[:, None] * I, k0, valid, PACKED_K)
-                acc += _packed_step(a_even, a_odd, w_ptr, widx, cols, ok, k0, I, stride_we, absmax_ptr, code_ptr,
-                                    ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
-                                    DOUBLE_QUANT, SELECT, PACKED_K)
+            for k0 in range(0, I, QBLOCK):
+                a_even, a_odd = row_pairs(inter_ptr + flat[:, None] * I, k0, valid, QBLOCK)
+                acc += _block_dot_4bit(a_even, a_odd, w_ptr, widx, cols, ok, k0, I, stride_we, absmax_ptr, code_ptr,
+                                       ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
+                                       DOUBLE_QUANT, SELECT)
         else:
             for k0 in range(0, I, BLOCK_K):
                 k = k0 + ks
@@ -389,52 +289,15 @@ def route(scores: torch.Tensor, per_expert_scale: torch.Tensor, k: int) -> tuple
     return weights, index
 
 
-# the routed kernels read a decode step's whole routing in every program: up to this many (token,
-# choice) entries (bucket 64 x top-8); bigger steps up to KERNEL_MAX_ENTRIES (RL batches of 512 x
-# top-8) have their entries sorted by expert first (a stable argsort, counts, cumsum: three small
-# kernels) and each program reads only its own range; bigger still (prefill) go to torch's path.
-# H200, bf16 a layer: matched 566 vs sorted 795 us at 64 rows; at 128 rows sorted 678-742 vs
-# matched 732-943 (two runs; every program comparing 1,024 entries per tile)
-ROUTED_MAX_ENTRIES = 512
+# the routed kernels read a decode step's whole routing in every program up to kernels.moe_sort_above
+# (token, choice) entries; bigger steps up to KERNEL_MAX_ENTRIES (RL batches of 512 x top-8) have
+# their entries sorted by expert first (a stable argsort, counts, cumsum: three small kernels) and
+# each program reads only its own range; bigger still (prefill) go to torch's path.
 KERNEL_MAX_ENTRIES = 4096
-# tile options of the two kernels, from experiments/bench_moe_kernel.py on the H200 (session 4 grid:
-# up BLOCK_N 32 with down 128 was best or within noise of it at bs 8 and 32, 9-10% under 64/128)
+# tile options of the two kernels, from experiments/bench_moe_kernel.py's grid on the H200 (up BLOCK_N
+# 32 with down 128 was best or within noise of it at bs 8 and 32, 9-10% under 64/128)
 UP_TILES = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
 DOWN_TILES = dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
-
-
-# K elements of one step of the fused 4-bit kernels, whole quantisation blocks (None: one block, 64).
-# Several blocks a step read fewer, larger loads along K (the dense 4-bit groups' kernel form, whose
-# programs that looped over single blocks ran 3-7x slower on the H200); where a matrix's K is not a
-# multiple, its kernel keeps one block a step. Not yet timed on the GPU: bench_moe_kernel.py's 4-bit
-# grid, bench_batches.py --moe-up-packed-k / --moe-down-packed-k
-UP_PACKED_K: Optional[int] = None
-DOWN_PACKED_K: Optional[int] = None
-# the fused 4-bit up kernel's K (H) split across this many programs per feature tile (1: one program
-# loops over all of K), their float32 partial sums added in order by a second kernel. More programs,
-# shorter loops, at the price of writing and reading the partials (26B-A4B at 128 rows: 5.8 MB a
-# split against 254 MB of 4-bit gate/up bytes). Not yet timed: bench_moe_kernel.py's 4-bit grid,
-# bench_batches.py --moe-up-split-k
-UP_SPLIT_K = 1
-
-
-def packed_step(step: Optional[int], w, k: int) -> int:
-    """The K elements of a fused 4-bit step over matrix w (rows of k weights): `step` where it is whole
-    quantisation blocks dividing k, one block where it does not divide k (or is None)."""
-    qb = w.block_size
-    if step is None:
-        return qb
-    if step < qb or step % qb or step & (step - 1):
-        raise ValueError(f"PACKED_K={step}: a power of two and a multiple of the quantisation block ({qb})")
-    return step if k % step == 0 else qb
-
-
-def split_k_for(split: int, k: int, step: int) -> int:
-    """Programs along K for the fused up kernel: `split` where it divides the matrix's steps (k / step),
-    else 1 (one program loops over all of K)."""
-    if not isinstance(split, int) or split < 1:
-        raise ValueError(f"SPLIT_K={split!r}: a positive number of programs along K")
-    return split if (k // step) % split == 0 else 1
 
 
 def block_m_for(n_flat: int, experts: int, packed: bool) -> int:
@@ -451,27 +314,23 @@ def block_m_for(n_flat: int, experts: int, packed: bool) -> int:
 # packed bytes per program of the 4-bit dequantise kernel, whole quantisation blocks: the dense groups'
 # kernel of this form (linear4bit.DEQUANT_TILES) was best at 2,048 on the H200, 2.1x bitsandbytes' op
 DEQUANT_BYTES = 2048
-# how torch's path (prefill-sized steps) dequantises 4-bit experts: "bnb", PackedExpertWeight.dequantize
-# (a gather of the bytes, the scales decoded by torch, bitsandbytes' op), or "triton", dequantize_slots
-# in one pass. The same bits. "bnb" until the kernel is timed on a GPU (bench_batches.py --moe-dequant;
-# the dense groups' kernel of the same form ran 2.1x bitsandbytes' op)
-DEQUANT_KERNEL = "bnb"
 
 
-def dequantize_slots(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_slots(w, ids: torch.Tensor, dtype: torch.dtype, nbytes: int = DEQUANT_BYTES) -> torch.Tensor:
     """[S, N, K] weights of 4-bit experts ids ([S] int32 on the device; -1: a padding slot, left
-    unwritten) from a `quant.PackedExpertWeight` [E, N, K], in `dtype`."""
+    unwritten) from a `quant.PackedExpertWeight` [E, N, K], in `dtype`; a program dequantises
+    `nbytes` packed bytes (whole quantisation blocks)."""
     _, n, k = w.shape
-    nbytes = n * k // 2
+    expert_bytes = n * k // 2
     out = torch.empty(ids.shape[0], n, k, dtype=dtype, device=w.packed.device)
     dq = bool(w.double_quant)
     absmax = w.absmax
     nested = w.nested_absmax if dq else absmax  # placeholders when not double-quantised (never read)
-    blocks = max(1, DEQUANT_BYTES // (w.block_size // 2))
-    _dequant_kernel[(ids.shape[0], triton.cdiv(triton.cdiv(nbytes, w.block_size // 2), blocks))](
+    blocks = max(1, nbytes // (w.block_size // 2))
+    _dequant_kernel[(ids.shape[0], triton.cdiv(triton.cdiv(expert_bytes, w.block_size // 2), blocks))](
         packed_ptr=w.packed, absmax_ptr=absmax, code4_ptr=code4(w.quant_type, w.packed.device),
         ncode_ptr=w.nested_code if dq else absmax, nabsmax_ptr=nested, noffset_ptr=w.nested_offset if dq else absmax,
-        ids_ptr=ids, out_ptr=out, BYTES=nbytes, stride_pe=w.packed.stride(0), stride_ae=absmax.stride(0),
+        ids_ptr=ids, out_ptr=out, BYTES=expert_bytes, stride_pe=w.packed.stride(0), stride_ae=absmax.stride(0),
         stride_ne=nested.stride(0), QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCKS=blocks,
         enable_fp_fusion=False)  # the scale's multiply and add rounded apart, as bitsandbytes' decode rounds them
     return out
@@ -513,33 +372,25 @@ def _check_step(x, top_k_index, gate_up, down, packed_mode: Optional[str], code_
                          f"got {top_k_index.numel()}")
 
 
-# past this many entries (512 rows x top-8) 4-bit experts are dequantised into slots and run through
-# the bf16 kernels: every expert has ~32 entries, and the fused kernels decode each weight block once
-# per 16-entry tile (H200, one 26B-A4B layer at 512 rows: slots 1,927 us, fused 2,491-2,767; at 256
-# rows fused 1,469-1,918 vs slots 1,847). The slots are transient: 26B-A4B's gate_up of all 128
-# experts is 1 GB of bf16 at such a step (then the down projection's 0.5 GB), in the graph pool.
-FUSED_MAX_ENTRIES = 2048
-
-
-def _packed_mode(gate_up, down, packed_mode: Optional[str], n_flat: int) -> str:
+def _packed_mode(gate_up, down, packed_mode: Optional[str], n_flat: int, fused_max_entries: int) -> str:
     """How 4-bit experts run: the one asked for, else fused where the rows are whole blocks and the
-    step is at most FUSED_MAX_ENTRIES entries."""
+    step is at most `fused_max_entries` entries (past it every expert has many entries, and the fused
+    kernels decode each weight block once per 16-entry tile; the slots are transient: 26B-A4B's
+    gate_up of all 128 experts is 1 GB of bf16 at such a step, in the graph pool)."""
     if packed_mode is None:
-        packed_mode = "fused" if fused_4bit_fits(gate_up, down) and n_flat <= FUSED_MAX_ENTRIES else "slots"
+        packed_mode = "fused" if fused_4bit_fits(gate_up, down) and n_flat <= fused_max_entries else "slots"
     if packed_mode == "fused" and not fused_4bit_fits(gate_up, down):
         raise ValueError(f"packed_mode=fused needs rows of whole quantisation blocks: H={gate_up.shape[2]}, "
                          f"I={gate_up.shape[1] // 2}, block {gate_up.block_size}")
     return packed_mode
 
 
-def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_lookup: str, packed_k: int) -> dict:
-    """A weight's kernel arguments: plain (or slotted) bf16, or the 4-bit buffers (the code table in x's
-    dtype for one block a step, whose products are scaled; float32 for several, whose weights are
-    decoded as bitsandbytes decodes them)."""
+def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_lookup: str) -> dict:
+    """A weight's kernel arguments: plain (or slotted) bf16, or the 4-bit buffers (the code table in
+    x's dtype: a block's nibble products are scaled by its scale)."""
     if fused:
         dq = bool(w.double_quant)
-        code_dtype = x.dtype if packed_k == w.block_size else torch.float32
-        return dict(w_ptr=w.packed, absmax_ptr=w.absmax, code_ptr=code4(w.quant_type, x.device, code_dtype),
+        return dict(w_ptr=w.packed, absmax_ptr=w.absmax, code_ptr=code4(w.quant_type, x.device, x.dtype),
                     ncode_ptr=w.nested_code if dq else w.absmax, nabsmax_ptr=w.nested_absmax if dq else w.absmax,
                     noffset_ptr=w.nested_offset if dq else w.absmax, stride_we=w.packed.stride(0), stride_wn=0,
                     stride_ae=w.absmax.stride(0), stride_ne=w.nested_absmax.stride(0) if dq else 0,
@@ -554,20 +405,21 @@ def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_l
 def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up, down,
                    up_tiles: Optional[dict] = None, down_tiles: Optional[dict] = None,
                    packed_mode: Optional[str] = None, code_lookup: str = "table",
-                   sort_entries: Optional[bool] = None) -> torch.Tensor:
+                   sort_entries: Optional[bool] = None, kernels: Kernels = Kernels()) -> torch.Tensor:
     """Gemma-4's routed experts for a decode-sized step in two kernels, with no sort of rows by expert.
 
     x [T, H] bf16/fp16; top_k_* [T, K]; gate_up [E, 2I, H], down [E, H, I], as tensors of x's dtype
     or PackedExpertWeights. 4-bit experts: packed_mode "fused" (the default where the rows are whole
-    quantisation blocks, up to FUSED_MAX_ENTRIES entries) decodes the bytes inside the GEMM kernels; "slots" dequantises the experts
-    with rows into slots first, one matrix at a time, then runs the bf16 kernels. The activation is
+    quantisation blocks, up to kernels.moe_fused_max_entries entries) decodes the bytes inside the
+    GEMM kernels; "slots" dequantises the experts with rows into slots first, one matrix at a time,
+    then runs the bf16 kernels. The activation is
     gelu_pytorch_tanh, Gemma-4's. Returns [T, H] in x's dtype: sum over choices of weight x expert(x).
     *_tiles override UP_TILES / DOWN_TILES (BLOCK_N, BLOCK_K, num_warps, num_stages; fused 4-bit
-    steps take PACKED_K elements, UP_PACKED_K / DOWN_PACKED_K by default) and BLOCK_M (default:
+    steps are one quantisation block each, whatever BLOCK_K says) and BLOCK_M (default:
     block_m_for the step's size). code_lookup: how the fused mode
     turns 4-bit values into weights, "table" (a load from the 16-entry table) or "select" (a tree of
     selects over it). sort_entries: list each expert's entries through a sort outside the kernels
-    (default: above ROUTED_MAX_ENTRIES entries) instead of every program matching the whole routing;
+    (default: above kernels.moe_sort_above entries) instead of every program matching the whole routing;
     the same tiles either way."""
     _check_step(x, top_k_index, gate_up, down, packed_mode, code_lookup)
     t, topk = top_k_index.shape
@@ -577,30 +429,29 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     if n_flat == 0:
         return x.new_zeros(t, h)
     packed = not isinstance(gate_up, torch.Tensor)
-    packed_mode = _packed_mode(gate_up, down, packed_mode, n_flat) if packed else packed_mode
+    packed_mode = _packed_mode(gate_up, down, packed_mode, n_flat, kernels.moe_fused_max_entries) if packed \
+        else packed_mode
     fused, slotted = packed and packed_mode == "fused", packed and packed_mode == "slots"
-    up_tiles, down_tiles, split_k = _step_tiles(up_tiles, down_tiles, gate_up, down, n_flat, fused)
+    block_m = {"BLOCK_M": block_m_for(n_flat, e, fused)}
+    up_tiles = {**UP_TILES, **block_m, **(up_tiles or {})}
+    down_tiles = {**DOWN_TILES, **block_m, **(down_tiles or {})}
     x = x.contiguous()
     index = top_k_index.reshape(-1).to(torch.int32)
     weights = top_k_weights.reshape(-1).float()
-    sort_entries = n_flat > ROUTED_MAX_ENTRIES if sort_entries is None else sort_entries
+    sort_entries = n_flat > kernels.moe_sort_above if sort_entries is None else sort_entries
     order, starts, nflat = _entry_lists(index, e, sort_entries)
     ids, slots = expert_slots(top_k_index, e) if slotted else (None, index)  # index: a placeholder, never read
     operands = functools.partial(_weight_operands, x=x, fused=fused, slotted=slotted, ids=ids,
                                  code_lookup=code_lookup)
 
-    ops = operands(gate_up, packed_k=up_tiles["PACKED_K"])
+    ops = operands(gate_up)
     inter = torch.empty(n_flat, i, dtype=x.dtype, device=x.device)
-    entries = dict(index_ptr=index, order_ptr=order, starts_ptr=starts, n_flat=n_flat, SORTED=sort_entries,
-                   NFLAT=nflat)
-    if split_k > 1:
-        _up_split(x, ops, entries, inter, e, i, h, topk, split_k, up_tiles)
-    else:
-        _routed_up_kernel[(e, triton.cdiv(i, up_tiles["BLOCK_N"]))](
-            x_ptr=x, slots_ptr=slots, out_ptr=inter, I=i, H=h, TOPK=topk, stride_x=x.stride(0), HAS_SLOTS=slotted,
-            PACKED=fused, **entries, **ops, **up_tiles)
+    _routed_up_kernel[(e, triton.cdiv(i, up_tiles["BLOCK_N"]))](
+        x_ptr=x, index_ptr=index, order_ptr=order, starts_ptr=starts, n_flat=n_flat, slots_ptr=slots, out_ptr=inter,
+        I=i, H=h, TOPK=topk, stride_x=x.stride(0), HAS_SLOTS=slotted, PACKED=fused, SORTED=sort_entries, NFLAT=nflat,
+        **ops, **up_tiles)
     del ops  # one dequantised matrix alive at a time
-    ops = operands(down, packed_k=down_tiles["PACKED_K"])
+    ops = operands(down)
     out = torch.empty(n_flat, h, dtype=torch.float32, device=x.device)
     _routed_down_kernel[(e, triton.cdiv(h, down_tiles["BLOCK_N"]))](
         inter_ptr=inter, index_ptr=index, order_ptr=order, starts_ptr=starts, weights_ptr=weights, n_flat=n_flat,
@@ -608,39 +459,6 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         **ops, **down_tiles)
     summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
     return sum_rows(out, summed)
-
-
-def _step_tiles(up_tiles: Optional[dict], down_tiles: Optional[dict], gate_up, down, n_flat: int,
-                fused: bool) -> tuple[dict, dict, int]:
-    """The two kernels' tiles for a step (defaults, BLOCK_M for its size, the caller's overrides) and
-    the up kernel's programs along K."""
-    e, two_i, h = gate_up.shape
-    block_m = {"BLOCK_M": block_m_for(n_flat, e, fused)}
-    up = {**UP_TILES, **block_m, "PACKED_K": UP_PACKED_K, "SPLIT_K": UP_SPLIT_K, **(up_tiles or {})}
-    dn = {**DOWN_TILES, **block_m, "PACKED_K": DOWN_PACKED_K, **(down_tiles or {})}
-    # bf16 / slotted weights: PACKED_K is a placeholder the kernels never read, and K is not split
-    up["PACKED_K"] = packed_step(up["PACKED_K"], gate_up, h) if fused else 16
-    dn["PACKED_K"] = packed_step(dn["PACKED_K"], down, two_i // 2) if fused else 16
-    split = up.pop("SPLIT_K")
-    return up, dn, split_k_for(split, h, up["PACKED_K"]) if fused else 1
-
-
-COMBINE_BLOCK = 256
-
-
-def _up_split(x, ops: dict, entries: dict, inter: torch.Tensor, e: int, i: int, h: int, topk: int, split_k: int,
-              tiles: dict) -> None:
-    """The fused 4-bit up projection of e experts with K split over split_k programs, then the in-order
-    sum of their partials and the activation, into inter [n_flat, I]."""
-    n_flat = inter.shape[0]
-    part = torch.empty(split_k, n_flat, 2 * i, dtype=torch.float32, device=x.device)
-    ops = {k: v for k, v in ops.items() if k != "stride_wn"}  # the packed bytes have no row stride here
-    tiles = {k: v for k, v in tiles.items() if k != "BLOCK_K"}
-    _routed_up_split_kernel[(e, triton.cdiv(i, tiles["BLOCK_N"]), split_k)](
-        x_ptr=x, part_ptr=part, I=i, H=h, TOPK=topk, stride_x=x.stride(0), SPLIT_K=split_k, **entries, **ops,
-        **tiles)
-    _up_combine_kernel[(n_flat, triton.cdiv(i, COMBINE_BLOCK))](part, inter, n_flat, I=i, SPLIT_K=split_k,
-                                                                BLOCK=COMBINE_BLOCK)
 
 
 def _entry_lists(index: torch.Tensor, experts: int, sort_entries: bool) -> tuple:
@@ -662,7 +480,12 @@ def is_gelu_tanh(act) -> bool:
 
 
 class TritonExperts:
-    """engine.moe_kernel=triton: decode steps' routed experts in the two kernels above."""
+    """kernels.moe=triton: decode steps' routed experts in the two kernels above, with the step
+    thresholds and the prefill path's dequantise of `kernels` (moe_sort_above, moe_fused_max_entries,
+    moe_dequant)."""
+
+    def __init__(self, kernels: Kernels = Kernels()):
+        self.kernels = kernels
 
     @staticmethod
     def takes(x: torch.Tensor, top_k_index: torch.Tensor, act, gate_up, down) -> bool:
@@ -675,15 +498,13 @@ class TritonExperts:
 
     def __call__(self, x, top_k_index, top_k_weights, gate_up, down, act=None) -> torch.Tensor:
         # act: Gemma-4's gelu-tanh, which `takes` checked and the kernels apply
-        return decode_experts(x, top_k_index, top_k_weights, gate_up, down)
+        return decode_experts(x, top_k_index, top_k_weights, gate_up, down, kernels=self.kernels)
 
-    @staticmethod
-    def dequantize(w, experts: Optional[torch.Tensor]) -> torch.Tensor:
+    def dequantize(self, w, experts: Optional[torch.Tensor]) -> torch.Tensor:
         """Torch's path (prefill-sized steps) over 4-bit experts: [S, R, C] weights of `experts` ([S]
-        ids; all when None) by DEQUANT_KERNEL's way, bitsandbytes' weights bit for bit either way."""
-        if DEQUANT_KERNEL == "bnb":
+        ids; all when None) the way kernels.moe_dequant names, bitsandbytes' weights bit for bit
+        either way."""
+        if self.kernels.moe_dequant == "bnb":
             return w.dequantize(experts)
-        if DEQUANT_KERNEL != "triton":
-            raise ValueError(f"moe_kernel.DEQUANT_KERNEL={DEQUANT_KERNEL!r}: triton or bnb")
         ids = torch.arange(w.shape[0], device=w.packed.device) if experts is None else experts
         return dequantize_slots(w, ids.to(torch.int32), w.dtype)

@@ -9,7 +9,7 @@ run as one callable x -> [each projection's output], chosen once at build, in th
    The fused weight is the storage: each module's weight is rebound to a view of its rows, so
    checkpoints, adapters merged into the weights and CUDA graphs all see one set of numbers.
 2. an unmerged LoRA group (`lora.LowRankGroup`) over the base layers or over their 4-bit group.
-3. a 4-bit group (`linear4bit.Linear4bitGroup`, engine.linear4bit_kernel=triton).
+3. a 4-bit group (`linear4bit.Linear4bitGroup`, kernels.linear4bit=triton).
 4. module by module, each looked up at its call (a peft wrapper injected after the build runs).
 
 The MoE router's projection is not one of these: `moe.moe_block` calls it as its module (as a
@@ -23,6 +23,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from flexgemma.kernels import Kernels
 
 Projection = Callable[[torch.Tensor], Sequence[torch.Tensor]]
 
@@ -124,23 +126,23 @@ def _fused(owner, fused: Optional[str], modules) -> Optional[FusedLinear]:
 
 
 def projection(owner, names: list[str], fused: Optional[str] = None, lora=None,
-               linear4bit: bool = False, invariant: Optional[Callable] = None) -> Projection:
+               kernels: Kernels = Kernels(), invariant: Optional[Callable] = None) -> Projection:
     """x -> [owner.<name>(x) for each name], for projections that read the same input, run the
     fastest way that computes the same thing (see the module's docstring). `fused`: the attribute
     of `owner` that `fuse_projections` stored their fused weight under; `lora`: the engine's
-    `lora.LoraAdapters` (None without LoRA); `linear4bit`: 4-bit bases may run as one group;
-    `invariant`: the batch-invariant matrix product, through which every product then runs."""
+    `lora.LoraAdapters` (None without LoRA); `kernels`: with linear4bit=triton 4-bit bases may run
+    as one group; `invariant`: the batch-invariant matrix product, through which every product then runs."""
     modules = [getattr(owner, n) for n in names]
     if invariant is not None:
-        return _invariant_projection(owner, modules, fused, lora, linear4bit, invariant)
+        return _invariant_projection(owner, modules, fused, lora, kernels, invariant)
     fused_linear = _fused(owner, fused, modules)
     if fused_linear is not None:
         return fused_linear
     packed = None
-    if linear4bit:
+    if kernels.linear4bit == "triton":
         from flexgemma.model.linear4bit import group_or_none  # imports Triton, which CPU installs may lack
 
-        packed = group_or_none(modules)
+        packed = group_or_none(modules, kernels)
     group = lora.group(modules, packed) if lora is not None else None
     if group is not None:
         return group
@@ -149,7 +151,7 @@ def projection(owner, names: list[str], fused: Optional[str] = None, lora=None,
     return lambda x: [getattr(owner, n)(x) for n in names]
 
 
-def _invariant_projection(owner, modules: list, fused: Optional[str], lora, linear4bit: bool,
+def _invariant_projection(owner, modules: list, fused: Optional[str], lora, kernels: Kernels,
                           linear: Callable) -> Projection:
     """`projection` under engine.batch_invariant: the fused weight, or each base's dense weight, through
     `linear`; an unmerged adapter beside them through `linear` too."""
@@ -157,10 +159,10 @@ def _invariant_projection(owner, modules: list, fused: Optional[str], lora, line
     if fused_linear is not None:
         return FusedLinear(fused_linear.weight, fused_linear.splits, linear)
     packed = None
-    if linear4bit:
+    if kernels.linear4bit == "triton":
         from flexgemma.model.linear4bit import group_or_none
 
-        packed = group_or_none(modules)
+        packed = group_or_none(modules, kernels)
     bases = DenseGroup([m.get_base_layer() if hasattr(m, "get_base_layer") else m for m in modules], linear, packed)
     group = lora.group(modules, None, linear=linear, bases=bases) if lora is not None else None
     if group is not None:

@@ -442,7 +442,7 @@ class TrainableForward:
         ops.experts_kernel = TrainableExperts(f.ops.experts_kernel, lora)
         max_len = next(iter(f.rope.values()))[0].shape[0]
         self.forward = GemmaForward(f.model, f.spec, PackedKV(f.pools.block_size), f.attn_cfg, max_len,
-                                    PackedAttention(f.kernels), ops, lora, invariant=linear,
+                                    PackedAttention(f.attention), ops, lora, f.kernels, invariant=linear,
                                     project=projection_factory(f, lora, linear))
         self.forward.checkpoint_layers = checkpoint
         self.windows = {s.layer_type: s.window for s in f.spec.layers}

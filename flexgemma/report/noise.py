@@ -42,6 +42,10 @@ class InertRule:
     absent_means_unread: bool = False  # the builder records the fact only where the key is read
 
 
+def _moe_unread(moe_kernel) -> str:
+    return f"the routed experts ran {moe_kernel}" if moe_kernel else "the model has no MoE layers"
+
+
 # The backend-specific keys (builder.py decides each from these same facts).
 INERT_RULES = (
     # flex kernel options reach flex_attention only through the compiled `flex` backend: `dense`
@@ -50,13 +54,24 @@ INERT_RULES = (
               lambda v: f"the attention backend was {v}, which takes no flex kernel options"),
     InertRule("attn.prefill.", "engine/attention_backend", lambda v: v == "flex",
               lambda v: f"the attention backend was {v}, which takes no flex kernel options"),
+    # only the flex kernels read a mask's full blocks apart; the other backends evaluate the mask_mod
+    InertRule("kernels.prefill_full_blocks", "engine/attention_backend", lambda v: v == "flex",
+              lambda v: f"the attention backend was {v}, which evaluates the mask on every listed page"),
     # CUDA graphs are captured only on a GPU with cudagraph.enabled
     InertRule("cudagraph", "engine/cudagraphs", lambda v: v is True,
               lambda v: "no CUDA graphs were captured (a CPU run, or cudagraph=off)"),
+    # the routed kernels' thresholds (and the prefill path's dequantise choice) reach a kernel only
+    # when the Triton expert kernels run; the 4-bit groups' ones only with the Triton 4-bit groups
+    *(InertRule(f"kernels.{key}", "engine/moe_kernel", lambda v: v == "triton", _moe_unread,
+                absent_means_unread=True)
+      for key in ("moe_sort_above", "moe_fused_max_entries", "moe_dequant")),
+    InertRule("kernels.linear4bit_", "engine/linear4bit_kernel", lambda v: v == "triton",
+              lambda v: f"the 4-bit projections ran {v}" if v else "the model is not 4-bit (quant=bf16)",
+              absent_means_unread=True),
     # recorded only for models with MoE layers / 4-bit builds (builder.py)
-    InertRule("engine.moe_kernel", "engine/moe_kernel", lambda v: v is not None,
+    InertRule("kernels.moe", "engine/moe_kernel", lambda v: v is not None,
               lambda v: "the model has no MoE layers", absent_means_unread=True),
-    InertRule("engine.linear4bit_kernel", "engine/linear4bit_kernel", lambda v: v is not None,
+    InertRule("kernels.linear4bit", "engine/linear4bit_kernel", lambda v: v is not None,
               lambda v: "the model is not 4-bit (quant=bf16)", absent_means_unread=True),
 )
 

@@ -8,28 +8,20 @@ determinism check.
 from __future__ import annotations
 
 import statistics
-import time
 
 import numpy as np
 import torch
 
 from flexgemma.config import Config
-from flexgemma.engine.warm import RoundWatch
-from flexgemma.tasks.common import (bandwidth_metrics, bounded, expected_tokens, memory_metrics, prefix_metrics,
-                                    request_error_metrics, round_metrics, token_progress)
+from flexgemma.tasks.common import (bandwidth_metrics, bounded, memory_metrics, prefix_metrics, request_error_metrics,
+                                    round_metrics, timed_rounds)
 
 THROUGHPUTS = ("throughput/output_tok_s", "throughput/total_tok_s", "throughput/requests_s",
                "throughput/decode_tok_s", "throughput/prefill_tok_s")
 
 
 def run(engine, workload, cfg: Config, recorder) -> dict:
-    w = cfg.workload
-    total = expected_tokens(workload.prompts, workload.params)
-    for i in range(int(w.warmup_rounds)):
-        engine.reset_prefix_cache()  # every round computes its prompts (sharing only within the round)
-        with token_progress(engine, f"warm-up {i + 1}/{w.warmup_rounds}", total):
-            engine.generate(workload.prompts, workload.params)
-    rounds, latencies, outputs = logged_rounds(engine, workload, int(w.rounds), recorder, total)
+    rounds, latencies, outputs = logged_rounds(engine, workload, cfg.workload, recorder)
     first = [o.token_ids for o in outputs[0]]
     summary = round_summary(rounds, latencies)
     graphs = getattr(engine.runner, "graphs", None)
@@ -45,33 +37,31 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
     return summary
 
 
-def logged_rounds(engine, workload, n: int, recorder, total: int):
-    """`n` timed rounds of the workload, each with its metrics logged (unlike tasks.common.timed_rounds, the
-    scripts' loop, it keeps every output for the latencies); returns (round metrics, latencies, outputs)."""
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    graphs = getattr(engine.runner, "graphs", None)
-    if graphs is not None:  # bucket hits and padding of the timed rounds only
-        graphs.hits.clear()
-        graphs.padded_rows = graphs.real_rows = 0
-    watch = RoundWatch(engine)  # what compiled or was allocated inside a timed round
-    rounds, latencies, outputs = [], [], []
-    for r in range(n):
-        engine.reset_prefix_cache()  # no round reuses an earlier round's prompt KV
-        with token_progress(engine, f"round {r + 1}/{n}", total):
-            watch.start()
-            t0 = time.perf_counter()
-            outs = engine.generate(workload.prompts, workload.params)
-            wall = time.perf_counter() - t0
-        m, lat = round_metrics(outs, engine.stats, wall)
-        m.update(watch.stop(f"timed round {r}"))
-        m.update(bandwidth_metrics(engine, outs, engine.stats))
+def logged_rounds(engine, workload, w, recorder):
+    """The workload's warm-up and timed rounds (tasks.common.timed_rounds), each timed round's metrics
+    logged; returns (round metrics, latencies, outputs)."""
+    rounds, latencies = [], []
+
+    def reset() -> None:  # peak memory, bucket hits and padding of the timed rounds only
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        graphs = getattr(engine.runner, "graphs", None)
+        if graphs is not None:
+            graphs.hits.clear()
+            graphs.padded_rows = graphs.real_rows = 0
+
+    def log(r: int, timed) -> None:
+        m, lat = round_metrics(timed.outputs, timed.stats, timed.wall)
+        m.update(timed.watch)
+        m.update(bandwidth_metrics(engine, timed.outputs, timed.stats))
         m["round"] = r
         recorder.log_round(m)
         rounds.append(m)
         latencies.append(lat)
-        outputs.append(outs)
-    return rounds, latencies, outputs
+
+    timed = timed_rounds(engine, workload.prompts, workload.params, int(w.rounds), int(w.warmup_rounds),
+                         progress=True, before_timed=reset, on_round=log)
+    return rounds, latencies, [t.outputs for t in timed]
 
 
 def round_summary(rounds: list[dict], latencies: list[dict]) -> dict:

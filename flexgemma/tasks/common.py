@@ -8,7 +8,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -18,26 +18,38 @@ GIB = float(2**30)
 
 @dataclass
 class TimedRound:
-    """One timed engine.generate over a workload, with the engine's step counters of that round."""
+    """One timed engine.generate over a workload: its outputs, the engine's step counters of that
+    round (engine.stats, new each generate) and what compiled or grew inside it (RoundWatch)."""
 
     wall: float  # seconds, the GPU synchronised at both ends
-    tokens: int  # generated tokens
-    token_ids: list  # per request
-    decode_steps: int
-    decode_time: float
-    decode_tokens: int
-    prefill_time: float
-    prefill_tokens: int
-    compiled: int = 0  # graphs torch.compile built inside the round (engine/warm.py RoundWatch)
-    gpu_idle_pct: Optional[float] = None  # scheduler/gpu_idle_pct of the round (async decode on a GPU)
+    outputs: list  # RequestOutput per request
+    stats: Any  # engine.StepStats of the round
+    watch: dict  # bench/compiled_in_round, bench/reserved_growth_gib
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+    @property
+    def token_ids(self) -> list:
+        return [o.token_ids for o in self.outputs]
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.wall
 
     @property
+    def compiled(self) -> int:
+        return self.watch["bench/compiled_in_round"]
+
+    @property
+    def gpu_idle_pct(self) -> Optional[float]:
+        """scheduler/gpu_idle_pct of the round (async decode on a GPU)."""
+        return gpu_decode_metrics(self.stats).get("scheduler/gpu_idle_pct")
+
+    @property
     def decode_step_ms(self) -> float:
-        return self.decode_time / max(self.decode_steps, 1) * 1e3
+        return self.stats.decode_time / max(self.stats.decode_steps, 1) * 1e3
 
 
 SAMPLE_CHARS = 240  # a sample's text keeps its first and last half of this
@@ -140,29 +152,38 @@ def token_progress(engine, desc: str, total: Optional[int] = None, interval: flo
         bar.close()
 
 
-def timed_rounds(engine, prompts, params, warmup: int, rounds: int) -> list[TimedRound]:
-    """`warmup` untimed rounds, then `rounds` timed ones (the benchmark scripts' shared loop), each
-    watched for graphs compiled inside it."""
+def timed_rounds(engine, prompts, params, rounds: int, warmup: int = 0, progress: bool = False,
+                 before_timed: Optional[Callable[[], None]] = None,
+                 on_round: Optional[Callable[[int, TimedRound], None]] = None) -> list[TimedRound]:
+    """`warmup` untimed rounds, then `rounds` timed ones: the one loop of task=bench and the benchmark
+    scripts. Every round starts with an empty prefix cache (sharing only within the round); a timed
+    one has the GPU synchronised at both ends and is watched for graphs compiled inside it.
+    before_timed() runs once between the warm-up and the first timed round, on_round(i, round) after
+    each timed round (task=bench resets and logs its metrics there); `progress`: a tqdm bar of
+    tokens on a terminal."""
     from flexgemma.engine.warm import RoundWatch
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(warmup):
-        engine.reset_prefix_cache()  # every round computes its prompts (sharing only within the round)
-        engine.generate(prompts, params)
+    total, disable = expected_tokens(prompts, params), None if progress else True
+    for i in range(warmup):
+        engine.reset_prefix_cache()
+        with token_progress(engine, f"warm-up {i + 1}/{warmup}", total, disable=disable):
+            engine.generate(prompts, params)
     sync()
+    if before_timed is not None:
+        before_timed()
     out, watch = [], RoundWatch(engine)
     for r in range(rounds):
         engine.reset_prefix_cache()
-        watch.start()
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        sync()
-        wall = time.perf_counter() - t0
-        compiled = watch.stop(f"batch {len(prompts)}, timed round {r}")["bench/compiled_in_round"]
-        st = engine.stats
-        out.append(TimedRound(wall, sum(len(o.token_ids) for o in outs), [o.token_ids for o in outs],
-                              st.decode_steps, st.decode_time, st.decode_tokens, st.prefill_time, st.prefill_tokens,
-                              compiled, gpu_decode_metrics(st).get("scheduler/gpu_idle_pct")))
+        with token_progress(engine, f"round {r + 1}/{rounds}", total, disable=disable):
+            watch.start()
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            sync()
+            wall = time.perf_counter() - t0
+        out.append(TimedRound(wall, outs, engine.stats, watch.stop(f"batch {len(prompts)}, timed round {r}")))
+        if on_round is not None:
+            on_round(r, out[-1])
     return out
 
 

@@ -39,7 +39,7 @@ def float32_divergence(model32, model64, context: list[int], ours: int, ours_log
     transformers in float64 on the same weights judges: `margin64`, how far float64 prefers
     transformers' token to ours; `our_error`, our logprob against float64's; `hf_error`, transformers'
     own float32 error on the two tokens (float32 rounding as this model amplifies it here: random
-    weights over 35 layers make it ~1e-2 on E2B's geometry at 600 tokens, RESULTS.md)."""
+    weights over 35 layers make it ~1e-2 on E2B's geometry at 600 tokens: experiments/float32_error.py)."""
     lp32, lp64 = last_logprobs(model32, context), last_logprobs(model64, context)
     return {"margin64": (lp64[theirs] - lp64[ours]).item(), "our_error": abs(ours_logprob - lp64[ours].item()),
             "hf_error": max(abs(lp32[t] - lp64[t]).item() for t in (ours, theirs))}

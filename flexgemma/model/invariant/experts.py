@@ -10,14 +10,14 @@ from flexgemma.model.invariant.matmul import K_CHUNK, _tiles, linear
 from flexgemma.model.moe import routed_experts, sum_per_token
 
 
-def grouped_linear(rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_linear(rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, k_chunk: int = K_CHUNK) -> torch.Tensor:
     """rows [N, K] grouped by expert (counts [E], in expert order), w [E, out, K] -> [N, out]."""
     if rows.is_cuda:
         from flexgemma.model.invariant import triton_matmul
 
         # few rows an expert (decode): 16-row tiles; many (prefill): 64 (speed only, not a row's bits)
         per_expert = rows.shape[0] / max(1, w.shape[0])
-        return triton_matmul.grouped(rows.contiguous(), w, counts, K_CHUNK, _tiles(16 if per_expert <= 16 else 64,
+        return triton_matmul.grouped(rows.contiguous(), w, counts, k_chunk, _tiles(16 if per_expert <= 16 else 64,
                                                                                  rows.dtype))
     out = rows.new_empty(rows.shape[0], w.shape[1])
     start = 0
@@ -30,6 +30,9 @@ def grouped_linear(rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) ->
 
 class InvariantExperts:
     """ops.experts_kernel under engine.batch_invariant: takes every step, bf16/fp32 or 4-bit experts."""
+
+    def __init__(self, kernels=None):
+        self.k_chunk = kernels.invariant_k_chunk if kernels is not None else K_CHUNK
 
     def takes(self, *args) -> bool:
         return True
@@ -48,7 +51,7 @@ class InvariantExperts:
         order = torch.argsort(flat, stable=True)
         counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
-        h = grouped_linear(x[order // k], gate_up, counts)
+        h = grouped_linear(x[order // k], gate_up, counts, self.k_chunk)
         g, u = h.chunk(2, dim=-1)
-        h = grouped_linear(act(g) * u, down, counts)
+        h = grouped_linear(act(g) * u, down, counts, self.k_chunk)
         return sum_per_token(h, order, top_k_weights, x)

@@ -19,15 +19,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-K_CHUNK = 512  # K elements of one chunk: fixes a row's summation order, so it is part of the result
+K_CHUNK = 512  # kernels.invariant_k_chunk's default: fixes a row's summation order, so it is part of the result
 CPU_ROW_TILE = 16
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w [N, K].T -> [..., N] in x's dtype, each row independent of the others."""
+def linear(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK) -> torch.Tensor:
+    """x [..., K] @ w [N, K].T -> [..., N] in x's dtype, each row independent of the others; k_chunk
+    (kernels.invariant_k_chunk): the K elements summed before the next chunk is added (GPU)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    out = _linear_gpu(x2, w) if x2.is_cuda else _linear_cpu(x2, w)
+    out = _linear_gpu(x2, w, k_chunk) if x2.is_cuda else _linear_cpu(x2, w)
     return out.reshape(*lead, w.shape[0])
 
 
@@ -57,7 +58,7 @@ def _tiles(m: int, dtype: torch.dtype) -> dict:
     return next(t for most, t in table if most is None or m <= most)
 
 
-def _linear_gpu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int) -> torch.Tensor:
     from flexgemma.model.invariant import triton_matmul as tm
 
     if w.stride(-1) != 1:
@@ -71,9 +72,9 @@ def _linear_gpu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return out
     cfg = dict(_tiles(m, x.dtype))
     tiles = -(-m // cfg["BM"]) * -(-n // cfg["BN"])
-    chunks = -(-k // K_CHUNK)
+    chunks = -(-k // k_chunk)
     if chunks > 1 and tiles < _SPLIT_BELOW_TILES:
-        tm.split_then_sum(x, w, out, chunks, K_CHUNK, cfg)
+        tm.split_then_sum(x, w, out, chunks, k_chunk, cfg)
     else:
-        tm.fold(x, w, out, K_CHUNK, cfg)
+        tm.fold(x, w, out, k_chunk, cfg)
     return out

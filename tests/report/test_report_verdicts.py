@@ -7,7 +7,9 @@ import pytest
 
 from flexgemma.report import build_report
 
-from test_report import BASE, assert_valid_png, cpu_summary, fake_sweep, write_job
+from test_report import assert_valid_png, fake_sweep
+
+from conftest import BASE, cpu_summary, write_job
 
 # the note every verdict over jobs without a repeat axis ends with (report/noise.py)
 NO_REPEATS = (" No configuration ran more than once, so the job-to-job noise is unknown: add a repeat axis (+repeat=0,1,2) to measure it.")

@@ -4,9 +4,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args, cwd):

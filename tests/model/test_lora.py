@@ -336,7 +336,7 @@ def test_adapter_of_another_model_is_a_shape_error(tmp_path):
     [
         (["lora.target_modules=[q_proj,c_attn]"], r"target modules \['c_attn'\] match no linear layer"),
         (["lora.adapter_names=[a]"], "lora.adapter_names"),
-        (["lora.dropout=1.5"], "lora.dropout=1.5"),
+        (["lora.dropout=0.1"], "lora.dropout is no longer a key: it was checked and never used"),
         (["lora.alpha=0"], "lora.alpha=0"),
         (["lora.path=/nonexistent/adapter"], "does not exist"),
     ],

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +15,8 @@ from flexgemma.model.estimate import estimate_build, refuse_if_too_large
 
 
 def test_cli_26b_a4b_bnb4_on_cpu_answers_at_once_with_the_estimate_and_tiny_moe(tmp_path):
-    root = Path(__file__).resolve().parents[1]
+    from conftest import ROOT as root
+
     env = {**os.environ, "PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": ""}
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "flexgemma", "+model=26b_a4b", "quant=bnb4", "logger=none",

@@ -16,47 +16,10 @@ from flexgemma.report.__main__ import main as report_main
 from flexgemma.report.collect import collect, parse_override
 from flexgemma.report.tables import short_keys
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import BASE, ROOT, cpu_summary, write_job
+
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
        "HYDRA_FULL_ERROR": "1"}
-BASE = ["+model=tiny", "workload.num_prompts=16"]
-
-
-def cpu_summary(total: float, **extra) -> dict:
-    """A CPU bench job's summary.json, shaped like run.py writes it."""
-    s = {
-        "bench/generated_tokens_per_round": 512, "bench/round_seconds_median": 512 / total, "bench/rounds": 3,
-        "build/seconds": 1.56,
-        "choices": {"attn": "default", "cudagraph": "ladder8", "kv": "default", "logger": "none", "lora": "none",
-                    "quant": "bf16", "task": "bench", "workload": "synthetic"},
-        "determinism/run_to_run": True, "engine/attention_backend": "dense", "engine/device": "cpu",
-        "engine/kv_pages": 128, "env/gpu": "none", "env/torch": "2.13.0+cpu",
-        "latency/tpot_p50_ms": 10.49, "latency/tpot_p99_ms": 10.63, "latency/ttft_p50_ms": 44.4,
-        "latency/ttft_p99_ms": 45.6, "memory/kv_pool_gib": 0.0098, "memory/peak_rss_gib": 0.377,
-        "memory/weights_gib": 0.0023, "model": "tiny",
-        "samples": [{"prompt_tokens": 12, "completion_ids": [5, 6, 7]}], "status": "ok", "task": "bench",
-        "throughput/decode_tok_s_median": total * 1.1, "throughput/decode_tok_s_best": total * 1.122,
-        "throughput/prefill_tok_s_median": 10001.0, "throughput/output_tok_s_median": total,
-        "throughput/output_tok_s_best": total * 1.02, "workload/prompts": 16,
-    }
-    s.update(extra)
-    return s
-
-
-def write_job(job_dir: Path, overrides: list[str], summary: dict | None, rounds: list[float] = (),
-              config: dict | None = None) -> Path:
-    (job_dir / ".hydra").mkdir(parents=True)
-    (job_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
-    (job_dir / "config_resolved.yaml").write_text(yaml.safe_dump(config or {"seed": 0, "device": "auto"}))
-    with open(job_dir / "metrics.jsonl", "w") as f:
-        for r, total in enumerate(rounds):
-            f.write(json.dumps({"round": r, "throughput/output_tok_s": total, "throughput/decode_tok_s": total * 1.1,
-                                "throughput/prefill_tok_s": 10000.0 + r, "bench/round_seconds": 512 / total}) + "\n")
-    if summary is not None:
-        (job_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return job_dir
-
-
 # what a GPU job records about its build: flex attention (reads attn.decode.*), CUDA graphs captured
 GPU_FACTS = {"engine/attention_backend": "flex", "engine/cudagraphs": True, "engine/device": "cuda"}
 

@@ -13,7 +13,9 @@ from flexgemma.report import build_report
 from flexgemma.report.collect import collect
 from flexgemma.report.noise import inert_keys
 from flexgemma.run import run_job
-from tests.test_report import BASE, GPU_FACTS, cpu_summary, write_job
+from test_report import GPU_FACTS
+
+from conftest import BASE, cpu_summary, write_job
 
 CPU_FACTS = {"engine/attention_backend": "dense", "engine/cudagraphs": False, "engine/device": "cpu"}
 
@@ -96,12 +98,16 @@ def test_a_key_read_by_some_jobs_is_not_inert(tmp_path):
     points = [(["attn.decode.block_n=16"], 900.0, CPU_FACTS), (["attn.decode.block_n=32"], 1000.0, GPU_FACTS)]
     coll = collect([sweep(tmp_path / "s", points)])
     assert inert_keys(coll) == {}
-    # cudagraph on the CPU (no graphs captured) and engine.moe_kernel on a dense model are inert
-    points = [([f"cudagraph={c}", f"engine.moe_kernel={k}"], 900.0 + i, CPU_FACTS)
-              for i, (c, k) in enumerate([("ladder8", "triton"), ("ladder16", "grouped_mm")])]
+    # cudagraph on the CPU (no graphs captured), kernels.moe on a dense model and the prefill masks'
+    # full blocks under the dense backend are inert; the fused K/V write is read by every backend
+    points = [([f"cudagraph={c}", f"kernels.moe={k}", f"kernels.prefill_full_blocks={f}", f"kernels.fused_kv_write={f}"],
+               900.0 + i, CPU_FACTS)
+              for i, (c, k, f) in enumerate([("ladder8", "triton", "true"), ("ladder16", "grouped_mm", "false")])]
     coll = collect([sweep(tmp_path / "t", points)])
     assert inert_keys(coll) == {"cudagraph": "no CUDA graphs were captured (a CPU run, or cudagraph=off)",
-                                "engine.moe_kernel": "the model has no MoE layers"}
+                                "kernels.moe": "the model has no MoE layers",
+                                "kernels.prefill_full_blocks": "the attention backend was dense, which evaluates "
+                                                               "the mask on every listed page"}
 
 
 def test_csv_and_parquet_beside_the_report(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_engine, run_interpreted
+from conftest import GPU_SHAPES, make_engine, run_interpreted
 from flexgemma import SamplingParams
 from flexgemma.model.invariant import matmul as inv_matmul
 from flexgemma.model.invariant.attention import InvariantAttentionOptions, RowTable, paged_attention
@@ -276,37 +276,21 @@ def test_the_default_mode_is_untouched():
 
 
 # -- the GPU: every model's real shapes, fewer layers -------------------------------------------
-GPU_MODELS = {
-    "e2b": ["model.hf_config.num_hidden_layers=8", "model.hf_config.num_kv_shared_layers=4",
-            "model.hf_config.layer_types=[sliding_attention,sliding_attention,sliding_attention,full_attention,"
-            "sliding_attention,sliding_attention,sliding_attention,full_attention]"],
-    "e4b": ["model.hf_config.num_hidden_layers=6", "model.hf_config.num_kv_shared_layers=2",
-            "model.hf_config.layer_types=[sliding_attention,sliding_attention,full_attention,"
-            "sliding_attention,sliding_attention,full_attention]"],
-    "26b_a4b": ["model.hf_config.num_hidden_layers=6",
-                "model.hf_config.layer_types=[sliding_attention,sliding_attention,sliding_attention,"
-                "sliding_attention,sliding_attention,full_attention]"],
-    "31b": ["model.hf_config.num_hidden_layers=6",
-            "model.hf_config.layer_types=[sliding_attention,sliding_attention,sliding_attention,"
-            "sliding_attention,sliding_attention,full_attention]"],
-}
-
-
-def gpu_engine(model: str, *extra: str):
+def invariant_gpu_engine(model: str, *extra: str):
     from flexgemma import build_engine, compose
 
     # two graph buckets: a lone row runs at 2 rows, the batch at 64 (different products, fewer captures)
     return build_engine(compose([f"+model={model}", INV, "device=cuda", "engine.max_batch_size=64",
-                                 "engine.max_model_len=2048", "cudagraph.buckets=[2,64]", *GPU_MODELS[model], *extra]))
+                                 "engine.max_model_len=2048", "cudagraph.buckets=[2,64]", *GPU_SHAPES[model], *extra]))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", list(GPU_MODELS))
+@pytest.mark.parametrize("model", list(GPU_SHAPES))
 def test_gpu_alone_slot_chunked_and_scored(model):
-    eng = gpu_engine(model)
+    eng = invariant_gpu_engine(model)
     ps = prompts(33, seed=19, lo=20, hi=700)
     alone = check_alone_slot_and_score(eng, ps)
-    chunked = gpu_engine(model, "engine.max_prefill_tokens=64", "cudagraph.enabled=false")
+    chunked = invariant_gpu_engine(model, "engine.max_prefill_tokens=64", "cudagraph.enabled=false")
     assert same(alone, chunked.generate([ps[7]], [params(7)])[0]), "prefill chunks of 64, eager decode"
 
 
@@ -314,7 +298,7 @@ def test_gpu_alone_slot_chunked_and_scored(model):
 @pytest.mark.parametrize("extra", [["quant=bnb4", "lora=r16"], ["lora=r16"]], ids=["bnb4_lora", "lora"])
 def test_gpu_26b_a4b_4bit_and_lora(extra):
     pytest.importorskip("bitsandbytes") if "quant=bnb4" in extra else None
-    check_alone_slot_and_score(gpu_engine("26b_a4b", *extra), prompts(33, seed=23, lo=20, hi=400))
+    check_alone_slot_and_score(invariant_gpu_engine("26b_a4b", *extra), prompts(33, seed=23, lo=20, hi=400))
 
 
 # -- routed experts (SamplingParams.return_routed_experts) ---------------------------------------

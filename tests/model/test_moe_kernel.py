@@ -1,4 +1,4 @@
-"""engine.moe_kernel=triton: the routed experts of decode steps in two Triton kernels. On the CPU it runs through
+"""kernels.moe=triton: the routed experts of decode steps in two Triton kernels. On the CPU it runs through
 Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the variable must be set before Triton
 loads), in float16 (the interpreter mishandles bfloat16); on the GPU in bfloat16 inside graphs."""
 
@@ -19,7 +19,7 @@ def test_decode_experts_equal_the_loop_interpreted():
     """The two routed kernels equal the per-expert loop with Gemma-4's gelu_pytorch_tanh: single rows,
     a step where one expert owns more than one 16-row tile, I and H not multiples of the tiles.
     experts_grouped hands such steps to them and other activations to torch's path, and an engine
-    built with engine.moe_kernel=triton hands its MoE layers the kernels."""
+    built with kernels.moe=triton hands its MoE layers the kernels."""
     out = run_interpreted("""
         import torch
         from transformers.activations import GELUTanh
@@ -50,7 +50,7 @@ def test_decode_experts_equal_the_loop_interpreted():
         err(experts_grouped(x, idx, w, gate_up, down, act, kernel=TritonExperts()), ref)
         experts_grouped(x, idx, w, gate_up, down, torch.nn.functional.gelu, kernel=TritonExperts())
         print("dispatched", len(calls))
-        engine = build_engine(compose(["+model=tiny_moe", "device=cpu", "engine.moe_kernel=triton"]))
+        engine = build_engine(compose(["+model=tiny_moe", "device=cpu", "kernels.moe=triton"]))
         print("wired", isinstance(engine.runner.forward.ops.experts_kernel, TritonExperts), engine.info["moe_kernel"],
               engine.runner.forward.ops.route is moe_kernel.route)
     """)
@@ -61,7 +61,7 @@ def test_decode_experts_equal_the_loop_interpreted():
 
 
 def test_big_steps_sort_their_entries_and_give_the_same_numbers_interpreted():
-    """RL batches past ROUTED_MAX_ENTRIES (26B-A4B past 64 rows x top-8) stay in the kernels with
+    """RL batches past kernels.moe_sort_above (26B-A4B past 64 rows x top-8) stay in the kernels with
     their entries sorted by expert outside them: bit for bit what the in-kernel matching gives (the
     same tiles), bf16-class and fused 4-bit experts alike, and close to the loop; taller tiles (the
     default at many entries per expert) give the same numbers as several short ones; TritonExperts
@@ -69,11 +69,12 @@ def test_big_steps_sort_their_entries_and_give_the_same_numbers_interpreted():
     out = run_interpreted("""
         import torch
         from transformers.activations import GELUTanh
+        from flexgemma.kernels import Kernels
         from flexgemma.model import moe_kernel as M
         from flexgemma.model.moe import experts_loop
         from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
         torch.manual_seed(0)
-        e, h, i, k, t = 8, 64, 64, 4, 300  # 1,200 entries: past ROUTED_MAX_ENTRIES
+        e, h, i, k, t = 8, 64, 64, 4, 300  # 1,200 entries: past kernels.moe_sort_above
         gate_up, down = (torch.randn(e, 2 * i, h) * 0.1).half(), (torch.randn(e, h, i) * 0.1).half()
         x = torch.randn(t, h).half()
         w, idx = torch.softmax(torch.randn(t, e), -1).topk(k, dim=-1)
@@ -90,11 +91,14 @@ def test_big_steps_sort_their_entries_and_give_the_same_numbers_interpreted():
         a = M.decode_experts(x[:40], idx[:40], w[:40], pg, pd, sort_entries=True)
         b = M.decode_experts(x[:40], idx[:40], w[:40], pg, pd)
         print("packed", torch.equal(a, b))
-        M.FUSED_MAX_ENTRIES = 100  # past it (512 rows x top-8 on the GPU) 4-bit experts go through slots
-        print("slots", torch.equal(M.decode_experts(x[:40], idx[:40], w[:40], pg, pd),
+        few = Kernels(moe_fused_max_entries=100)  # past it (512 rows x top-8 on the GPU): slots
+        print("slots", torch.equal(M.decode_experts(x[:40], idx[:40], w[:40], pg, pd, kernels=few),
                                    M.decode_experts(x[:40], idx[:40], w[:40], pg, pd, packed_mode="slots")),
-              torch.equal(M.decode_experts(x[:20], idx[:20], w[:20], pg, pd),
+              torch.equal(M.decode_experts(x[:20], idx[:20], w[:20], pg, pd, kernels=few),
                           M.decode_experts(x[:20], idx[:20], w[:20], pg, pd, packed_mode="fused")))
+        always = Kernels(moe_sort_above=0)  # every step sorted
+        print("sort_above", torch.equal(M.decode_experts(x[:5], idx[:5], w[:5], gate_up, down, kernels=always),
+                                        M.decode_experts(x[:5], idx[:5], w[:5], gate_up, down, sort_entries=True)))
         big = torch.zeros(M.KERNEL_MAX_ENTRIES // k + 1, k, dtype=torch.long)
         print("takes", M.TritonExperts.takes(x, idx, act, gate_up, down),
               M.TritonExperts.takes(torch.zeros(big.shape[0], h).half(), big, act, gate_up, down))
@@ -102,7 +106,7 @@ def test_big_steps_sort_their_entries_and_give_the_same_numbers_interpreted():
     lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()}
     assert lines["bf16"][0] == "True" and float(lines["bf16"][1]) < 5e-3, out
     assert lines["packed"] == ["True"], out
-    assert lines["slots"] == ["True", "True"], out
+    assert lines["slots"] == ["True", "True"] and lines["sort_above"] == ["True"], out
     assert lines["tiles"] == ["64", "True"], out
     assert lines["takes"] == ["True", "False"], out
 
@@ -117,6 +121,7 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
     out = run_interpreted("""
         import torch
         from transformers.activations import GELUTanh
+        from flexgemma.kernels import Kernels
         from flexgemma.model import moe_kernel
         from flexgemma.model.moe import experts_grouped, experts_loop
         from flexgemma.model.moe_kernel import decode_experts
@@ -143,22 +148,18 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
                     for shape in ((e, 3, 128), (e, 1, 64)):
                         pw = PackedExpertWeight.pack((torch.randn(*shape) * 0.1).half(), s, cpu)
                         for nbytes in (128, moe_kernel.DEQUANT_BYTES):
-                            old, moe_kernel.DEQUANT_BYTES = moe_kernel.DEQUANT_BYTES, nbytes
-                            got = moe_kernel.dequantize_slots(pw, ids, torch.float16)
-                            moe_kernel.DEQUANT_BYTES = old
+                            got = moe_kernel.dequantize_slots(pw, ids, torch.float16, nbytes)
                             want = pw.dequantize(torch.tensor([3, 0]))
                             same = torch.equal(got[0], want[0]) and torch.equal(got[2], want[1])
                             print("slots bitwise", shape[2], same)
-                    # torch's path (prefill-sized steps: the kernel object takes none here) with the kernel
-                    # object's one-pass dequantise gives the same output as with the weights' own, for
-                    # every expert (t x k >= E) and for the routed ones only (t x k < E)
-                    old, moe_kernel.KERNEL_MAX_ENTRIES = moe_kernel.KERNEL_MAX_ENTRIES, 0
-                    old_way, moe_kernel.DEQUANT_KERNEL = moe_kernel.DEQUANT_KERNEL, "triton"
+                    # torch's path (an activation the kernels do not compute: the kernel object takes no
+                    # step) with kernels.moe_dequant=triton's one-pass dequantise gives the same output as
+                    # with the weights' own, for every expert (t x k >= E) and the routed ones (t x k < E)
+                    one_pass = moe_kernel.TritonExperts(Kernels(moe_dequant="triton"))
                     for rows in (t, 2):
-                        args = (x[:rows], idx[:rows], w[:rows], pg, pd, GELUTanh())
-                        print("prefill path", rows, torch.equal(experts_grouped(*args, moe_kernel.TritonExperts()),
+                        args = (x[:rows], idx[:rows], w[:rows], pg, pd, torch.nn.functional.gelu)
+                        print("prefill path", rows, torch.equal(experts_grouped(*args, one_pass),
                                                                 experts_grouped(*args)))
-                    moe_kernel.KERNEL_MAX_ENTRIES, moe_kernel.DEQUANT_KERNEL = old, old_way
                     selected = decode_experts(x, idx, w, pg, pd, code_lookup="select").float()
                     print("select equals table", torch.equal(selected, decode_experts(x, idx, w, pg, pd).float()))
         x, idx, w = x[:5], idx[:5], w[:5]
@@ -191,57 +192,6 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
     assert "fits False" in out and "refused packed_mode=fused needs rows of whole quantisation blocks" in out, out
 
 
-def test_fused_4bit_steps_of_several_blocks_interpreted():
-    """The fused 4-bit kernels with PACKED_K of 2 and 4 quantisation blocks a step (weights decoded as
-    bitsandbytes decodes them, then one product), and with the up kernel's K split across programs
-    (SPLIT_K, partials summed by a second kernel), equal bitsandbytes' dequantisation followed by the
-    plain loop, as the one-block step does (NF4 double-quantised and FP4, one and several 16-entry
-    tiles); UP_PACKED_K / DOWN_PACKED_K / UP_SPLIT_K set the defaults, a matrix whose K is not a
-    multiple keeps one block a step (or one program), and a step that is not whole blocks is refused."""
-    out = run_interpreted("""
-        import torch
-        from transformers.activations import GELUTanh
-        from flexgemma.model import moe_kernel as M
-        from flexgemma.model.moe import experts_loop
-        from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
-        torch.manual_seed(0)
-        cpu = torch.device("cpu")
-        e, h, i = 4, 256, 128
-        gate_up, down = (torch.randn(e, 2 * i, h) * 0.1).half(), (torch.randn(e, h, i) * 0.1).half()
-        for qt, dq in (("nf4", True), ("fp4", False)):
-            s = Bnb4Settings(quant_type=qt, double_quant=dq, compute_dtype=torch.float16)
-            pg, pd = PackedExpertWeight.pack(gate_up, s, cpu), PackedExpertWeight.pack(down, s, cpu)
-            for t in (3, 40):
-                x = torch.randn(t, h).half()
-                w, idx = torch.softmax(torch.randn(t, e), -1).topk(2, dim=-1)
-                ref = experts_loop(x.float(), idx, w, pg.dequantize().float(), pd.dequantize().float(), GELUTanh())
-                # (up step, up K split across programs, down step): h = 256 is 4 blocks
-                for up_k, split, down_k in ((64, 1, 64), (128, 1, 128), (256, 1, 128), (64, 4, 64), (128, 2, 64)):
-                    got = M.decode_experts(x, idx, w, pg, pd, dict(PACKED_K=up_k, SPLIT_K=split),
-                                           dict(PACKED_K=down_k), packed_mode="fused").float()
-                    print("err", qt, t, up_k, split, down_k, float((got - ref).norm() / ref.norm()))
-        M.UP_PACKED_K, M.DOWN_PACKED_K = 256, 256  # down's K (128) is not a multiple: one block a step
-        print("defaults", torch.equal(M.decode_experts(x, idx, w, pg, pd),
-                                      M.decode_experts(x, idx, w, pg, pd, dict(PACKED_K=256), dict(PACKED_K=64))))
-        M.UP_SPLIT_K = 2  # one 256-step along K: nothing to split, the one-program kernel
-        print("no split", torch.equal(M.decode_experts(x, idx, w, pg, pd),
-                                      M.decode_experts(x, idx, w, pg, pd, dict(PACKED_K=256, SPLIT_K=1))))
-        M.UP_PACKED_K = 64  # four 64-steps, two programs of two
-        split = M.decode_experts(x, idx, w, pg, pd)
-        print("split", torch.equal(split, M.decode_experts(x, idx, w, pg, pd, dict(SPLIT_K=1))),
-              float((split.float() - ref).norm() / ref.norm()) < 5e-3)
-        try:
-            M.decode_experts(x, idx, w, pg, pd, dict(PACKED_K=96))
-        except ValueError as exc:
-            print("refused", exc)
-    """)
-    errs = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("err")]
-    assert len(errs) == 20 and max(errs) < 5e-3, out
-    assert "defaults True" in out and "no split True" in out, out
-    assert "split False True" in out, out  # another summation order, as close to the loop
-    assert "refused PACKED_K=96: a power of two and a multiple of the quantisation block (64)" in out, out
-
-
 def test_router_kernel_equals_torchs_route_interpreted():
     """The router's Triton kernel (softmax, top-k, renormalise, per-expert scale) picks transformers'
     experts in transformers' order and weights them to float32 rounding, for Gemma-4's 128 / top-8
@@ -264,12 +214,12 @@ def test_router_kernel_equals_torchs_route_interpreted():
 def test_triton_kernel_on_the_cpu_without_the_interpreter_is_a_clear_error():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the interpreter is on in this process")
-    with pytest.raises(ConfigError, match="engine.moe_kernel=triton runs on a GPU"):
-        build_engine(compose(["+model=tiny_moe", "device=cpu", "engine.moe_kernel=triton"]))
+    with pytest.raises(ConfigError, match="kernels.moe=triton runs on a GPU"):
+        build_engine(compose(["+model=tiny_moe", "device=cpu", "kernels.moe=triton"]))
     # the default, auto, is torch's path off the GPU
     assert build_engine(compose(["+model=tiny_moe", "device=cpu"])).info["moe_kernel"] == "grouped_mm"
-    with pytest.raises(ConfigError, match="grouped_mm or triton"):
-        compose(["+model=tiny_moe", "engine.moe_kernel=cutlass"])
+    with pytest.raises(ConfigError, match="kernels.moe='cutlass' is invalid: choose one of auto, grouped_mm, triton"):
+        compose(["+model=tiny_moe", "kernels.moe=cutlass"])
 
 
 @pytest.mark.gpu
@@ -279,7 +229,7 @@ def test_gpu_triton_engine_agrees_with_grouped_mm_in_graphs():
     path's (mean |top logprob - float32's| on the same sequence, float32 engine on the same weights,
     within 1.5x torch's path's own + 1e-3; on the CPU, routing decode rows to the wrong experts
     moved it 3.5x). Token equality is no yardstick on a random tiny model: near-flat logits flip at
-    an ulp (session 4: 79% of the decode-step tokens equal), and torch's path rounds each choice's
+    an ulp (on the H200 79% of the decode-step tokens were equal), and torch's path rounds each choice's
     row to bf16 before summing where the kernels sum in float32."""
     sp = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[2, 5, 9, 14, 3], [2, 77, 31], [2, 8, 8, 8]]
@@ -287,7 +237,7 @@ def test_gpu_triton_engine_agrees_with_grouped_mm_in_graphs():
     def engine(kernel, dtype="bfloat16"):
         return build_engine(compose([
             "+model=tiny_moe", "device=cuda", "kv.max_pages=256", "engine.max_batch_size=8",
-            "cudagraph.buckets=[1,2,4,8]", "engine.compile=false", f"engine.moe_kernel={kernel}",
+            "cudagraph.buckets=[1,2,4,8]", "engine.compile=false", f"kernels.moe={kernel}",
             f"model.dtype={dtype}"]))
 
     engines = {"grouped_mm": engine("grouped_mm"), "triton": engine("triton"), "fp32": engine("grouped_mm", "float32")}
@@ -323,10 +273,12 @@ def test_gpu_triton_engine_agrees_with_grouped_mm_in_graphs():
 def test_gpu_decode_experts_equal_loop_inside_a_graph(quant, shape):
     """The routed decode kernels in bf16 (plain and 4-bit experts), at the batch sizes the ladder
     uses and at tiny_moe's shape (every dimension under one tile), eagerly and replayed from a CUDA
-    graph with new routing copied in; steps past ROUTED_MAX_ENTRIES take the sorted path, and 512 rows
-    of the wide shape (4,096 entries, past FUSED_MAX_ENTRIES) 4-bit experts dequantised into slots."""
+    graph with new routing copied in; steps past kernels.moe_sort_above take the sorted path, and 512
+    rows of the wide shape (4,096 entries, past kernels.moe_fused_max_entries) 4-bit experts
+    dequantised into slots."""
+    from flexgemma.kernels import Kernels
     from flexgemma.model.moe import experts_loop
-    from flexgemma.model.moe_kernel import KERNEL_MAX_ENTRIES, ROUTED_MAX_ENTRIES, decode_experts
+    from flexgemma.model.moe_kernel import KERNEL_MAX_ENTRIES, decode_experts
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
 
     torch.manual_seed(0)
@@ -339,7 +291,7 @@ def test_gpu_decode_experts_equal_loop_inside_a_graph(quant, shape):
         gate_up, down = PackedExpertWeight.pack(gate_up, s, dev), PackedExpertWeight.pack(down, s, dev)
     dense = [gate_up.dequantize() if quant == "bnb4" else gate_up, down.dequantize() if quant == "bnb4" else down]
     act = GELUTanh()
-    big = [t for t in (256, 512) if k * t > ROUTED_MAX_ENTRIES and k * t <= KERNEL_MAX_ENTRIES]
+    big = [t for t in (256, 512) if k * t > Kernels().moe_sort_above and k * t <= KERNEL_MAX_ENTRIES]
     for t in (1, 8, 64, *big):
         x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
         w, idx = torch.softmax(torch.randn(t, e, device=dev), -1).topk(k, dim=-1)
@@ -359,47 +311,8 @@ def test_gpu_decode_experts_equal_loop_inside_a_graph(quant, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("up_k, split", [(128, 1), (256, 1), (64, 4), (256, 11)])
-def test_gpu_fused_4bit_steps_of_several_blocks_at_26b_shapes(up_k, split):
-    """PACKED_K of several quantisation blocks, and the up kernel's K split across programs, at 26B-A4B's
-    shapes (up K = 2,816: 44 blocks; down K = 704 keeps one block a step) equal the loop over
-    bitsandbytes' weights at 8-128 rows, eagerly and replayed from a CUDA graph with new routing, as
-    close as the one-block step."""
-    from flexgemma.model.moe import experts_loop
-    from flexgemma.model.moe_kernel import decode_experts
-    from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
-
-    torch.manual_seed(0)
-    dev = torch.device("cuda")
-    e, h, i, k = 128, 2816, 704, 8
-    s = Bnb4Settings(double_quant=True)
-    gate_up = PackedExpertWeight.pack((torch.randn(e, 2 * i, h, device=dev) * 0.05).bfloat16(), s, dev)
-    down = PackedExpertWeight.pack((torch.randn(e, h, i, device=dev) * 0.05).bfloat16(), s, dev)
-    dense = [gate_up.dequantize().float(), down.dequantize().float()]
-    tiles = dict(PACKED_K=up_k, SPLIT_K=split), dict(PACKED_K=256)
-    for t in (8, 64, 128):
-        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
-        w, idx = torch.softmax(torch.randn(t, e, device=dev), -1).topk(k, dim=-1)
-        ref = experts_loop(x.float(), idx, w, *dense, GELUTanh())
-        one_block = decode_experts(x, idx, w, gate_up, down, packed_mode="fused").float()
-        got = decode_experts(x, idx, w, gate_up, down, *tiles, packed_mode="fused").float()
-        err, base = ((got - ref).norm() / ref.norm()).item(), ((one_block - ref).norm() / ref.norm()).item()
-        assert err < 1e-2 and err < 1.5 * base + 1e-4, (t, err, base)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = decode_experts(x, idx, w, gate_up, down, *tiles, packed_mode="fused")
-        x.copy_(torch.randn_like(x))
-        w2, idx2 = torch.softmax(torch.randn(t, e, device=dev), -1).topk(k, dim=-1)
-        w.copy_(w2)
-        idx.copy_(idx2)
-        graph.replay()
-        ref = experts_loop(x.float(), idx, w, *dense, GELUTanh())
-        assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
-
-
-@pytest.mark.gpu
 def test_gpu_4bit_experts_take_the_triton_kernels():
-    """quant=bnb4 with engine.moe_kernel=triton: decode-sized steps over 4-bit experts go to the
+    """quant=bnb4 with kernels.moe=triton: decode-sized steps over 4-bit experts go to the
     Triton kernels (fused where rows are whole quantisation blocks), prefill-sized ones to torch's
     dequantise + grouped GEMM path, and both equal the loop."""
     from flexgemma.model.moe import experts_grouped, experts_loop
@@ -424,9 +337,11 @@ def test_gpu_4bit_experts_take_the_triton_kernels():
 
 @pytest.mark.gpu
 def test_gpu_slot_dequantise_is_bitsandbytes_bit_for_bit():
-    """The slot dequantise (decode past FUSED_MAX_ENTRIES; torch's path with DEQUANT_KERNEL="triton")
-    at 26B-A4B's expert shapes in bf16, double-quantised or not: bitsandbytes' weights bit for bit,
-    inside a CUDA graph too, padding slots left alone; torch's path gives the same output either way."""
+    """The slot dequantise (decode past kernels.moe_fused_max_entries; torch's path with
+    kernels.moe_dequant=triton) at 26B-A4B's expert shapes in bf16, double-quantised or not:
+    bitsandbytes' weights bit for bit, inside a CUDA graph too, padding slots left alone; torch's path
+    gives the same output either way."""
+    from flexgemma.kernels import Kernels
     from flexgemma.model import moe_kernel
     from flexgemma.model.moe import experts_grouped
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
@@ -451,10 +366,6 @@ def test_gpu_slot_dequantise_is_bitsandbytes_bit_for_bit():
         x = torch.randn(1100, 2816, device=dev, dtype=torch.bfloat16)  # 4,400 entries: torch's path
         w, idx = torch.softmax(torch.randn(1100, 8, device=dev), -1).topk(4, dim=-1)
         assert not moe_kernel.TritonExperts.takes(x, idx, GELUTanh(), gate_up, down)
-        old = moe_kernel.DEQUANT_KERNEL
-        try:
-            moe_kernel.DEQUANT_KERNEL = "triton"
-            one_pass = experts_grouped(x, idx, w, gate_up, down, GELUTanh(), kernel=moe_kernel.TritonExperts())
-        finally:
-            moe_kernel.DEQUANT_KERNEL = old
+        one_pass = experts_grouped(x, idx, w, gate_up, down, GELUTanh(),
+                                   kernel=moe_kernel.TritonExperts(Kernels(moe_dequant="triton")))
         assert torch.equal(one_pass, experts_grouped(x, idx, w, gate_up, down, GELUTanh()))

@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from flexgemma import SamplingParams, build_engine, compose
 from flexgemma.model.load import ModelLoadError
@@ -42,7 +41,7 @@ def test_multimodal_checkpoint_loads_text_backbone_only(multimodal_checkpoint):
 
 
 def test_config_without_weights_warns_random(tmp_path):
-    text = OmegaConf.to_container(compose(["+model=tiny"]).model.hf_config)
+    text = dict(compose(["+model=tiny"]).model.hf_config)
     (tmp_path / "config.json").write_text(json.dumps(text))
     with pytest.warns(UserWarning, match="RANDOM weights"):
         engine = build_engine(compose(["+model=tiny", f"model.path={tmp_path}", *SMALL]))

@@ -1,17 +1,18 @@
 """RL-sized batches (issue 21): the auto graph ladder, the warm-up, the first-round check, the
-decode-attention row counts, KV bytes per token and the batch-size benchmark (tiny, on the CPU)."""
+decode-attention row counts, KV bytes per token and the round profiler (tiny, on the CPU)."""
 
+import dataclasses
 import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 from flexgemma import SamplingParams, compose
-from flexgemma.config import validate
-from flexgemma.engine.cuda_graphs import attention_row_sizes, auto_buckets, resolve_buckets
+from flexgemma.config import validate_kernels
+from flexgemma.engine.cuda_graphs import auto_buckets, resolve_buckets
+from flexgemma.kernels import attention_row_sizes
 from flexgemma.engine.warm import RoundWatch, warm_up
 from flexgemma.model.attention import kernel_options
 from flexgemma.model.spec import FULL
@@ -19,7 +20,7 @@ from flexgemma.tasks.bench import first_round_check
 
 from conftest import make_engine
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402 - the repository
 
 
 @pytest.mark.parametrize("max_batch, ladder", [
@@ -69,9 +70,6 @@ def test_attention_row_sizes():
     assert attention_row_sizes(64) == [16, 64]
     assert attention_row_sizes(8) == [8]
     assert attention_row_sizes(200) == [50, 200]
-    assert attention_row_sizes(128, factor=2) == [16, 32, 64, 128]
-    with pytest.raises(ValueError, match="at least 2"):
-        attention_row_sizes(64, factor=1)
 
 
 def test_decode_attention_padded_to_a_row_count_gives_the_same_tokens():
@@ -82,8 +80,10 @@ def test_decode_attention_padded_to_a_row_count_gives_the_same_tokens():
     plain = make_engine("engine.max_batch_size=8")
     want = plain.generate(prompts, params)
     padded = make_engine("engine.max_batch_size=8")
-    kernels = padded.runner.forward.kernels
-    kernels.decode_rows = [3, 8]  # batches of 1-3 run attention at 3 rows, 4-8 at 8
+    # batches of 1-3 run attention at 3 rows, 4-8 at 8 (the rows flex is compiled at; the CPU's dense
+    # attention takes any count, so the test hands both readers of the row counts new ones)
+    kernels = dataclasses.replace(padded.runner.kernels, decode_rows=(3, 8))
+    padded.runner.kernels = padded.runner.forward.attention.kernels = kernels
     assert kernels.padded_rows(2) == 3 and kernels.padded_rows(5) == 8
     got = padded.generate(prompts, params)  # 5 rows (padded to 8), then fewer as none finish early: all 5
     got3 = padded.generate(prompts[:2], params)  # 2 rows padded to 3
@@ -153,63 +153,35 @@ def load_script(name: str):
     return mod
 
 
-def test_bench_batches_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
-    pytest.importorskip("triton", reason="the 4-bit module is imported for --linear4bit-max-rows")
-    from flexgemma.model import linear4bit, moe_kernel
-
-    monkeypatch.setattr(moe_kernel, "ROUTED_MAX_ENTRIES", moe_kernel.ROUTED_MAX_ENTRIES)  # restored after
-    monkeypatch.setattr(moe_kernel, "FUSED_MAX_ENTRIES", moe_kernel.FUSED_MAX_ENTRIES)
-    monkeypatch.setattr(moe_kernel, "DEQUANT_KERNEL", moe_kernel.DEQUANT_KERNEL)
-    from flexgemma.engine import cuda_graphs
-
-    monkeypatch.setattr(linear4bit, "KERNEL_MAX_ROWS", linear4bit.KERNEL_MAX_ROWS)
-    monkeypatch.setattr(linear4bit, "DEQUANT_KERNEL", linear4bit.DEQUANT_KERNEL)
-    monkeypatch.setattr(cuda_graphs, "ATTENTION_ROW_FACTOR", cuda_graphs.ATTENTION_ROW_FACTOR)
-    script = load_script("bench_batches")
-    res = script.main([
-        "--model", "tiny", "--device", "cpu", "--batch-sizes", "2,3", "--new-tokens", "3", "--rounds", "2",
-        "--warmup-rounds", "0", "--out", str(tmp_path), "--moe-sort-above", "0", "--moe-fused-max-entries", "16",
-        "--moe-dequant", "triton",
-        "--linear4bit-max-rows", "32",
-        "--linear4bit-dequant", "triton", "--attention-row-factor", "2",
-        "--inductor-config", "triton.enable_pdl=False", "--results", str(tmp_path / "RESULTS.md"),
-        "workload.min_prompt_len=4", "workload.max_prompt_len=12", "kv.page_size=8"])
-    assert [r["batch"] for r in res["rows"]] == [2, 3] and res["engine"]["device"] == "cpu"
-    assert all(r["tok_s_median"] > 0 and r["limit_tok_s"] > 0 and len(r["tok_s_rounds"]) == 2 for r in res["rows"])
-    # how a round splits: its prefill steps' seconds (under the round's) and its decode steps
-    assert all(0 < r["prefill_seconds"] < min(r["round_seconds"]) and r["decode_steps"] >= 2 for r in res["rows"])
-    assert moe_kernel.ROUTED_MAX_ENTRIES == 0 and res["moe_sort_above"] == 0
-    assert moe_kernel.FUSED_MAX_ENTRIES == 16 and res["moe_fused_max_entries"] == 16
-    assert moe_kernel.DEQUANT_KERNEL == "triton" and res["moe_dequant"] == "triton"
-    assert linear4bit.KERNEL_MAX_ROWS == 32 and res["linear4bit_max_rows"] == 32
-    assert linear4bit.DEQUANT_KERNEL == "triton" and cuda_graphs.ATTENTION_ROW_FACTOR == 2
-    name = ("bench_batches_tiny_triton.enable_pdl-False_sort_above_0_fused_max_16_moe_dequant_triton"
-            "_linear4bit_max_rows_32_dequant_triton_attention_rows_x2")
-    table = (tmp_path / f"{name}.md").read_text()
-    assert "| batch | tok/s | first/median | step ms | prefill s |" in table
-    assert table.count("\n| ") == 3  # header + two rows
-    assert (tmp_path / f"{name}.json").is_file()
-    # the lab-history entry: date, the exact command, hardware, versions, commit, then the same table
-    entry = (tmp_path / "RESULTS.md").read_text()
-    assert entry.startswith("\n### bench_batches: tiny, batches 2, 3 (") and table in entry, entry
-    assert "python experiments/bench_batches.py --model tiny --device cpu" in entry and "torch " in entry, entry
-    assert f"\n\n{res['environment']['env/cpu']}; torch " in entry, entry  # the hardware: no GPU here
-    assert "commit " + res["environment"]["env/git_sha"] in entry, entry
-    assert "4-bit" not in table.splitlines()[0]  # a bf16 build says nothing of 4-bit weights; a bnb4 one does:
-    res["engine"].update({"quant/fraction_4bit": 0.93, "linear4bit_kernel": "triton"})
-    assert "93% of the weights 4-bit (triton projections)" in script.markdown(res).splitlines()[0]
-
-
 def test_profile_generate_times_a_round_on_the_cpu(tmp_path):
     """experiments/profile_generate.py end to end (tiny, CPU: host timers only, no CUDA events)."""
     out = tmp_path / "profile.json"
     res = load_script("profile_generate").main([
-        "--model", "tiny", "--device", "cpu", "--batch", "3", "--new-tokens", "4", "--out", str(out),
-        "workload.min_prompt_len=4", "workload.max_prompt_len=12", "kv.page_size=8"])
+        "--model", "tiny", "--device", "cpu", "--batch", "3", "--new-tokens", "4", "--out", str(out), "--profile-prefill",
+        "workload.min_prompt_len=4", "workload.max_prompt_len=12", "kv.page_size=8", "kernels.prefill_full_blocks=false"])
     assert res["decode_steps"] >= 3 and res["tok_s"] > 0 and "gpu_step_ms_median" not in res
+    assert res["overrides"][-1] == "kernels.prefill_full_blocks=false"  # an A/B of a kernel choice: an override
+    assert res["prefill_kernels"]["kernels"] and res["prefill_kernels"]["wall_ms"] > 0
     for name in ("grow pages", "fill inputs + masks", "postprocess", "wait + read tokens", "synchronous steps (prefill)"):
         assert res["calls"][name] > 0, name
     assert json.loads(out.read_text())["batch"] == 3
+
+
+def test_one_rounds_loop_for_the_bench_task_and_the_scripts():
+    """tasks.common.timed_rounds: warm-up rounds, then the hook between them and the timed ones, then
+    each timed round (outputs, step counters, what compiled) handed to on_round as it ends; task=bench
+    logs its metrics from that hook, the scripts read the returned rounds."""
+    from flexgemma.tasks.common import timed_rounds
+
+    engine = make_engine()
+    prompts = [[2, 17, 33, 41], [2, 8, 9]]
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    events = []
+    rounds = timed_rounds(engine, prompts, params, rounds=2, warmup=1, before_timed=lambda: events.append("timed"),
+                          on_round=lambda r, t: events.append((r, t.tokens, t.compiled)))
+    assert events == ["timed", (0, 10, 0), (1, 10, 0)]
+    assert len(rounds) == 2 and rounds[0].token_ids == rounds[1].token_ids and rounds[0].tok_s > 0
+    assert rounds[1].stats.decode_steps == 4 and rounds[1].stats.prefill_tokens == 7 and rounds[1].stats is not rounds[0].stats
 
 
 def test_after_the_warm_up_rounds_of_other_sizes_compile_nothing():
@@ -239,14 +211,14 @@ def test_bench_sampler_runs_on_the_cpu(tmp_path):
 @pytest.mark.parametrize("model, sliding_stages, full_tile", [
     ("e2b", 2, (32, 3)), ("e4b", 3, (32, 3)), ("26b_a4b", 2, (32, 3)), ("31b", 2, (16, 2))])
 def test_rl_batch_presets_carry_their_measured_decode_tiles(model, sliding_stages, full_tile):
-    """Each preset's flex decode tiles are the ones its H200 round measured faster with (RESULTS.md,
-    2026-12-02): BLOCK_N 64 / 4 warps on the sliding layers (head_dim 256), and BLOCK_N 32 / 3 stages
+    """Each preset's flex decode tiles are the ones its H200 round measured faster with (RESULTS.md, RL-
+    sized batches): BLOCK_N 64 / 4 warps on the sliding layers (head_dim 256), and BLOCK_N 32 / 3 stages
     on the full-attention ones (head_dim 512) where that was measured (31B keeps the engine's)."""
     cfg = compose([f"+model={model}", f"+experiment=rl_batch_{model}"])
-    validate(cfg)  # the tiles divide the preset's page size and fit the typed config's checks
+    validate_kernels(cfg)  # the tiles divide the preset's page size (compose checked the rest)
     page = cfg.kv.page_size
     assert kernel_options(cfg.attn.decode, 256, page) == {"BLOCK_N": 64, "num_warps": 4, "num_stages": sliding_stages}
     block_n, stages = full_tile
     assert kernel_options(cfg.attn.decode, 512, page) == {"BLOCK_M": 16, "BLOCK_N": block_n, "num_warps": 4,
                                                           "num_stages": stages}
-    assert cfg.attn.fused_kv_write == (model == "31b")
+    assert cfg.kernels.fused_kv_write == (model == "31b")

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -19,7 +18,7 @@ from flexgemma.rl import ranks  # noqa: E402
 from flexgemma.run import run_job  # noqa: E402
 from flexgemma.tasks import grpo  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT  # noqa: E402 - the repository
 LEARN = ["lora=r16", "task=grpo", "device=cpu", "model.dtype=float32", "logger=none", "workload.max_prompt_len=16",
          "model.hf_config.initializer_range=0.2", "task.learning_rate=1e-2"]
 STEPS, PROMPTS, GROUP = 3, 4, 4

@@ -153,7 +153,7 @@ def test_async_decode_gives_the_same_outputs():
 def test_e2b_shaped_window_long_prompts_match_transformers():
     """E2B's geometry on the CPU path: a 512-token window (a multiple of the 64-token page and the
     128-token query block), prompts of 7, 130 and 600 tokens packed into one prefill, the longest past
-    the window (the case that differs from transformers on the H200's flex path, RESULTS.md)."""
+    the window (on the H200's flex path, the case where float32 rounding parts flexgemma and transformers)."""
     engine = build_engine(compose(["+model=tiny", "device=cpu", "model.dtype=float32", "model.hf_config.sliding_window=512",
                                    "model.hf_config.max_position_embeddings=2048", "engine.max_model_len=1024",
                                    "kv.cpu_pages=128"]))

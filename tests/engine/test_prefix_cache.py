@@ -369,9 +369,9 @@ def test_replay_schedule_shows_copies_prefilled_after_their_first():
     chunks when long), its other copies in a later step, each only its last token (its last page
     copied from the first's)."""
     import importlib.util
-    from pathlib import Path
+    from conftest import ROOT
 
-    path = Path(__file__).resolve().parents[1] / "experiments" / "replay_schedule.py"
+    path = ROOT / "experiments" / "replay_schedule.py"
     spec = importlib.util.spec_from_file_location("replay_schedule", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

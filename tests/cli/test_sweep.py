@@ -2,10 +2,7 @@
 and an offline W&B run in every job directory holding the job's metrics."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -15,14 +12,9 @@ import yaml
 from flexgemma.metrics import is_catalogued
 from flexgemma.wandb_logger import offline_runs, read_offline_run
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import APP, APP_CONFIG, run_python
+
 TINY_WORKLOAD = ["workload.num_prompts=2", "workload.max_new_tokens=4", "workload.rounds=1", "workload.warmup_rounds=0"]
-
-
-def run_python(args, cwd, timeout=500):
-    env = {**os.environ, "HYDRA_FULL_ERROR": "1", "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def job_dirs(sweep: Path) -> dict[str, Path]:
@@ -100,31 +92,6 @@ def test_sweep_of_two_block_sizes_and_two_ladders_records_fails_and_resumes(tmp_
     assert json.loads((jobs["32,ladder16"] / "summary.json").read_text())["status"] == "ok"
     assert r.stdout.count(" skipped ") >= 3
     assert len(offline_runs(jobs["16,ladder8"])) == 1 and len(offline_runs(jobs["32,ladder16"])) == 2
-
-
-APP = """
-import os, hydra
-
-@hydra.main(config_path=".", config_name="app", version_base="1.3")
-def app(cfg):
-    if cfg.x == 2:
-        os._exit(7)  # the process dies, as under the OOM killer or a segfault
-    if cfg.x == 3:
-        raise RuntimeError("boom")
-    return float(cfg.x)
-
-if __name__ == "__main__":
-    app()
-"""
-
-APP_CONFIG = """
-defaults:
-  - override hydra/launcher: flexgemma_local
-  - _self_
-x: 0
-task:
-  objective: value
-"""
 
 
 def test_launcher_records_a_dead_process_and_an_exception_and_goes_on(tmp_path):

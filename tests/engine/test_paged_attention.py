@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flexgemma.engine import block_mask
+from flexgemma.kernels import Kernels
 from flexgemma.engine.block_mask import MaskBuilder
 from flexgemma.engine.kv_cache import KVCache
 from flexgemma.engine.sequence import SamplingParams, Sequence
@@ -126,7 +126,7 @@ def kernel_view(bm, q_len: int, kv_len: int) -> torch.Tensor:
     return seen, truth
 
 
-def test_prefill_full_blocks_pass_the_mask_everywhere(spec, monkeypatch):
+def test_prefill_full_blocks_pass_the_mask_everywhere(spec):
     """Pages listed as full skip the mask_mod in the kernel: each must pass it at every query of
     its block, and partial + full together must let through exactly what the mask_mod does."""
     cache = KVCache(spec, num_pages=40, page_size=P, dtype=torch.float32, device=torch.device("cpu"))
@@ -151,6 +151,7 @@ def test_prefill_full_blocks_pass_the_mask_everywhere(spec, monkeypatch):
         # torch 2.11's kernel reads the full list with the partial list's strides
         assert bm.full_kv_indices.shape == bm.kv_indices.shape
     assert all(n > 0 for n in full_pages.values()), full_pages  # both layer types list some
-    monkeypatch.setattr(block_mask, "PREFILL_FULL_BLOCKS", False)
-    for bm in masks.prefill(seqs, chunk, padded_len=padded).values():
+    partial_only = MaskBuilder(spec, cache, q_block_size=P, max_model_len=128,
+                               kernels=Kernels(prefill_full_blocks=False))
+    for bm in partial_only.prefill(seqs, chunk, padded_len=padded).values():
         assert bm.full_kv_num_blocks is None

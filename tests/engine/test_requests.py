@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from flexgemma import ConfigError, RequestError, SamplingParams, build_engine, compose
 from flexgemma.model.load import ModelLoadError
@@ -62,7 +61,7 @@ def test_missing_model_path_is_clear():
 
 def test_pickle_weights_are_refused_unless_allowed(tmp_path):
     cfg = compose(["+model=tiny"])
-    (tmp_path / "config.json").write_text(json.dumps(OmegaConf.to_container(cfg.model.hf_config)))
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg.model.hf_config)))
     torch.save({}, tmp_path / "pytorch_model.bin")
     with pytest.raises(ModelLoadError, match="pickled weights.*model.allow_pickle=true"):
         build_engine(compose(["+model=tiny", f"model.path={tmp_path}", "device=cpu"]))

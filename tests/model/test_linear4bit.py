@@ -1,4 +1,4 @@
-"""engine.linear4bit_kernel=triton: 4-bit projections of one input as one matrix, read packed by one
+"""kernels.linear4bit=triton: 4-bit projections of one input as one matrix, read packed by one
 Triton kernel at decode, an unmerged LoRA inside it. On the CPU through Triton's interpreter
 (TRITON_INTERPRET=1, in a subprocess, float16: the interpreter mishandles bfloat16); on the GPU in
 bfloat16 inside CUDA graphs."""
@@ -29,7 +29,6 @@ def test_group_equals_bitsandbytes_modules_interpreted():
         calls = []
         real = L.sum_rows
         L.sum_rows = lambda *a: calls.append(1) or real(*a)
-        tiles0 = dict(L.DEQUANT_TILES)
         rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
         for qt, dq, k, outs in [("nf4", True, 256, (128, 64, 64)), ("fp4", True, 512, (96, 48)),
                                 ("nf4", False, 192, (64, 32)), ("fp4", False, 128, (80,)),
@@ -43,9 +42,7 @@ def test_group_equals_bitsandbytes_modules_interpreted():
             ref_w = g.dequantize_bnb()
             same = []
             for opts in ({}, dict(BYTES=32), dict(BYTES=8192)):  # a block a program; more blocks than the matrix
-                L.DEQUANT_TILES = {**tiles0, **opts}
-                same.append(torch.equal(g.dequantize_triton(), ref_w))
-            L.DEQUANT_TILES = tiles0
+                same.append(torch.equal(g.dequantize_triton(opts), ref_w))
             print("dequant", qt, all(same))
             for t, x in before.items():
                 print("err", qt, t, rel(torch.cat(g(x), -1), refs[t]))
@@ -65,7 +62,7 @@ def test_group_equals_bitsandbytes_modules_interpreted():
     assert all(ln[4] == "True" for ln in lines if ln[0] == "err_split"), out  # the forced tiles did split K
     lora = [(float(ln[3]), float(ln[4])) for ln in lines if ln[0] == "err_lora"]
     assert len(lora) == 15 and all(e < 1e-3 and moved > 0.05 for e, moved in lora), out
-    # the group's own dequantise kernel (steps past KERNEL_MAX_ROWS, prefill) is bitsandbytes' op bit for
+    # the group's own dequantise kernel (steps past kernels.linear4bit_max_rows, prefill) is bitsandbytes' op bit for
     # bit, with the default options, a block a program, and more blocks a program than the matrix has
     assert [ln[2] for ln in lines if ln[0] == "dequant"] == ["True"] * 5, out
     kept = [ln[-1] for ln in lines if ln[0] == "kept8bit"]
@@ -73,23 +70,22 @@ def test_group_equals_bitsandbytes_modules_interpreted():
 
 
 def test_kernel_takes_rl_batches_in_row_tiles_interpreted():
-    """With KERNEL_MAX_ROWS raised past ROW_TILE (bench_batches.py --linear4bit-max-rows), steps of
-    more rows run in the kernel as programs of ROW_TILE rows: each row's output is bit for bit what a
-    step of its tile alone gives (LoRA, split K and programs of several K steps included), and
-    equals bitsandbytes' modules; past
-    KERNEL_MAX_ROWS, dequantise + GEMM. By default (64: on the H200 dequantise + GEMM won past 64
-    rows) a step of 65 rows launches no product kernel."""
+    """With kernels.linear4bit_max_rows raised past the row tile (64), steps of more rows run in the
+    kernel as programs of 64 rows: each row's output is bit for bit what a step of its tile alone
+    gives (LoRA, split K and programs of several K steps included), and equals bitsandbytes' modules;
+    past the threshold, dequantise + GEMM. By default (64: on the H200 dequantise + GEMM won past 64
+    rows) a step of 65 rows launches no product kernel, and dequantises the same way by the Triton
+    kernel (kernels.linear4bit_dequant=triton) as by bitsandbytes' op (bnb)."""
     out = run_interpreted("""
         import torch
+        from flexgemma.kernels import Kernels
         from flexgemma.model.quant import Bnb4Settings, linear4bit_from
         from flexgemma.model import linear4bit as L
-        default = L.KERNEL_MAX_ROWS
-        L.KERNEL_MAX_ROWS = 512
         torch.manual_seed(0)
         rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
         s = Bnb4Settings("nf4", True, 64, torch.float16)
         mods = [linear4bit_from(torch.nn.Linear(128, n, bias=False).half(), s, torch.device("cpu")) for n in (64, 32)]
-        g = L.Linear4bitGroup(mods)
+        g = L.Linear4bitGroup(mods, Kernels(linear4bit_max_rows=512))
         x = torch.randn(150, 128).half()
         xa, b = torch.randn(150, 16).half(), (torch.randn(96, 16) * 0.2).half()
         ref = torch.cat([m(x) for m in mods], -1)
@@ -106,35 +102,30 @@ def test_kernel_takes_rl_batches_in_row_tiles_interpreted():
         real = L._linear_4bit_kernel
         L._linear_4bit_kernel = type("K", (), {"__getitem__": lambda self, grid: calls.append(grid) or real[grid]})()
         g.matmul(x)
-        y = g.matmul(torch.randn(L.KERNEL_MAX_ROWS + 1, 128).half())
-        print("grids", calls, L.ROW_TILE, tuple(y.shape))
-        L.KERNEL_MAX_ROWS = default
-        x65 = torch.randn(default + 1, 128).half()
-        y_bnb = g.matmul(x65)
-        print("default", default, len(calls))
-        L.DEQUANT_KERNEL = "triton"
-        print("dequant_kernel", torch.equal(g.matmul(x65), y_bnb), len(calls))
-        L.DEQUANT_KERNEL = "cublas"
-        try:
-            g.matmul(x65)
-        except ValueError as e:
-            print("bad", "DEQUANT_KERNEL='cublas'" in str(e))
+        y = g.matmul(torch.randn(513, 128).half())
+        print("grids", calls, L.TILES["ROW_TILE"], tuple(y.shape))
+        default = L.Linear4bitGroup(mods)
+        x65 = torch.randn(default.max_rows + 1, 128).half()
+        y_triton = default.matmul(x65)
+        print("default", default.max_rows, default.dequant, len(calls))
+        y_bnb = L.Linear4bitGroup(mods, Kernels(linear4bit_dequant="bnb")).matmul(x65)
+        print("dequant_kernel", torch.equal(y_triton, y_bnb), len(calls))
     """)
     lines = [ln.split() for ln in out.splitlines()]
     same = [ln for ln in lines if ln[0] == "same"]
     assert len(same) == 4 and all(ln[2] == "True" and float(ln[3]) < 1e-3 for ln in same), out
     grids = next(ln for ln in lines if ln[0] == "grids")
     assert grids[1:] == ["[(2,", "1,", "3)]", "64", "(513,", "96)"], out  # 150 rows: 3 tiles; 513 rows: no kernel
-    assert next(ln for ln in lines if ln[0] == "default")[1:] == ["64", "1"], out  # 65 rows: no product kernel
-    # the dequantise kernel in its place gives the same output bit for bit; an unknown way is named
+    # 65 rows: no product kernel, dequantised by the Triton kernel by default
+    assert next(ln for ln in lines if ln[0] == "default")[1:] == ["64", "triton", "1"], out
+    # bitsandbytes' op in its place gives the same output bit for bit
     assert next(ln for ln in lines if ln[0] == "dequant_kernel")[1:] == ["True", "1"], out
-    assert next(ln for ln in lines if ln[0] == "bad")[1:] == ["True"], out
 
 
 def test_engine_runs_4bit_groups_and_lora_inside_them_interpreted():
-    """quant=bnb4 with engine.linear4bit_kernel=triton: every projection group whose rows are whole
+    """quant=bnb4 with kernels.linear4bit=triton: every projection group whose rows are whole
     quantisation blocks is a Linear4bitGroup (LoRA groups over them), and the engine's outputs equal
-    those of bitsandbytes' modules (engine.linear4bit_kernel=bnb) on the same weights, before and
+    those of bitsandbytes' modules (kernels.linear4bit=bnb) on the same weights, before and
     after a LoRA update: every token's logprob (decode steps run the kernel) and greedy tokens."""
     out = run_interpreted("""
         import torch
@@ -147,7 +138,7 @@ def test_engine_runs_4bit_groups_and_lora_inside_them_interpreted():
         def engine(kernel, *extra):
             return build_engine(compose(["+model=tiny", "device=cpu", "quant=bnb4", "model.dtype=float16",
                                          "kv.max_pages=64", "engine.max_batch_size=4", "engine.compile=false",
-                                         f"engine.linear4bit_kernel={kernel}", *extra]))
+                                         f"kernels.linear4bit={kernel}", *extra]))
         plain = engine("triton")
         print("plain", plain.info["linear4bit_kernel"], plain.info["linear4bit_groups"])
         tri, ref = engine("triton", "lora=r16"), engine("bnb", "lora=r16")
@@ -158,7 +149,7 @@ def test_engine_runs_4bit_groups_and_lora_inside_them_interpreted():
         for step in range(2):
             rows.clear()
             a = tri.generate(ps, sp)
-            print("kernel_calls", step, sum(r <= L.KERNEL_MAX_ROWS for r in rows))
+            print("kernel_calls", step, sum(r <= 64 for r in rows))  # kernels.linear4bit_max_rows
             b = ref.generate(ps, sp)
             print("gap", step, max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.logprobs, y.logprobs)))
             print("tokens", step, sum(x.token_ids == y.token_ids for x, y in zip(a, b)))
@@ -190,7 +181,7 @@ def test_adapters_on_some_members_leave_their_group_to_the_modules_interpreted()
             return build_engine(compose(["+model=tiny", "device=cpu", "quant=bnb4", "model.dtype=float16", "lora=r16",
                                          "lora.target_modules=[q_proj,o_proj]", "kv.max_pages=64",
                                          "engine.max_batch_size=4", "engine.compile=false",
-                                         f"engine.linear4bit_kernel={kernel}"]))
+                                         f"kernels.linear4bit={kernel}"]))
         tri, ref = engine("triton"), engine("bnb")
         attn, proj = tri.runner.forward.attn[0], tri.runner.forward.project[0]
         print("kinds", type(attn.project_qkv).__name__, type(attn.project_o).__name__,
@@ -209,13 +200,13 @@ def test_adapters_on_some_members_leave_their_group_to_the_modules_interpreted()
 def test_linear4bit_kernel_choice_is_checked():
     assert "linear4bit_kernel" not in build_engine(compose(["+model=tiny", "device=cpu"])).info  # bf16: no 4-bit
     assert build_engine(compose(["+model=tiny", "device=cpu", "quant=bnb4"])).info["linear4bit_kernel"] == "bnb"
-    with pytest.raises(ConfigError, match="auto, bnb or triton"):
-        compose(["+model=tiny", "engine.linear4bit_kernel=marlin"])
+    with pytest.raises(ConfigError, match="kernels.linear4bit='marlin' is invalid: choose one of auto, bnb, triton"):
+        compose(["+model=tiny", "kernels.linear4bit=marlin"])
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(ConfigError, match="runs on a GPU"):
-            build_engine(compose(["+model=tiny", "device=cpu", "quant=bnb4", "engine.linear4bit_kernel=triton"]))
+            build_engine(compose(["+model=tiny", "device=cpu", "quant=bnb4", "kernels.linear4bit=triton"]))
 
 
 def test_groups_refuse_what_the_kernel_cannot_read():
@@ -274,9 +265,10 @@ def test_gpu_group_equals_bitsandbytes_inside_a_graph(double_quant):
 @pytest.mark.gpu
 def test_gpu_dequantise_kernel_and_k_steps():
     """On the GPU in bf16 (E2B's and 31B's widths): the group's dequantise kernel gives bitsandbytes'
-    op's weights bit for bit (so steps past KERNEL_MAX_ROWS give the same output either way, inside a
-    graph too), and the product kernel with several K steps a program stays within bf16 rounding of
-    bitsandbytes' modules."""
+    op's weights bit for bit (so steps past kernels.linear4bit_max_rows give the same output either
+    way, inside a graph too), and the product kernel with several K steps a program stays within bf16
+    rounding of bitsandbytes' modules."""
+    from flexgemma.kernels import Kernels
     from flexgemma.model import linear4bit as L
     from flexgemma.model.quant import Bnb4Settings, linear4bit_from
 
@@ -286,27 +278,18 @@ def test_gpu_dequantise_kernel_and_k_steps():
         s = Bnb4Settings("nf4", double_quant, 64, torch.bfloat16)
         for k, outs in [(1536, (12288, 12288)), (5376, (8192, 4096, 4096)), (21504, (5376,))]:
             mods = [linear4bit_from(torch.nn.Linear(k, n, bias=False).bfloat16(), s, dev) for n in outs]
-            g = L.Linear4bitGroup(mods)
+            g = L.Linear4bitGroup(mods)  # kernels.linear4bit_dequant=triton, the default
             ref_w = g.dequantize_bnb()
             for opts in ({}, dict(BYTES=8192, num_warps=8)):
-                old_tiles = L.DEQUANT_TILES
-                L.DEQUANT_TILES = {**old_tiles, **opts}
-                try:
-                    assert torch.equal(g.dequantize_triton(), ref_w), (double_quant, k, outs, opts)
-                finally:
-                    L.DEQUANT_TILES = old_tiles
+                assert torch.equal(g.dequantize_triton(opts), ref_w), (double_quant, k, outs, opts)
             x = torch.randn(200, k, device=dev, dtype=torch.bfloat16)
             graph = torch.cuda.CUDAGraph()
-            old = L.DEQUANT_KERNEL
-            try:
-                L.DEQUANT_KERNEL = "triton"
-                eager = g.matmul(x)  # also the warm-up before the capture (Triton's compile, cuBLAS' handle)
-                with torch.cuda.graph(graph):
-                    y = g.matmul(x)
-            finally:
-                L.DEQUANT_KERNEL = old
+            eager = g.matmul(x)  # also the warm-up before the capture (Triton's compile, cuBLAS' handle)
+            with torch.cuda.graph(graph):
+                y = g.matmul(x)
             graph.replay()
-            assert torch.equal(y, eager) and torch.equal(y, g.matmul(x))  # the latter: bitsandbytes' op
+            by_bnb = L.Linear4bitGroup(mods, Kernels(linear4bit_dequant="bnb")).matmul(x)
+            assert torch.equal(y, eager) and torch.equal(y, by_bnb)
             for t in (8, 64):
                 ref = torch.cat([m(x[:t]) for m in mods], -1).float()
                 for steps in (2, 4):
@@ -330,7 +313,7 @@ def test_gpu_engine_4bit_groups_agree_with_bitsandbytes_in_graphs():
     def engine(kernel):
         return build_engine(compose(["+model=tiny", "device=cuda", "quant=bnb4", "lora=r16", "kv.max_pages=256",
                                      "engine.max_batch_size=8", "cudagraph.buckets=[1,2,4,8]", "engine.compile=false",
-                                     f"engine.linear4bit_kernel={kernel}"]))
+                                     f"kernels.linear4bit={kernel}"]))
 
     tri, ref = engine("triton"), engine("bnb")
     assert tri.info["linear4bit_kernel"] == "triton" and tri.info["linear4bit_groups"] == 40

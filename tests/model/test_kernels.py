@@ -1,6 +1,5 @@
 """flex kernel options from the attn config, and compiled functions that belong to one engine."""
 
-import pytest
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
@@ -73,41 +72,18 @@ def test_compiled_kv_norm_write_writes_the_pools_in_place():
 
 
 def test_engine_with_the_fused_kv_write_generates_the_same():
-    """attn.fused_kv_write through a compiled engine on the CPU (prefill and decode steps): the same
-    greedy tokens and logprobs as the norms followed by KVPools.write; the override reaches every layer."""
+    """kernels.fused_kv_write through a compiled engine on the CPU (prefill and decode steps): the same
+    greedy tokens and logprobs as the norms followed by KVPools.write; the key reaches every layer."""
     from flexgemma import SamplingParams, build_engine
 
-    engine = build_engine(compose(["+model=tiny", "device=cpu", "engine.compile=true", "engine.max_batch_size=4",
-                                   "kv.cpu_pages=64", "attn.fused_kv_write=true"]))
-    assert all(a.fused_kv_write for a in engine.runner.forward.attn)
+    def build(*extra):
+        return build_engine(compose(["+model=tiny", "device=cpu", "engine.compile=true", "engine.max_batch_size=4",
+                                     "kv.cpu_pages=64", *extra]))
+
+    assert all(a.fused_kv_write for a in build("kernels.fused_kv_write=true").runner.forward.attn)
     prompts = [[2] + list(range(5, 5 + n)) for n in (9, 30, 17)]
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-
-    def set_fused(fused: bool) -> None:  # the same engine and weights, each layer's flag set
-        for a in engine.runner.forward.attn:
-            a.fused_kv_write = fused
-
-    runs = outputs_per_setting(engine, set_fused, (False, True), prompts, params)
+    runs = outputs_per_setting(build, "kernels.fused_kv_write", (False, True), prompts, params)
     for plain, fused in zip(*runs):
         assert plain.token_ids == fused.token_ids
         torch.testing.assert_close(torch.tensor(fused.logprobs), torch.tensor(plain.logprobs), atol=1e-5, rtol=0)
-
-
-def test_glue_compiled_with_automatic_dynamic_generates_the_same(monkeypatch):
-    """glue.GLUE_DYNAMIC="auto": a compiled engine on the CPU generates what the default ("all"
-    dimensions symbolic) generates, and an unknown value is refused by name."""
-    from flexgemma import SamplingParams, build_engine
-    from flexgemma.model import glue
-
-    prompts = [[2] + list(range(5, 5 + n)) for n in (9, 30, 17)]
-    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
-    outs = []
-    for mode in ("all", "auto"):
-        monkeypatch.setattr(glue, "GLUE_DYNAMIC", mode)
-        engine = build_engine(compose(["+model=tiny", "device=cpu", "engine.compile=true", "engine.max_batch_size=4",
-                                       "kv.cpu_pages=64"]))
-        outs.append([o.token_ids for o in engine.generate(prompts, params)])
-    assert outs[0] == outs[1]
-    monkeypatch.setattr(glue, "GLUE_DYNAMIC", "static")
-    with pytest.raises(ValueError, match="GLUE_DYNAMIC='static'"):
-        glue.make_ops(CompileCounter())

@@ -4,7 +4,7 @@ The learning runs use `model.hf_config.initializer_range=0.2` (experiment=grpo_t
 0.02 the tied lm_head bounds every logit by |e|*|h| ~ 0.16*8 (entropy 6.226 of the uniform 6.238), so
 no adapter on the projections can change what the model samples. With 0.2 and task.learning_rate=2e-2,
 30 steps of the TargetTokens reward (ids [3, 67): a random policy scores ~0.12) ended at reward_last5
-0.99-1.00 from first5 0.10-0.13 on tiny (seeds 0-4 of seed/lora.seed/workload.seed, 2026-12-01);
+0.99-1.00 from first5 0.10-0.13 on tiny (seeds 0-4 of seed/lora.seed/workload.seed);
 tiny_moe, 20 steps: 0.148 -> 0.997 (seed 0). The test asks for +0.10, far below every gain seen and
 well above the noise of a mean of five steps of 256 tokens (std ~0.01). At 1e-2 the tiny gains were
 +0.07 to +0.81 by seed: too close to the margin.
@@ -47,7 +47,7 @@ def greedy(engine, prompts, n=12):
 
 def test_grpo_learns_on_tiny_and_the_saved_adapter_reloads(tmp_path):
     cfg = compose(["experiment=grpo_tiny"])  # the preset: LEARN with 30 steps at twice the rate
-    assert cfg.model.hf_config.initializer_range == 0.2 and cfg.task.learning_rate == 2e-2 and cfg.task.steps == 30
+    assert cfg.model.hf_config["initializer_range"] == 0.2 and cfg.task.learning_rate == 2e-2 and cfg.task.steps == 30
     assert cfg.lora.name == "r16" and cfg.model.dtype == "float32" and cfg.workload.max_prompt_len == 16
     engine = build_engine(cfg, grpo.pool_demand(cfg))
     workload = build_workload(cfg, engine)

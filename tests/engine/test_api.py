@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from flexgemma import Engine, RequestError, SamplingParams, build_engine, compose, outputs_to_dataset
 from flexgemma.engine.sequence import child_seed
@@ -46,7 +45,7 @@ def tiny_hf_model(seed: int = 7):
 
     from flexgemma.model.load import text_config_from_dict
 
-    config = text_config_from_dict(OmegaConf.to_container(compose(["+model=tiny"]).model.hf_config))
+    config = text_config_from_dict(dict(compose(["+model=tiny"]).model.hf_config))
     torch.manual_seed(seed)
     return Gemma4ForCausalLM(config).eval()
 

@@ -267,9 +267,8 @@ def test_gpu_26b_a4b_bnb4_cli_job_fits_18gb(tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
+    from conftest import ROOT as root
 
-    root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-m", "flexgemma", "+model=26b_a4b", "quant=bnb4", "logger=none",
                         f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=600, env={**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})

@@ -48,11 +48,11 @@ def test_trainer_logprobs_bitwise_unmerged_and_4bit(model, extra):
 @pytest.mark.parametrize("model, extra", [("e2b", ["lora=r32"]), ("26b_a4b", ["quant=bnb4", "lora=r16"]),
                                           ("26b_a4b", ["lora=r16"])], ids=["e2b_r32", "26b_bnb4_r16", "26b_r16"])
 def test_gpu_trainer_logprobs_are_the_engines_bit_for_bit(model, extra):
-    from test_invariant import GPU_MODELS
+    from conftest import GPU_SHAPES
     from flexgemma import build_engine, compose
 
     eng = build_engine(compose([f"+model={model}", INV, "device=cuda", "engine.max_batch_size=16",
-                                "engine.max_model_len=1024", "cudagraph.buckets=[2,16]", *GPU_MODELS[model], *extra]))
+                                "engine.max_model_len=1024", "cudagraph.buckets=[2,16]", *GPU_SHAPES[model], *extra]))
     check_bitwise(eng)
 
 

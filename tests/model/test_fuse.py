@@ -9,7 +9,7 @@ from conftest import make_engine
 
 
 def test_fused_projections_share_storage_and_keep_tokens():
-    fused, plain = make_engine(), make_engine("engine.fuse_projections=false")
+    fused, plain = make_engine(), make_engine("kernels.fuse_projections=false")
     # tiny: 4 KV-writing layers fuse q/k/v (the 4 KV-shared ones have q only), 8 layers fuse gate/up
     assert fused.info["fused_projections"] == 12 and "fused_projections" not in plain.info
     layer = fused.model.model.layers[0]

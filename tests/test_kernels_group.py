@@ -1,0 +1,86 @@
+"""The `kernels` config group: every key typed and checked once, recorded in config_resolved.yaml,
+handed on by resolve() to the one object the constructors read, and its old spellings refused with
+the new key named."""
+
+import dataclasses
+
+import pytest
+import torch
+import yaml
+
+from flexgemma import ConfigError, build_engine, compose
+from flexgemma.config import MOVED_KEYS, KernelsConfig
+from flexgemma.kernels import Kernels
+from flexgemma.resolve import resolve, resolve_kernels
+from flexgemma.tracking import RunRecorder
+
+CPU = torch.device("cpu")
+# a value other than the default for each key that has no `auto`
+OTHER = {"fuse_projections": False, "fused_kv_write": True, "prefill_full_blocks": False, "linear4bit_max_rows": 32,
+         "linear4bit_dequant": "bnb", "moe_sort_above": 0, "moe_fused_max_entries": 16, "moe_dequant": "triton"}
+
+
+def config_keys() -> set[str]:
+    return {f.name for f in dataclasses.fields(KernelsConfig)}
+
+
+def test_the_resolved_object_has_every_key_of_the_group():
+    """The constructors' object is the group's dataclass and the decode rows; OTHER covers every key."""
+    assert {f.name for f in dataclasses.fields(Kernels)} == config_keys() | {"decode_rows"}
+    assert set(OTHER) == config_keys() - {"moe", "linear4bit"}
+
+
+def test_resolve_hands_every_key_on():
+    cfg = compose(["+model=tiny", "device=cpu", *(f"kernels.{k}={str(v).lower()}" for k, v in OTHER.items())])
+    k = resolve(cfg, CPU).kernels
+    assert {key: getattr(k, key) for key in OTHER} == OTHER
+    assert (k.moe, k.linear4bit, k.decode_rows) == ("grouped_mm", "bnb", ())  # auto on the CPU; no flex rows
+    flex = resolve_kernels(KernelsConfig(), CPU, "flex", 512, quantised=True)
+    assert flex.decode_rows == (32, 128, 512) and flex.padded_rows(100) == 128
+    with pytest.raises(ValueError, match="at most 512"):
+        flex.padded_rows(513)
+
+
+def test_a_hand_built_object_runs_what_the_default_config_resolves_to_on_the_cpu():
+    """Kernels() (tests, kernel benchmarks) has the group's defaults; its autos run torch's kernels."""
+    from flexgemma.model.glue import make_ops
+
+    cpu = resolve_kernels(KernelsConfig(), CPU, "dense", 64, quantised=False)
+    assert dataclasses.replace(cpu, moe="auto", linear4bit="auto") == Kernels()
+    assert make_ops(None, Kernels()).experts_kernel is None and cpu.moe == "grouped_mm"
+
+
+def test_every_kernels_key_is_in_config_resolved_yaml(tmp_path):
+    cfg = compose(["+model=tiny", "kernels.moe_sort_above=0"])
+    RunRecorder(tmp_path, cfg).write_config()
+    recorded = yaml.safe_load((tmp_path / "config_resolved.yaml").read_text())["kernels"]
+    assert set(recorded) == config_keys() and recorded["moe_sort_above"] == 0
+
+
+def test_the_engine_reads_its_choices_from_the_config():
+    """Each constructor got the resolved object: the mask builder's full blocks, the fused K/V write of
+    every layer, the runner's row counts, the routed experts' kernel."""
+    engine = build_engine(compose(["+model=tiny_moe", "device=cpu", "kernels.prefill_full_blocks=false",
+                                   "kernels.fused_kv_write=true"]))
+    runner = engine.runner
+    assert runner.masks.full_blocks is False and all(a.fused_kv_write for a in runner.forward.attn)
+    assert runner.kernels.prefill_full_blocks is False and runner.forward.attention.kernels is runner.kernels
+    assert runner.forward.ops.experts_kernel is None and engine.info["moe_kernel"] == "grouped_mm"
+
+
+@pytest.mark.parametrize("old, new", sorted(MOVED_KEYS.items()))
+def test_a_moved_key_names_where_it_lives_now(old, new):
+    with pytest.raises(ConfigError, match=f"{old} moved to {new} .*give {new}=true"):
+        compose([f"{old}=true"])
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("kernels.moe=cutlass", "kernels.moe='cutlass' is invalid: choose one of auto, grouped_mm, triton"),
+    ("kernels.linear4bit_dequant=cublas", "kernels.linear4bit_dequant='cublas' is invalid: choose one of bnb, triton"),
+    ("kernels.moe_dequant=gather", "kernels.moe_dequant='gather' is invalid: choose one of bnb, triton"),
+    ("kernels.linear4bit_max_rows=-1", "kernels.linear4bit_max_rows=-1 is invalid: at least 0"),
+    ("kernels.moe_sort_above=-8", "kernels.moe_sort_above=-8 is invalid: at least 0"),
+])
+def test_a_bad_kernels_value_names_the_key_and_what_it_accepts(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace(".", r"\.")):
+        compose([override])
