@@ -57,6 +57,9 @@ INERT_RULES = (
     # only the flex kernels read a mask's full blocks apart; the other backends evaluate the mask_mod
     InertRule("kernels.prefill_full_blocks", "engine/attention_backend", lambda v: v == "flex",
               lambda v: f"the attention backend was {v}, which evaluates the mask on every listed page"),
+    # the invariant kernels' chunks and tiles are read only under engine.batch_invariant (backend `invariant`)
+    InertRule("kernels.invariant_", "engine/attention_backend", lambda v: v == "invariant",
+              lambda v: f"the attention backend was {v}: engine.batch_invariant was off"),
     # CUDA graphs are captured only on a GPU with cudagraph.enabled
     InertRule("cudagraph", "engine/cudagraphs", lambda v: v is True,
               lambda v: "no CUDA graphs were captured (a CPU run, or cudagraph=off)"),

@@ -180,6 +180,26 @@ def engine_logps(forward, shared, input_ids, attention_mask, keep: int, batch_si
     return logps, ents, None
 
 
+def trainer_logps_and_flips(trainer, ids, attn, keep: int):
+    """The trainer's logprobs of the rollout (no gradient) and, on MoE models, its router flip rate: the
+    engine's forward reports its routing, transformers' is read by router hooks."""
+    rollout = trainer.rollout_func
+    moe = rollout is not None and rollout.moe
+    engine_forward = trainer.engine_forward is not None
+    trainer._routed = [] if moe and engine_forward else None
+    hooks = RouterHooks(trainer.model) if moe and not engine_forward else nullcontext()
+    with torch.no_grad(), hooks:
+        trainer_lp, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, attn, keep, batch_size=trainer.args.per_device_train_batch_size)
+    flips = float("nan")
+    if moe:
+        seqs = [tuple(seq) for seq in unpad(ids, attn, keep)[0]]
+        mine = trainer._routed if engine_forward else list(zip(seqs, hooks.rows(attn, keep)))
+        flips = router_flip_rate([(rollout.routed_by_seq.get(seq), r) for seq, r in mine])
+    trainer._routed = None
+    return trainer_lp, flips
+
+
 def make_trainer_class():
     """FlexGemmaGRPOTrainer (built on first use: TRL is an optional extra)."""
     from trl import GRPOTrainer
@@ -207,21 +227,7 @@ def make_trainer_class():
                                 batch_size or input_ids.size(0), compute_entropy, replay_of, self._routed)
 
         def _trainer_logps_and_flips(self, ids, attn, keep: int):
-            """The trainer's logprobs of the rollout (no gradient) and, on MoE models, its router flip rate."""
-            rollout = self.rollout_func
-            moe = rollout is not None and rollout.moe
-            self._routed = [] if moe and self.engine_forward is not None else None
-            hooks = RouterHooks(self.model) if moe and self.engine_forward is None else nullcontext()
-            with torch.no_grad(), hooks:
-                trainer_lp, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, ids, attn, keep, batch_size=self.args.per_device_train_batch_size)
-            flips = float("nan")
-            if moe:
-                seqs = [tuple(seq) for seq in unpad(ids, attn, keep)[0]]
-                mine = self._routed if self.engine_forward is not None else list(zip(seqs, hooks.rows(attn, keep)))
-                flips = router_flip_rate([(rollout.routed_by_seq.get(seq), r) for seq, r in mine])
-            self._routed = None
-            return trainer_lp, flips
+            return trainer_logps_and_flips(self, ids, attn, keep)
 
         def _generate(self, prompts):
             _sync()

@@ -16,12 +16,16 @@ import torch
 
 from flexgemma.model.invariant.rows import pad_rows, padded_row_count, serial
 
-GPU_LANES = 4096
 CPU_LANES = 64
 
 
 def lanes(device: torch.device) -> int:
-    return GPU_LANES if device.type == "cuda" else CPU_LANES
+    """The lanes of the device's log-sum-exp (the GPU kernels': triton_logprobs.LANES)."""
+    if device.type == "cuda":
+        from flexgemma.model.invariant.triton_logprobs import LANES
+
+        return LANES
+    return CPU_LANES
 
 
 class LogprobStream:

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flexgemma.model.invariant.logprobs import GPU_LANES
+LANES = 4096  # lanes of the log-sum-exp: lane j takes logits j, j + LANES, ... (part of the result)
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def token_logprobs(head: torch.Tensor, tokens: torch.Tensor, softcap) -> torch.T
     if t:
         head = _launch(head)
         _token_logprob_kernel[(t,)](head, tokens, out, head.stride(0), float(softcap or 1.0), v,
-                                    HAS_CAP=softcap is not None, LANES=GPU_LANES, **_OPTS)
+                                    HAS_CAP=softcap is not None, LANES=LANES, **_OPTS)
     return out
 
 
@@ -100,12 +100,12 @@ def update(head: torch.Tensor, lane_max: torch.Tensor, lane_sum: torch.Tensor, s
     if t:
         head = _launch(head)
         _update_kernel[(t,)](head, lane_max, lane_sum, head.stride(0), float(softcap or 1.0), v,
-                             HAS_CAP=softcap is not None, LANES=GPU_LANES, **_OPTS)
+                             HAS_CAP=softcap is not None, LANES=LANES, **_OPTS)
 
 
 def finish(lane_max: torch.Tensor, lane_sum: torch.Tensor, target_head: torch.Tensor, softcap) -> torch.Tensor:
     out = torch.empty(lane_max.shape[0], dtype=torch.float32, device=lane_max.device)
     if out.numel():
         _finish_kernel[(out.numel(),)](lane_max, lane_sum, target_head.contiguous(), out, float(softcap or 1.0),
-                                       HAS_CAP=softcap is not None, LANES=GPU_LANES, **_OPTS)
+                                       HAS_CAP=softcap is not None, LANES=LANES, **_OPTS)
     return out
