@@ -5,7 +5,7 @@
 #   bash experiments/gpu_suite.sh STAGE...
 #   SWEEP="experiment=rl_batch_31b kernels.prefill_full_blocks=true,false" bash experiments/gpu_suite.sh sweep
 #   MODEL=31b ROWS=64 CONTEXT=416 bash experiments/gpu_suite.sh decode_sweep
-# Stages (in this order): tests tests_kernels speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b grpo_e2b grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode decode_sweep profile_round bench_kernels speed_old_new
+# Stages (in this order): tests tests_kernels invariant_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b grpo_e2b grpo_e2b_exact grpo_26b_exact grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode decode_sweep profile_round bench_kernels speed_old_new
 # Each job's directory (summary.json, metrics.jsonl, config_resolved.yaml) and each sweep's report.md
 # go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into $OUT/results.tgz and a
 # digest is printed. Expects the wheels of
@@ -72,6 +72,9 @@ export L6
 run tests 420 bash -c gpu_tests
 run tests_kernels 300 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s tests/model/test_moe_kernel.py \
   tests/model/test_linear4bit.py tests/engine/test_sampling.py
+# batch invariance and the trainer through the engine's kernels (issues 34, 35): every model's shapes
+run invariant_tests 360 python3 -m pytest -q -p no:logging -m gpu --durations=0 tests/engine/test_invariant.py \
+  tests/rl/test_trainable.py
 
 # The numbers of README.md and docs/results.md, each its preset's command (experiments/RESULTS.md)
 run speed_e2b 240 bash -c 'job speed_e2b experiment=speed_e2b'
@@ -85,6 +88,14 @@ run rl_26b 570 bash -c 'sweep rl_26b experiment=rl_batch_26b_a4b workload.num_pr
 run rl_26b_bnb4 570 bash -c 'sweep rl_26b_bnb4 experiment=rl_batch_26b_a4b quant=bnb4 workload.num_prompts=8,128'
 run rl_31b 330 bash -c 'job rl_31b experiment=rl_batch_31b'
 run rl_31b_bnb4 400 bash -c 'job rl_31b_bnb4 experiment=rl_batch_31b quant=bnb4 workload.num_prompts=128'
+# what engine.batch_invariant costs (issue 34): each preset's round with it off, then on, in one call
+run inv_e2b 570 bash -c 'sweep inv_e2b experiment=rl_batch_e2b engine.batch_invariant=false,true'
+run inv_e2b_64 570 bash -c 'sweep inv_e2b_64 experiment=rl_batch_e2b workload.num_prompts=64 engine.batch_invariant=false,true'
+run inv_e4b 570 bash -c 'sweep inv_e4b experiment=rl_batch_e4b engine.batch_invariant=false,true'
+run inv_26b 570 bash -c 'sweep inv_26b experiment=rl_batch_26b_a4b engine.batch_invariant=false,true'
+run inv_26b_bnb4 570 bash -c 'sweep inv_26b_bnb4 experiment=rl_batch_26b_a4b quant=bnb4 engine.batch_invariant=false,true'
+run inv_31b 570 bash -c 'sweep inv_31b experiment=rl_batch_31b engine.batch_invariant=false,true'
+run speed_inv 240 bash -c 'job speed_inv experiment=speed_e2b engine.batch_invariant=true'
 
 # A/B of the kernels keys RESULTS.md measured, the default first, in one call (same machine)
 run ab_31b_full_blocks 570 bash -c 'sweep ab_31b_full_blocks experiment=rl_batch_31b kernels.prefill_full_blocks=true,false'
@@ -113,6 +124,8 @@ grpo_job() {  # name steps
 }
 export -f grpo_job
 run grpo_e2b 300 bash -c 'grpo_job e2b_flexgemma 12'
+run grpo_e2b_exact 300 bash -c 'grpo_job e2b_exact 10'
+run grpo_26b_exact 450 bash -c 'grpo_job 26b_bnb4_exact 8'
 run grpo_e2b_trl 330 bash -c 'grpo_job e2b_trl 12'
 run grpo_26b 450 bash -c 'grpo_job 26b_bnb4_flexgemma 10'
 run grpo_tests 240 python3 -m pytest -q -p no:logging -m gpu -s tests/rl/test_grpo.py tests/engine/test_engine_safety.py tests/engine/test_api.py
