@@ -104,7 +104,8 @@ def _grouped_fold(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_first_ptr, tile_e
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     row_ok = (rows < end) & (e < E)
     col_ok = cols < N
-    w_e = w_ptr + e.to(tl.int64) * N * K
+    # a program past the schedule (e == E) reads expert E-1's matrix for rows it does not store
+    w_e = w_ptr + tl.minimum(e, E - 1).to(tl.int64) * N * K
     total = tl.zeros((BM, BN), dtype=tl.float32)
     for c in range(0, CHUNKS):
         total = total + _chunk_product(x_ptr, w_e, rows, cols, row_ok, col_ok, c * KC, K, stride_x, KC, BM, BN, BK,
