@@ -17,7 +17,8 @@ import sys  # noqa: E402
 
 import hydra  # noqa: E402
 
-from flexgemma.compose import _check_model_override, check_extras, conf_dir, normalise_overrides  # noqa: E402
+from flexgemma.compose import (_check_model_override, check_extras, check_override_keys, conf_dir,  # noqa: E402
+                               normalise_overrides)
 from flexgemma.config import ConfigError, register_configs  # noqa: E402
 from flexgemma.rl.ranks import world  # noqa: E402
 from flexgemma.run import hydra_task  # noqa: E402
@@ -32,6 +33,7 @@ def main() -> None:
         # rewritten before Hydra parses them: model=NAME as +model=NAME, the model that will run named
         sys.argv[1:] = normalise_overrides(sys.argv[1:])
         _check_model_override(sys.argv[1:])
+        check_override_keys(sys.argv[1:])
         check_extras(sys.argv[1:])
     except ConfigError as e:
         print(f"flexgemma: {e}", file=sys.stderr)

@@ -105,6 +105,7 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
     register_configs()
     overrides = normalise_overrides(overrides or [])
     _check_model_override(overrides)
+    check_override_keys(overrides)
     check_extras(overrides)
     # a caller's own Hydra (an @hydra.main app, a notebook's initialize()) gets its state back
     original = GlobalHydra.instance()
@@ -119,6 +120,16 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
     cfg = ensure_model(cfg)
     validate(cfg)
     return cfg
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """A key no config group declares is an error with a did-you-mean, with or without `+`."""
+    from flexgemma.config import Config
+    from flexgemma.keys import override_problems
+
+    problems = override_problems(overrides, Config)
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def _check_model_override(overrides: list[str]) -> None:

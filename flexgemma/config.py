@@ -448,7 +448,12 @@ def _check_preset_model(cfg: DictConfig) -> None:
 def validate(cfg: DictConfig) -> Config:
     """The composed config as typed dataclasses, made once: every group checks itself
     (`__post_init__`), then `Config` checks the rules across groups. Raises ConfigError naming the key."""
+    from flexgemma.keys import config_problems
+
     _check_preset_model(cfg)
+    unknown = config_problems(cfg, Config) if isinstance(cfg, DictConfig) else []
+    if unknown:  # OmegaConf.to_object would drop them silently
+        raise ConfigError("; ".join(unknown))
     return OmegaConf.to_object(cfg)
 
 
