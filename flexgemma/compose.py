@@ -142,6 +142,8 @@ def _check_model_override(overrides: list[str]) -> None:
 
 # Hydra sweepers that come with an extra: the override or preset that picks one says which to install
 _SWEEPER_EXTRAS = {"optuna": ("hydra_plugins.hydra_optuna_sweeper", "optuna")}
+# launchers that exist only with the [slurm] extra (flexgemma_local runs without it, in process)
+_SUBMITIT_LAUNCHERS = ("flexgemma_slurm", "submitit_local", "submitit_slurm")
 
 
 def check_extras(overrides: list[str]) -> None:
@@ -153,6 +155,8 @@ def check_extras(overrides: list[str]) -> None:
         key, _, value = o.partition("=")
         key = key.lstrip("+~")
         sweepers = []
+        if key == "hydra/launcher" and value in _SUBMITIT_LAUNCHERS and not installed("submitit"):
+            raise missing_extra("submitit", "slurm", f"{o} (each job in its own process, locally or on SLURM)")
         if key == "hydra/sweeper":
             sweepers.append(value)
         elif key == "experiment":

@@ -58,9 +58,9 @@ def require_bitsandbytes(device: torch.device):
             warnings.simplefilter("ignore")
             import bitsandbytes as bnb
     except ImportError as e:
-        from flexgemma.extras import MissingExtra
+        from flexgemma.extras import MissingExtra, install_hint
 
-        raise MissingExtra(f'quant=bnb4 needs bitsandbytes ({e}): pip install "flexgemma[bnb]" '
+        raise MissingExtra(f"quant=bnb4 needs bitsandbytes ({e}): {install_hint('bnb')} "
                            "(Linux/Windows, CUDA or CPU), or run with quant=bf16") from e
     if device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
         log.warning("quant=bnb4 on the CPU: bitsandbytes' and torch's OpenMP pools busy-wait against each other "
