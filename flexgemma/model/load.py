@@ -272,9 +272,11 @@ def _weights_info(model_cfg, path: Optional[Path], reader: Optional["CheckpointR
     """Where the weights came from, for the info dict; a directory without weight files warns."""
     if reader is None:
         if path is not None:
+            from flexgemma.console import FlexgemmaWarning
+
             warnings.warn(
                 f"model.path={path} has no weight files (*.safetensors): using RANDOM weights (seed {model_cfg.seed})",
-                stacklevel=3,
+                FlexgemmaWarning, stacklevel=3,
             )
         return {"weights": "random"}
     out = {"weights": str(path), "loaded": reader.loaded, "skipped": reader.skipped}

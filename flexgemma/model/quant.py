@@ -48,11 +48,18 @@ class Bnb4Settings:
         return cls(str(quant_cfg.quant_type), bool(quant_cfg.double_quant), int(quant_cfg.block_size), compute_dtype)
 
 
+def quiet_bitsandbytes_notice() -> None:
+    """bitsandbytes' CPU backend logs, when imported, that an optional `kernels` package is missing;
+    peft imports bitsandbytes whenever it is installed, so every LoRA run on a CPU would print it,
+    4-bit or not. flexgemma's 4-bit CPU path does not need that package."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def require_bitsandbytes(device: torch.device):
     """Imports bitsandbytes and checks it has 4-bit kernels for `device`; a clear error otherwise."""
     import warnings
 
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # optional `kernels` hub notice
+    quiet_bitsandbytes_notice()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
