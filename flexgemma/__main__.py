@@ -27,6 +27,11 @@ _main = hydra.main(config_path=str(conf_dir()), config_name="config", version_ba
 
 
 def main() -> None:
+    if {"--help", "-h"} & set(sys.argv[1:]):  # flexgemma's page; Hydra's own is --hydra-help
+        from flexgemma.help import help_text
+
+        print(help_text())
+        return
     # no logging.basicConfig: Hydra configures the job's logging (a second handler printed every line twice)
     register_configs()
     try:
