@@ -76,8 +76,10 @@ def help_text() -> str:
         "",
         "Config groups (GROUP=OPTION, the default marked *; every key: docs/configuration.md):",
     ]
+    others = sorted(p.name for p in conf_dir().iterdir() if p.is_dir() and p.name not in GROUPS)
+    described = {**GROUPS, **{g: "see docs/configuration.md" for g in others if g != "experiment"}}
     rows = [(group, what, [o + ("*" if o == _default(group) else "") for o in options(group)])
-            for group, what in GROUPS.items()]
+            for group, what in described.items()]
     rows += [("device", "where the job runs", ["auto*", "cpu", "cuda"]),
              ("hydra/launcher", "how a sweep runs its jobs: a process each (one process without [slurm])",
               ["flexgemma_local*", "flexgemma_slurm", "basic"])]

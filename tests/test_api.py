@@ -123,8 +123,12 @@ def test_n_through_the_step_api_and_abort(engine):
     out = engine.abort(rid)
     assert [c.finish_reason for c in out.outputs] == ["abort"] * 3
     assert all(g.in_use == 0 for g in engine.scheduler.cache.page_groups)
+    with pytest.raises(ValueError, match="n=0"):  # refused when built
+        SamplingParams(n=0)
+    bad = SamplingParams()
+    bad.n = 0  # set afterwards: the engine checks again
     with pytest.raises(RequestError, match="n=0"):
-        engine.add_request(PROMPT, SamplingParams(n=0))
+        engine.add_request(PROMPT, bad)
 
 
 # -- stop strings -------------------------------------------------------------------------------

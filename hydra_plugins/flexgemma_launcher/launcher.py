@@ -155,9 +155,11 @@ class _ResumableSubmititLauncher(BaseSubmititLauncher):
         failed job is recorded and the sweep goes on (the task function catches it)."""
         from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 
+        from flexgemma.extras import install_hint
+
         log.info("flexgemma sweep of %d jobs in %s: launcher basic (Hydra's), every job in this process one after "
-                 "another, because submitit is not installed (pip install -e \".[slurm]\" for a process a job, "
-                 "one per GPU)", len(job_overrides), self.config.hydra.sweep.dir)
+                 "another, because submitit is not installed (%s: a process a job, one per GPU)",
+                 len(job_overrides), self.config.hydra.sweep.dir, install_hint("slurm"))
         basic = BasicLauncher()
         basic.setup(hydra_context=self.hydra_context, task_function=self.task_function, config=self.config)
         results = basic.launch(job_overrides, initial_job_idx)
