@@ -3,7 +3,7 @@
     from flexgemma import compose, build_engine, SamplingParams
     cfg = compose(["+model=tiny", "quant=bf16"])   # the typed config (flexgemma.config.Config)
     engine = build_engine(cfg)
-    outs = engine.generate([[2, 818, 5279], [2, 651]], SamplingParams(max_new_tokens=32, temperature=0.0))
+    outs = engine.generate([[2, 18, 279], [2, 51]], SamplingParams(max_new_tokens=32, temperature=0.0))
 
 The names below are imported on first use (module __getattr__), so that `python -m flexgemma` can
 set the OpenMP wait policy before torch is imported.

@@ -17,7 +17,8 @@ import sys  # noqa: E402
 
 import hydra  # noqa: E402
 
-from flexgemma.compose import _check_model_override, check_extras, conf_dir, normalise_overrides  # noqa: E402
+from flexgemma.compose import (_check_model_override, check_extras, check_override_keys, conf_dir,  # noqa: E402
+                               normalise_overrides)
 from flexgemma.config import ConfigError, check_moved_keys, register_configs  # noqa: E402
 from flexgemma.rl.ranks import world  # noqa: E402
 from flexgemma.run import hydra_task  # noqa: E402
@@ -26,6 +27,11 @@ _main = hydra.main(config_path=str(conf_dir()), config_name="config", version_ba
 
 
 def main() -> None:
+    if {"--help", "-h"} & set(sys.argv[1:]):  # flexgemma's page; Hydra's own is --hydra-help
+        from flexgemma.help import help_text
+
+        print(help_text())
+        return
     # no logging.basicConfig: Hydra configures the job's logging (a second handler printed every line twice)
     register_configs()
     try:
@@ -33,6 +39,7 @@ def main() -> None:
         sys.argv[1:] = normalise_overrides(sys.argv[1:])
         check_moved_keys(sys.argv[1:])
         _check_model_override(sys.argv[1:])
+        check_override_keys(sys.argv[1:])
         check_extras(sys.argv[1:])
     except ConfigError as e:
         print(f"flexgemma: {e}", file=sys.stderr)

@@ -116,6 +116,7 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
     overrides = normalise_overrides(overrides or [])
     check_moved_keys(overrides)
     _check_model_override(overrides)
+    check_override_keys(overrides)
     check_extras(overrides)
     # a caller's own Hydra (an @hydra.main app, a notebook's initialize()) gets its state back
     original = GlobalHydra.instance()
@@ -130,6 +131,16 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
     return to_config(cfg)
 
 
+def check_override_keys(overrides: list[str]) -> None:
+    """A key no config group declares is an error with a did-you-mean, with or without `+`."""
+    from flexgemma.config import Config
+    from flexgemma.keys import override_problems
+
+    problems = override_problems(overrides, Config)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def _check_model_override(overrides: list[str]) -> None:
     for o in overrides:
         key, _, value = o.partition("=")
@@ -140,6 +151,8 @@ def _check_model_override(overrides: list[str]) -> None:
 
 # Hydra sweepers that come with an extra: the override or preset that picks one says which to install
 _SWEEPER_EXTRAS = {"optuna": ("hydra_plugins.hydra_optuna_sweeper", "optuna")}
+# launchers that exist only with the [slurm] extra (flexgemma_local runs without it, in process)
+_SUBMITIT_LAUNCHERS = ("flexgemma_slurm", "submitit_local", "submitit_slurm")
 
 
 def check_extras(overrides: list[str]) -> None:
@@ -151,6 +164,8 @@ def check_extras(overrides: list[str]) -> None:
         key, _, value = o.partition("=")
         key = key.lstrip("+~")
         sweepers = []
+        if key == "hydra/launcher" and value in _SUBMITIT_LAUNCHERS and not installed("submitit"):
+            raise missing_extra("submitit", "slurm", f"{o} (each job in its own process, locally or on SLURM)")
         if key == "hydra/sweeper":
             sweepers.append(value)
         elif key == "experiment":

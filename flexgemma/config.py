@@ -64,6 +64,9 @@ class ModelConfig:
     name: str = MISSING  # a variant under conf/model/, or any name when `path` is set
     hf_config: Any = None  # Gemma4TextConfig keyword arguments (the architecture)
     path: Optional[str] = None  # local Hugging Face checkpoint directory
+    # a random-weight model's tokenizer (a checkpoint, model.path, brings its own): a directory with
+    # tokenizer.json, or one shipped with flexgemma by name (tiny: conf/model/tiny*.yaml); null: none
+    tokenizer: Optional[str] = None
     dtype: DType = DType.auto
     seed: int = 0  # random init when there are no weights
     allow_pickle: bool = False  # accept pickled *.bin weights (they can run code)
@@ -551,7 +554,12 @@ def _check_preset_model(cfg: DictConfig) -> None:
 def validate(cfg: DictConfig) -> Config:
     """The composed config as typed dataclasses, made once: every group checks itself
     (`__post_init__`), then `Config` checks the rules across groups. Raises ConfigError naming the key."""
+    from flexgemma.keys import config_problems
+
     _check_preset_model(cfg)
+    unknown = config_problems(cfg, Config) if isinstance(cfg, DictConfig) else []
+    if unknown:  # OmegaConf.to_object would drop them silently
+        raise ConfigError("; ".join(unknown))
     return OmegaConf.to_object(cfg)
 
 

@@ -1,5 +1,5 @@
-"""The optional extras of `pip install flexgemma[...]`: a feature whose package is missing says
-which extra brings it, instead of an ImportError from deep inside.
+"""The optional extras (`pip install -e ".[EXTRA]"` in the checkout): a feature whose package is
+missing says which extra brings it, instead of an ImportError from deep inside.
 
 | extra    | brings                                   | for                                             |
 |----------|------------------------------------------|-------------------------------------------------|
@@ -7,6 +7,7 @@ which extra brings it, instead of an ImportError from deep inside.
 | wandb    | wandb                                    | logger=wandb_offline / wandb_online             |
 | report   | matplotlib (pandas, pyarrow: optional)   | python -m flexgemma.report                      |
 | slurm    | submitit, hydra-submitit-launcher        | multiruns (-m): one process a job, local/SLURM  |
+|          |                                          | (without it a local sweep runs in one process)  |
 | optuna   | hydra-optuna-sweeper                     | experiment=optuna_kernels                       |
 | rl       | trl, datasets                            | task=grpo                                       |
 """
@@ -31,9 +32,14 @@ def installed(module: str) -> bool:
         return False
 
 
+def install_hint(extra: str) -> str:
+    """The command that installs an extra: flexgemma installs from its checkout (it is not on PyPI)."""
+    return f'pip install -e ".[{extra}]" in the flexgemma checkout'
+
+
 def missing_extra(module: str, extra: str, feature: str, why: str = "") -> MissingExtra:
     why = f" ({why})" if why else ""
-    return MissingExtra(f'{feature} needs {module}, which is not installed{why}: pip install "flexgemma[{extra}]"')
+    return MissingExtra(f"{feature} needs {module}, which is not installed{why}: {install_hint(extra)}")
 
 
 def require(module: str, extra: str, feature: str):

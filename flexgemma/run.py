@@ -149,6 +149,9 @@ def hydra_task(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from flexgemma.console import route_third_party_to_log_file
+
+    route_third_party_to_log_file()  # other libraries' warnings: the job's log file, not the console
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN

@@ -198,6 +198,8 @@ def format_table(summary: dict[str, Any]) -> str:
         ("build s", summary.get("build/seconds")),
         ("deterministic (run-to-run)", summary.get("determinism/run_to_run")),
         ("parity token match %", summary.get("parity/token_match_pct")),
+        ("GRPO reward, first / last 5 steps", _pair(summary, "grpo/reward_first5", "grpo/reward_last5")),
+        ("GRPO steps, step s (median)", _steps(summary)),
         ("LoRA refresh ms", summary.get("lora/refresh_ms", summary.get("engine/lora_refresh_ms"))),
         ("drift: base / merge / tokens identical", _triple(summary)),
         ("error", summary.get("error")),
@@ -212,6 +214,12 @@ def _pair(s: dict, a: str, b: str):
     if s.get(a) is None:
         return None
     return f"{s[a]:.2f} / {s[b]:.2f}"
+
+
+def _steps(s: dict):
+    if s.get("grpo/steps") is None:
+        return None
+    return f"{s['grpo/steps']}, {s.get('grpo/step_s_median', float('nan')):.2f}"
 
 
 def _triple(s: dict):

@@ -49,8 +49,10 @@ class WandbRun:
         try:
             import wandb
         except ImportError:
-            log.warning('logger=%s but wandb is not installed (pip install "flexgemma[wandb]"): the job goes on '
-                        "without W&B and is recorded in %s; logger=none silences this.", kind, out_dir)
+            from flexgemma.extras import install_hint
+
+            log.warning("logger=%s but wandb is not installed (%s): the job goes on without W&B and is recorded "
+                        "in %s; logger=none silences this.", kind, install_hint("wandb"), out_dir)
             return None
 
         # the job prints its own table and where the run is; W&B's banner, hints, warnings and run

@@ -223,10 +223,11 @@ def check_workload(cfg) -> Optional[list[tuple[str, Any]]]:
     """What can be checked before the model is built: the sampling settings, and the prompts file
     (returned, read once). Raises WorkloadError naming every problem."""
     w = cfg.workload
-    problems = sampling_params(w).problems()
-    if problems:
-        raise WorkloadError("workload sampling settings cannot run: " + "; ".join(problems)
-                            + " (workload.temperature / top_k / top_p / max_new_tokens / seed)")
+    try:
+        sampling_params(w)
+    except ValueError as e:  # SamplingParams checks itself
+        raise WorkloadError(f"workload sampling settings cannot run: {str(e).removeprefix('invalid SamplingParams: ')}"
+                            " (workload.temperature / top_k / top_p / max_new_tokens / seed)") from None
     return read_prompts_file(w) if w.path else None
 
 

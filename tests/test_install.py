@@ -67,7 +67,7 @@ def test_core_runs_the_default_job_without_any_extra(tmp_path):
     assert summary["status"] == "ok" and summary["model"] == "tiny"
     assert summary["env/bitsandbytes"] == "none" and summary["env/threads"] >= 1
     # the default logger (W&B offline) without wandb: the job goes on and says which extra brings it
-    assert 'pip install "flexgemma[wandb]"' in r.stderr + r.stdout
+    assert 'pip install -e ".[wandb]"' in r.stderr + r.stdout
     assert "Error importing" not in r.stderr  # Hydra's plugin scan stays quiet without [slurm]
 
 
@@ -80,7 +80,7 @@ def test_core_import_path_imports_no_extra(tmp_path):
 
 @pytest.mark.parametrize("args, extra", [
     (["quant=bnb4"], "bnb"),
-    (["-m", "logger=none", "seed=1,2"], "slurm"),
+    (["-m", "hydra/launcher=flexgemma_slurm", "seed=1,2"], "slurm"),
     (["-m", "+experiment=optuna_kernels", "model=tiny"], "optuna"),
     (["task=grpo"], "rl"),
 ])
@@ -88,7 +88,7 @@ def test_missing_extra_names_it(tmp_path, args, extra):
     run_dir = [] if "-m" in args else [f"hydra.run.dir={tmp_path}/run"]
     r = run_cli_blocked([*args, *run_dir, "logger=none", *SMALL], tmp_path)
     assert r.returncode != 0
-    assert f'pip install "flexgemma[{extra}]"' in r.stderr + r.stdout, (r.stdout + r.stderr)[-4000:]
+    assert f'pip install -e ".[{extra}]"' in r.stderr + r.stdout, (r.stdout + r.stderr)[-4000:]
 
 
 def test_report_without_matplotlib_names_the_extra(tmp_path):
@@ -96,7 +96,22 @@ def test_report_without_matplotlib_names_the_extra(tmp_path):
             f"sys.exit(main([{str(tmp_path)!r}]))\n")
     r = run_blocked(body, tmp_path)
     assert r.returncode == 2
-    assert 'pip install "flexgemma[report]"' in r.stderr, r.stderr[-4000:]
+    assert 'pip install -e ".[report]"' in r.stderr, r.stderr[-4000:]
+
+
+def test_a_sweep_without_submitit_runs_in_process_and_resumes(tmp_path):
+    """Without the [slurm] extra the default launcher falls back to Hydra's basic launcher and says
+    so; a second launch of the same sweep skips the jobs that finished."""
+    sweep = ["-m", f"hydra.sweep.dir={tmp_path}/sweep", "logger=none", "seed=1,2", *SMALL]
+    r = run_cli_blocked(sweep, tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "launcher basic (Hydra's)" in out and "submitit is not installed" in out
+    for job in ("0", "1"):
+        assert json.loads((tmp_path / "sweep" / job / "summary.json").read_text())["status"] == "ok"
+    assert "sweep results:" in r.stdout
+    again = run_cli_blocked(sweep, tmp_path)
+    assert again.returncode == 0 and again.stdout.count("(finished before)") == 2, again.stdout[-4000:]
 
 
 def test_no_torch_package_compiles_and_configs_compose(tmp_path):

@@ -40,7 +40,8 @@ def test_jsonl_prompts_with_the_checkpoints_tokenizer_and_n_samples(checkpoint_w
 def test_jsonl_text_without_a_tokenizer_is_an_invalid_configuration(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello"}) + "\n")
-    cfg = compose(["+model=tiny", "workload=jsonl", f"workload.path={prompts}", "logger=none", *SMALL])
+    cfg = compose(["+model=tiny", "model.tokenizer=null", "workload=jsonl", f"workload.path={prompts}", "logger=none",
+                   *SMALL])
     summary = run_job(cfg, tmp_path / "job", raise_errors=False)
     assert summary["status"] == "invalid" and "tokenizer" in summary["error"]
     with pytest.raises(ConfigError, match="workload.path=FILE"):

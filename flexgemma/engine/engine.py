@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from flexgemma.engine.runner import DecodeLaunch, ModelRunner
 from flexgemma.engine.scheduler import Scheduler, StepPlan
 from flexgemma.engine.sequence import (RequestOutput, SamplingParams, Sequence, Status, StopRule, child_seed, is_int,
-                                       prompt_tokens)
+                                       is_prompt_dict, prompt_tokens, unwrap_prompt)
 from flexgemma.engine.text import StopMatcher, completion_text, encode_prompt, is_chat, is_text_prompt, prompt_text
 from flexgemma.model.spec import ModelSpec
 
@@ -234,12 +234,18 @@ class Engine:
                 raise RequestError("invalid score() call (nothing was run): " + "; ".join(errs))
             return run_score(self, tokens, [int(p) for p in prompt_lens], int(top_k), bool(return_routed_experts))
 
-    def sleep(self) -> dict:
+    def sleep(self, level: int = 1) -> dict:
         """Releases the KV pool's memory (weights and the decode graphs stay); until wake(),
         generate/step/score raise. Needs an idle engine. Returns kv_pool_bytes and freed_bytes
-        (on a GPU: memory_reserved before minus after, cached blocks emptied)."""
+        (on a GPU: memory_reserved before minus after, cached blocks emptied).
+
+        level: vLLM's argument; 1 is the only level here. vLLM's level 1 also moves the weights to
+        the CPU; here they stay, because a trainer in the same process works on them."""
         from flexgemma.engine.sleep import release
 
+        if level != 1:
+            raise ValueError(f"sleep(level={level!r}): only level=1 (release the KV cache; the weights stay, shared "
+                             "with the trainer): vLLM's level 2 discards the weights, which the trainer still needs")
         with self._lock:
             self._require_awake()
             self._require_idle("sleep()")
@@ -262,6 +268,16 @@ class Engine:
             self.info["wake_seconds"], self.info["wake_recaptured"] = report["seconds"], report["recaptured"]
             return report
 
+    def wake_up(self, tags: Optional[list[str]] = None) -> dict:
+        """vLLM's name for wake(). tags: vLLM's ["weights", "kv_cache"]; the weights never leave (see
+        sleep), so only "kv_cache" (or no tags) wakes the engine, and ["weights"] alone does nothing."""
+        allowed = {"weights", "kv_cache"}
+        if tags is not None and (isinstance(tags, str) or not set(tags) <= allowed):
+            raise ValueError(f"wake_up(tags={tags!r}): a list of {sorted(allowed)}, or None for both")
+        if tags is not None and "kv_cache" not in tags:
+            return {"seconds": 0.0, "recaptured": False}
+        return self.wake()
+
     def _require_awake(self) -> None:
         if self.asleep:
             raise RuntimeError("the engine is asleep (sleep() released its KV pool): call engine.wake() first")
@@ -280,6 +296,9 @@ class Engine:
         """(prompt as ints, params with plain Python values, problems): the request as it will run."""
         if params is None:
             params = SamplingParams()
+        prompt, err = unwrap_prompt(prompt)
+        if err:
+            return None, None, [err]
         errs = params.problems() if isinstance(params, SamplingParams) else [f"not a SamplingParams: {params!r}"]
         if isinstance(params, SamplingParams) and params.stop and self.tokenizer is None:
             errs.append("stop strings need a tokenizer (model.path with tokenizer.json): use stop_token_ids")
@@ -325,7 +344,7 @@ class Engine:
             if errs:
                 raise RequestError("invalid request (nothing was queued): " + "; ".join(errs))
             self._notice_weight_changes(relist=False)
-            return self._add(tokens, params, text=prompt_text(self.tokenizer, prompt))
+            return self._add(tokens, params, text=prompt_text(self.tokenizer, unwrap_prompt(prompt)[0]))
 
     def _add(self, tokens: list[int], params: SamplingParams, index: Optional[int] = None,
              text: Optional[str] = None) -> int:
@@ -421,6 +440,10 @@ class Engine:
                  use_tqdm: bool = False, strict: bool = False) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in order.
 
+        A prompt is a list of token ids, a string or a list of chat messages (with a tokenizer), or
+        vLLM's {"prompt_token_ids": [...]} / {"prompt": "..."}; one prompt alone (e.g. [2, 18, 279])
+        is a call of one.
+
         An invalid request (empty prompt, unknown token id, too long, bad sampling values) does not
         stop the others: its output has finish_reason "error" and `error` says what is wrong.
         With strict=True the call raises RequestError before generating anything instead. A call
@@ -457,13 +480,7 @@ class Engine:
     def _validate_call(self, prompts, params, strict: bool) -> tuple[list, list]:
         """Checks every request of a generate() call before any is queued. Returns the outputs
         list (invalid requests' error outputs filled in) and the accepted (index, tokens, params)."""
-        if not hasattr(prompts, "__iter__") or isinstance(prompts, (str, bytes)):
-            raise RequestError(f"prompts must be a list of prompts (token-id lists, strings or chat message lists), "
-                               f"got {type(prompts).__name__}: wrap one prompt in a list")
-        if is_chat(prompts):
-            raise RequestError("prompts is one conversation (a list of messages): wrap it in a list, "
-                               "generate([messages])")
-        prompts = list(prompts)
+        prompts = one_or_many(prompts)
         if params is None:
             params = SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -474,7 +491,7 @@ class Engine:
         for i, (prompt, sp) in enumerate(zip(prompts, plist)):
             tokens, sp, errs = self._check(prompt, sp)
             if not errs:
-                accepted.append((i, tokens, sp, prompt_text(self.tokenizer, prompt)))
+                accepted.append((i, tokens, sp, prompt_text(self.tokenizer, unwrap_prompt(prompt)[0])))
                 continue
             msg = f"request {i}: " + "; ".join(errs)
             problems.append(msg)
@@ -501,3 +518,21 @@ class Engine:
         self.stats.kv_prompt_peak_pages = dict(self.scheduler.prompt_pages_peak)
         self.stats.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
         self.stats.shared_pages_peak = self.scheduler.shared_pages_peak
+
+
+def one_or_many(prompts) -> list:
+    """generate()'s prompts as a list: one prompt (a flat list of token ids, a string, a vLLM prompt
+    dict) becomes a list of one, as in vLLM; a list of chat messages is one conversation, refused
+    with how to pass it (messages alone are ambiguous with a list of prompt dicts)."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not hasattr(prompts, "__iter__") or isinstance(prompts, bytes):
+        raise RequestError(f"prompts must be a list of prompts (token-id lists, strings, chat message lists or "
+                           f"{{'prompt_token_ids': [...]}} dicts) or one prompt, got {type(prompts).__name__}")
+    if is_chat(prompts) and not any(is_prompt_dict(p) for p in prompts):
+        raise RequestError("prompts is one conversation (a list of messages): wrap it in a list, "
+                           "generate([messages])")
+    prompts = list(prompts)
+    if prompts and all(is_int(t) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return prompts

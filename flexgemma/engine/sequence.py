@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import math
 import numbers
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import InitVar, dataclass, field
+from typing import Any, Optional
 
 import numpy as np
 
@@ -33,16 +33,21 @@ def _int_problem(name: str, value, low: int, high: int, hint: str = "") -> Optio
     return None
 
 
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
 @dataclass
 class SamplingParams:
     """How one request samples. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters.
 
     The same seed gives the same tokens whatever else shares the batch: the noise of each draw is
     a hash of (seed, position), not a stream shared by the batch. Numbers may be Python or numpy
-    scalars; `problems()` lists what is wrong, `normalized()` returns plain Python values.
+    scalars. Invalid values raise ValueError here, naming each (as vLLM's SamplingParams does);
+    `problems()` lists what is wrong with values changed since, `normalized()` returns plain Python
+    values. `max_tokens` is vLLM's name for max_new_tokens (given both, they must agree).
     """
 
-    max_new_tokens: int = 64
+    max_new_tokens: Optional[int] = None  # None: max_tokens if given, else DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -55,6 +60,17 @@ class SamplingParams:
     # MoE models: each generated token's routed experts (uint8 [MoE layers, top-k]: the forward row that
     # produced the token), in RequestOutput.routed_experts (vLLM's / SGLang's return_routed_experts)
     return_routed_experts: bool = False
+    max_tokens: InitVar[Optional[int]] = None  # vLLM's name for max_new_tokens
+
+    def __post_init__(self, max_tokens: Optional[int]) -> None:
+        if max_tokens is not None and self.max_new_tokens is not None and max_tokens != self.max_new_tokens:
+            raise ValueError(f"invalid SamplingParams: max_tokens={max_tokens!r} and max_new_tokens="
+                             f"{self.max_new_tokens!r} are the same setting (vLLM's name and flexgemma's): give one")
+        if self.max_new_tokens is None:
+            self.max_new_tokens = DEFAULT_MAX_NEW_TOKENS if max_tokens is None else max_tokens
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid SamplingParams: " + "; ".join(problems))
 
     def problems(self) -> list[str]:
         """Everything wrong with these values (types, ranges, int64 bounds); empty when valid."""
@@ -111,12 +127,39 @@ def _stop_strings_problem(stop) -> Optional[str]:
     return None
 
 
+# vLLM's read-only alias (a property set after the dataclass made `max_tokens` an init-only argument)
+SamplingParams.max_tokens = property(lambda self: self.max_new_tokens, doc="vLLM's name for max_new_tokens")
+
+
 def child_seed(seed: int, i: int) -> int:
     """The seed of completion i of a request seeded `seed` (n > 1): completion 0 keeps the request's
     seed (so n=1 is unchanged), the others add i times an odd 64-bit constant (distinct for every i)."""
     if i == 0:
         return seed
     return (seed + i * 0x9E3779B97F4A7C15) % (1 << 63)
+
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt
+
+
+def is_prompt_dict(prompt) -> bool:
+    """vLLM's prompt dict: {"prompt": text} or {"prompt_token_ids": ids} (a chat message has a role instead)."""
+    return isinstance(prompt, dict) and any(k in prompt for k in PROMPT_KEYS)
+
+
+def unwrap_prompt(prompt) -> tuple[Any, Optional[str]]:
+    """(what a vLLM prompt dict holds: its text or token ids, None), or (None, why not); any other
+    prompt as it is."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    keys = sorted(prompt)
+    if len(keys) == 1 and keys[0] in PROMPT_KEYS:
+        value = prompt[keys[0]]
+        if keys[0] == "prompt" and not isinstance(value, str):
+            return None, f"prompt dict: 'prompt' must be a string (got {type(value).__name__})"
+        return value, None
+    return None, (f"a prompt dict holds one key, 'prompt' (text) or 'prompt_token_ids' (token ids), got {keys} "
+                  "(chat messages are a list of {'role': ..., 'content': ...} dicts)")
 
 
 def prompt_tokens(prompt) -> tuple[Optional[list[int]], Optional[str]]:

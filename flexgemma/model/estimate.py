@@ -97,13 +97,16 @@ def refuse_if_too_large(est: BuildEstimate, kv_bytes: int, device: torch.device,
     large for a CPU run or does not fit the device's free memory."""
     need = est.weight_bytes + kv_bytes
     small = "tiny_moe (the same MoE architecture" if est.moe else "tiny (the same dense architecture"
+    # 4-bit weights shrink the memory, not the parameter count: quant=bnb4 is offered for memory only
+    shrink = ""
     if device.type != "cuda" and est.params > CPU_PARAMS_LIMIT:
-        why = f"too large for a CPU (over {CPU_PARAMS_LIMIT / 1e9:.0f}B parameters)"
+        why = f"too large for a CPU (over {CPU_PARAMS_LIMIT / 1e9:.0f}B parameters, 4-bit or not)"
     elif need > 0.95 * free_bytes:
         why = f"more than the {free_bytes / 2**30:.1f} GiB free on {device.type}"
+        shrink = "" if est.quantised else ", quant=bnb4"
     else:
         return
     raise ConfigError(
         f"{describe(est, kv_bytes, device)}: {why}. Use +model={small} at CPU size), a GPU with enough memory"
-        f"{'' if est.quantised else ', quant=bnb4'}, or model.allow_large_cpu=true to build it anyway"
+        f"{shrink}, or model.allow_large_cpu=true to build it anyway"
     )

@@ -210,8 +210,28 @@ def build_model(model_cfg, device: torch.device, quant_cfg=None):
     info.update(_weights_info(model_cfg, path, reader, quantised))
     census = storage_census(model)
     info.update({k: census[k] for k in ("params", "quant/fraction_4bit", "quant/weight_bytes")})
-    tokenizer = load_tokenizer(path) if path is not None else None
+    tokenizer = model_tokenizer(model_cfg, path, config.vocab_size)
     return model, tokenizer, info
+
+
+def model_tokenizer(model_cfg, path: Optional[Path], vocab_size: int):
+    """A checkpoint's own tokenizer (or None), or a random-weight model's model.tokenizer (a shipped
+    name or a directory). One that makes ids past the model's vocabulary is refused here, not at the
+    first prompt."""
+    tokenizer = load_tokenizer(path) if path is not None else None
+    name = getattr(model_cfg, "tokenizer", None)
+    if path is None and name:
+        from flexgemma.tokenizers import tokenizer_dir
+
+        try:
+            where = tokenizer_dir(str(name))
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        tokenizer = load_tokenizer(where)
+    if tokenizer is not None and len(tokenizer) > vocab_size:
+        raise ModelLoadError(f"the tokenizer has {len(tokenizer)} tokens but model {model_cfg.name!r} a vocabulary of "
+                             f"{vocab_size}: its ids past {vocab_size - 1} would have no embedding")
+    return tokenizer
 
 
 def _model_source(model_cfg, path: Optional[Path], quantised: bool) -> tuple[dict, list[Path], str]:
@@ -252,9 +272,11 @@ def _weights_info(model_cfg, path: Optional[Path], reader: Optional["CheckpointR
     """Where the weights came from, for the info dict; a directory without weight files warns."""
     if reader is None:
         if path is not None:
+            from flexgemma.console import FlexgemmaWarning
+
             warnings.warn(
                 f"model.path={path} has no weight files (*.safetensors): using RANDOM weights (seed {model_cfg.seed})",
-                stacklevel=3,
+                FlexgemmaWarning, stacklevel=3,
             )
         return {"weights": "random"}
     out = {"weights": str(path), "loaded": reader.loaded, "skipped": reader.skipped}

@@ -45,8 +45,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexgemma.model.files import get_tensor, open_safetensors, read_json_object
+from flexgemma.model.quant import quiet_bitsandbytes_notice
 
 log = logging.getLogger("flexgemma")
+quiet_bitsandbytes_notice()  # before anything imports peft (which imports bitsandbytes when installed)
 
 # peft `target_parameters` of Gemma-4's routed experts: gate_up [E, 2I, H] and down [E, H, I].
 EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")

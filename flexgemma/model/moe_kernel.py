@@ -58,10 +58,12 @@ def _dequant_kernel(packed_ptr, absmax_ptr, code4_ptr, ncode_ptr, nabsmax_ptr, n
     are padding."""
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot)
-    live = expert >= 0
+    # a padding slot has no blocks; the bound is a scalar select, not `live & (blk < n)`: Triton's
+    # interpreter (3.9) rejects a mask made by `&` of a scalar and a block of booleans
+    nblocks = tl.where(expert >= 0, BYTES // (QBLOCK // 2), 0)  # an expert is whole blocks (PackedExpertWeight.pack)
     expert = tl.maximum(expert, 0)
     blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-    ok = live & (blk < BYTES // (QBLOCK // 2))  # an expert is whole blocks (PackedExpertWeight.pack)
+    ok = blk < nblocks
     scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, expert, blk, ok, stride_ae, stride_ne,
                           NESTED, DOUBLE_QUANT)
     dequant_blocks(packed_ptr + expert * stride_pe, code4_ptr, out_ptr + slot * (2 * BYTES), blk, ok, scale, QBLOCK,

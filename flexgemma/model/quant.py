@@ -48,19 +48,26 @@ class Bnb4Settings:
         return cls(str(quant_cfg.quant_type), bool(quant_cfg.double_quant), int(quant_cfg.block_size), compute_dtype)
 
 
+def quiet_bitsandbytes_notice() -> None:
+    """bitsandbytes' CPU backend logs, when imported, that an optional `kernels` package is missing;
+    peft imports bitsandbytes whenever it is installed, so every LoRA run on a CPU would print it,
+    4-bit or not. flexgemma's 4-bit CPU path does not need that package."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def require_bitsandbytes(device: torch.device):
     """Imports bitsandbytes and checks it has 4-bit kernels for `device`; a clear error otherwise."""
     import warnings
 
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # optional `kernels` hub notice
+    quiet_bitsandbytes_notice()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import bitsandbytes as bnb
     except ImportError as e:
-        from flexgemma.extras import MissingExtra
+        from flexgemma.extras import MissingExtra, install_hint
 
-        raise MissingExtra(f'quant=bnb4 needs bitsandbytes ({e}): pip install "flexgemma[bnb]" '
+        raise MissingExtra(f"quant=bnb4 needs bitsandbytes ({e}): {install_hint('bnb')} "
                            "(Linux/Windows, CUDA or CPU), or run with quant=bf16") from e
     if device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
         log.warning("quant=bnb4 on the CPU: bitsandbytes' and torch's OpenMP pools busy-wait against each other "

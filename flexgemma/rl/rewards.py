@@ -1,11 +1,13 @@
 """Reward functions in TRL's form: reward(prompts, completions, completion_ids, **columns) -> floats.
 
 `task.reward` is a Hydra `_target_` that instantiates one of these (or a user's own callable). The
-token-level ones are verifiable on random-weight models, which have no tokenizer and no knowledge:
+token-level ones are verifiable on random-weight models, which know nothing:
 - TargetTokens: the share of completion tokens inside a target id range (a random model hits it
   with probability width / vocab; the policy learns to emit it more).
 - CopyTail: the share of the first k completion tokens that copy the prompt's last k tokens, in
   order (reads the dataset column `prompt_token_ids`).
+- CharacterShare: the share of the completion's text made of given characters (a text-level reward:
+  it reads the decoded completion, so it needs a tokenizer, which the tiny models ship).
 AnswerMatch is for real checkpoints: the completion's final answer (\\boxed{...}, `#### x`, or its
 last number) equals the record's `answer` field (a JSONL workload's column).
 """
@@ -45,6 +47,25 @@ class CopyTail:
         for p, c in zip(prompt_token_ids, completion_ids):
             tail = list(p)[-self.k:]
             out.append(sum(a == b for a, b in zip(c[: len(tail)], tail)) / len(tail))
+        return out
+
+
+class CharacterShare:
+    """#{characters of the completion's text in `characters`} / #{its characters} (0 for an empty text)."""
+
+    def __init__(self, characters: str = "aeiou"):
+        if not isinstance(characters, str) or not characters:
+            raise ValueError(f"CharacterShare needs a non-empty string of characters, got {characters!r}")
+        self.characters = frozenset(characters)
+        self.__name__ = "character_share"
+
+    def __call__(self, prompts=None, completions=None, completion_ids=None, **_) -> list[float]:
+        if completions is None:
+            raise ValueError("CharacterShare scores the completions' text: TRL passes it as `completions`")
+        out = []
+        for text in completions:
+            text = text if isinstance(text, str) else text[-1]["content"]  # a chat completion: its message
+            out.append(sum(ch in self.characters for ch in text) / len(text) if text else 0.0)
         return out
 
 

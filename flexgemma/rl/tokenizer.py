@@ -1,7 +1,8 @@
-"""A word-level tokenizer for the random-weight test models (tiny, tiny_moe), which have no
-tokenizer of their own: token i is the word `t<i>`, except the specials 0 <pad>, 1 <eos>, 2 <bos>
-that every Gemma-4 vocabulary has. TRL decodes completions to text and tokenises prompts for its
-own generator; this makes both exact (decode then encode gives the same ids)."""
+"""A word-level stand-in tokenizer for GRPO on an engine without one (model.tokenizer=null, or
+Engine.from_model without a tokenizer; the tiny models ship a real one, flexgemma/tokenizers/tiny):
+token i is the word `t<i>`, except the specials 0 <pad>, 1 <eos>, 2 <bos> that every Gemma-4
+vocabulary has. TRL decodes completions to text and tokenises prompts for its own generator; this
+makes both exact (decode then encode gives the same ids)."""
 
 from __future__ import annotations
 

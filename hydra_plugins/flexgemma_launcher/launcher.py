@@ -14,6 +14,10 @@ whole sweep raise. These launchers reuse its job function (the same pickled Hydr
   value: a failed Optuna trial, nothing for the basic sweeper);
 - a progress bar over the jobs, a line as each ends, and a table of all of them at the end.
 
+Without submitit (the [slurm] extra), `flexgemma_local` runs the sweep through Hydra's basic launcher
+instead: every job in this process, one after another (on a CPU the faster way: no process start
+and import a job), still resumable, and it logs that it did.
+
 This module is imported by Hydra's plugin scan in every Hydra program of the environment, so it
 imports nothing heavy at module level.
 """
@@ -36,7 +40,7 @@ from omegaconf import OmegaConf, open_dict
 try:
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
     from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
-except ImportError:  # without the [slurm] extra: the plugin scan stays quiet, a multirun says what to install
+except ImportError:  # without the [slurm] extra: the plugin scan stays quiet, a local sweep runs in process
     from hydra.plugins.launcher import Launcher
 
     BaseQueueConf = None
@@ -44,12 +48,10 @@ except ImportError:  # without the [slurm] extra: the plugin scan stays quiet, a
     class BaseSubmititLauncher(Launcher):  # type: ignore[no-redef]
         def __init__(self, **params: Any) -> None:
             self.params = params
+            self.config = self.hydra_context = self.task_function = None
 
         def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
-            from flexgemma.extras import missing_extra
-
-            raise missing_extra("hydra-submitit-launcher", "slurm",
-                                "a multirun (-m: each job in its own process, locally or on SLURM)")
+            self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,8 @@ class _ResumableSubmititLauncher(BaseSubmititLauncher):
         from tqdm.auto import tqdm
 
         assert self.config is not None and self.hydra_context is not None
+        if self._EXECUTOR == "local" and not submitit_installed():
+            return self._launch_in_process(job_overrides, initial_job_idx)
         check_options(self.parallel_jobs, self.params)
         # every job's process inherits it: OpenMP threads that spin while waiting fight torch's (and
         # bitsandbytes') pools on a CPU; a user's own setting is kept
@@ -111,7 +115,8 @@ class _ResumableSubmititLauncher(BaseSubmititLauncher):
         state = Singleton.get_state()  # before job_dir() touches HydraConfig
         jobs = [_Job(initial_job_idx + i, list(o), self.job_dir(list(o), initial_job_idx + i))
                 for i, o in enumerate(job_overrides)]
-        log.info("flexgemma sweep of %d jobs in %s (%s executor)", len(jobs), sweep_dir, self._EXECUTOR)
+        log.info("flexgemma sweep of %d jobs in %s: launcher flexgemma_%s, each job in its own process (submitit)",
+                 len(jobs), sweep_dir, self._EXECUTOR)
         bar = tqdm(total=len(jobs), desc="sweep", unit="job", dynamic_ncols=True)
         counts: dict[str, int] = {}
 
@@ -143,6 +148,29 @@ class _ResumableSubmititLauncher(BaseSubmititLauncher):
 
     def _run(self, jobs: list["_Job"], state: dict, done) -> None:
         raise NotImplementedError  # each executor submits in its own way
+
+    def _launch_in_process(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        """Without submitit: Hydra's basic launcher, every job in this process, one after another. A
+        job that finished before is still skipped (the task function reads its summary.json), and a
+        failed job is recorded and the sweep goes on (the task function catches it)."""
+        from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+
+        from flexgemma.extras import install_hint
+
+        log.info("flexgemma sweep of %d jobs in %s: launcher basic (Hydra's), every job in this process one after "
+                 "another, because submitit is not installed (%s: a process a job, one per GPU)",
+                 len(job_overrides), self.config.hydra.sweep.dir, install_hint("slurm"))
+        basic = BasicLauncher()
+        basic.setup(hydra_context=self.hydra_context, task_function=self.task_function, config=self.config)
+        results = basic.launch(job_overrides, initial_job_idx)
+        jobs = []
+        for i, (overrides, ret) in enumerate(zip(job_overrides, results)):
+            job = _Job(initial_job_idx + i, list(overrides), Path(str(ret.working_dir)))
+            summary = read_summary(job.dir) or {}
+            job.finish(ret, summary.get("status", "failed"), summary)
+            jobs.append(job)
+        print(self._table(jobs), flush=True)
+        return results
 
     def job_dir(self, overrides: list[str], idx: int) -> Path:
         """The directory Hydra gives job `idx` (hydra.sweep.dir / hydra.sweep.subdir)."""
@@ -262,6 +290,13 @@ class _Job:
 
     def finish(self, ret: JobReturn, status: str, summary: dict) -> None:
         self.status, self.summary, self.result = status, summary, ret
+
+
+def submitit_installed() -> bool:
+    """Whether the [slurm] extra's packages can be imported (without importing them)."""
+    import importlib.util
+
+    return BaseQueueConf is not None and importlib.util.find_spec("submitit") is not None
 
 
 def _stderr_tail(handle, chars: int = 4000) -> str:

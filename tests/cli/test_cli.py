@@ -38,3 +38,20 @@ def test_invalid_override_exits_with_a_clear_message(tmp_path):
 def test_unknown_model_exits_with_choices(tmp_path):
     r = run_cli("+model=gemma9", cwd=tmp_path)
     assert r.returncode == 2 and "unknown model 'gemma9'" in r.stderr and "26b_a4b" in r.stderr
+
+
+def test_help_is_flexgemmas_page_and_hydras_stays_reachable(tmp_path):
+    r = run_cli("--help", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    page = r.stdout
+    assert page.startswith("flexgemma: a fast Gemma-4 generation engine") and "_schema" not in page
+    for group in ("model", "quant", "lora", "attn", "kv", "cudagraph", "workload", "task", "logger", "hydra/launcher"):
+        assert f"\n  {group} " in page, group
+    for preset in sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")):
+        line = next(ln for ln in page.splitlines() if ln.startswith(f"  {preset} "))
+        assert len(line.split(maxsplit=1)[1]) > 10, line  # each preset has its line
+    examples = [ln for ln in page.splitlines() if ln.startswith("  python -m flexgemma")]
+    assert len(examples) >= 5 and "tiny*" in page and "bench*" in page
+    assert len(page.splitlines()) < 80
+    hydra = run_cli("--hydra-help", cwd=tmp_path)
+    assert hydra.returncode == 0 and "--multirun" in hydra.stdout

@@ -16,7 +16,7 @@ import torch
 from flexgemma import Engine, RequestError, SamplingParams, build_engine, compose, outputs_to_dataset
 from flexgemma.engine.sequence import child_seed
 
-from conftest import SMALL
+from conftest import SMALL, make_engine
 
 PROMPT = [2, 17, 99, 301, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
 SMALL_KW = {"kv.page_size": 8, "kv.cpu_pages": 80, "engine.max_model_len": 256, "device": "cpu"}
@@ -83,12 +83,13 @@ def test_text_round_trip(engine):
 
 
 def test_text_needs_a_tokenizer(tiny_engine):
-    out = tiny_engine.generate(["hello"], greedy(4))[0]
+    bare = make_engine("model.tokenizer=null")  # tiny without its shipped tokenizer
+    out = bare.generate(["hello"], greedy(4))[0]
     assert out.finish_reason == "error" and "no tokenizer" in out.error
     with pytest.raises(RequestError, match="no tokenizer"):
-        tiny_engine.add_request("hello")
+        bare.add_request("hello")
     with pytest.raises(RequestError, match="stop strings need a tokenizer"):
-        tiny_engine.add_request([2, 5], SamplingParams(stop=["x"]))
+        bare.add_request([2, 5], SamplingParams(stop=["x"]))
     with pytest.raises(RequestError, match="wrap it in a list"):
         tiny_engine.generate([{"role": "user", "content": "hi"}])
 
@@ -121,8 +122,12 @@ def test_n_through_the_step_api_and_abort(engine):
     out = engine.abort(rid)
     assert [c.finish_reason for c in out.outputs] == ["abort"] * 3
     assert all(g.in_use == 0 for g in engine.scheduler.cache.page_groups)
+    with pytest.raises(ValueError, match="n=0"):  # refused when built
+        SamplingParams(n=0)
+    bad = SamplingParams()
+    bad.n = 0  # set afterwards: the engine checks again
     with pytest.raises(RequestError, match="n=0"):
-        engine.add_request(PROMPT, SamplingParams(n=0))
+        engine.add_request(PROMPT, bad)
 
 
 # -- stop strings -------------------------------------------------------------------------------

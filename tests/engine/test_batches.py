@@ -88,7 +88,9 @@ def test_decode_attention_padded_to_a_row_count_gives_the_same_tokens():
     got = padded.generate(prompts, params)  # 5 rows (padded to 8), then fewer as none finish early: all 5
     got3 = padded.generate(prompts[:2], params)  # 2 rows padded to 3
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+    # not bitwise: on more than one thread the padded rows change how the matmuls split their sums (a few ulps)
+    eps = torch.finfo(plain.model.dtype).eps
+    torch.testing.assert_close([o.logprobs for o in got], [o.logprobs for o in want], rtol=16 * eps, atol=16 * eps)
     assert [o.token_ids for o in got3] == [o.token_ids for o in want[:2]]
     with pytest.raises(ValueError, match="at most 8"):
         kernels.padded_rows(9)

@@ -12,8 +12,9 @@ from flexgemma.model.load import ModelLoadError
 def test_bad_requests_are_reported_per_request(tiny_engine):
     good = [2, 10, 11]
     prompts = [good, [], [2, 600], list(range(3, 300)), good]
-    params = [SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)] * 4 + [
-        SamplingParams(max_new_tokens=0)]
+    bad = SamplingParams()
+    bad.max_new_tokens = 0  # changed after construction (which refuses it): the engine checks again
+    params = [SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)] * 4 + [bad]
     outs = tiny_engine.generate(prompts, params)
     assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 5
     assert outs[1].finish_reason == "error" and "empty prompt" in outs[1].error

@@ -123,8 +123,10 @@ def test_abort_a_waiting_request_before_any_step(engine):
 def test_invalid_add_request_raises_and_queues_nothing(engine):
     with pytest.raises(RequestError, match="token id 600 is outside the vocabulary"):
         engine.add_request([2, 600])
+    bad = SamplingParams()
+    bad.top_k = -1  # SamplingParams(top_k=-1) is refused when built; a value set afterwards is checked here
     with pytest.raises(RequestError, match="top_k=-1"):
-        engine.add_request([2, 5], SamplingParams(top_k=-1))
+        engine.add_request([2, 5], bad)
     assert not engine.has_work
 
 

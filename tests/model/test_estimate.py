@@ -31,8 +31,16 @@ def test_cli_26b_a4b_bnb4_on_cpu_answers_at_once_with_the_estimate_and_tiny_moe(
 
 
 def test_dense_variant_on_cpu_points_to_tiny():
-    with pytest.raises(ConfigError, match=r"'e2b': .*too large for a CPU.*\+model=tiny \(the same dense"):
+    with pytest.raises(ConfigError, match=r"'e2b': .*too large for a CPU.*\+model=tiny \(the same dense") as e:
         build_engine(compose(["+model=e2b", "device=cpu"]))
+    assert "quant=bnb4" not in str(e.value)  # the CPU limit counts parameters: 4-bit would be refused as well
+
+
+def test_too_little_memory_offers_4bit_weights():
+    cfg = compose(["+model=e2b"])
+    est = estimate_build(cfg.model, cfg.quant, torch.device("cuda"))
+    with pytest.raises(ConfigError, match=r"more than the 4\.0 GiB free on cuda.*quant=bnb4"):
+        refuse_if_too_large(est, 0, torch.device("cuda"), 4 << 30)
 
 
 def test_estimate_counts_parameters_and_4bit_bytes():

@@ -226,3 +226,33 @@ def test_jsonl_prompts_bring_their_answers_to_the_reward(tmp_path):
     assert [ids_of(t) for t in data["prompt"]] == [r["prompt_token_ids"] for r in records[:4]]
     summary = run_job(cfg, tmp_path / "job")
     assert summary["status"] == "ok" and summary["grpo/steps"] == 1
+
+
+def test_cli_grpo_tiny_with_a_text_reward_is_quiet_and_reports_the_reward(tmp_path):
+    """experiment=grpo_tiny with a reward on the decoded text (tiny's shipped tokenizer): the console has
+    flexgemma's lines and the reward in the final table; other libraries' warnings (TRL's experimental
+    rollout_func, transformers' FutureWarnings, bitsandbytes' kernels notice) are in the job's log file."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRL_EXPERIMENTAL_SILENCE"}
+    r = subprocess.run([sys.executable, "-m", "flexgemma", "experiment=grpo_tiny", "task.steps=2",
+                        "task.reward._target_=flexgemma.rl.rewards.CharacterShare", "+task.reward.characters=aeiou",
+                        "~task.reward.low", "~task.reward.high", f"hydra.run.dir={tmp_path}/run"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    console = r.stdout + r.stderr
+    assert r.returncode == 0, console[-4000:]
+    for noise in ("Warning", "experimental", "bitsandbytes", "kernels"):
+        assert noise not in console, console[-4000:]
+    assert "GRPO reward, first / last 5 steps" in r.stdout and "grpo step 2/2" in console
+    assert "rollout_func" in (tmp_path / "run" / "flexgemma.log").read_text()  # TRL's notice: kept in the log
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "ok" and 0 < summary["grpo/reward_first5"] < 1
+
+
+def test_character_share_reads_the_text():
+    from flexgemma.rl.rewards import CharacterShare
+
+    assert CharacterShare("ab")(completions=["abcd", "", [{"role": "assistant", "content": "aa"}]]) == [0.5, 0.0, 1.0]
+    with pytest.raises(ValueError, match="non-empty string"):
+        CharacterShare("")
