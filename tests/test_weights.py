@@ -265,3 +265,13 @@ def test_the_watch_samples_every_tensor_and_sees_a_whole_tensor_copy():
     target.data.copy_(torch.randn(64, 64).bfloat16())
     assert watch.check() is True and watch.check() is False
     random.seed(0)
+
+
+def test_an_adapter_directory_with_a_stray_copy_is_refused(tmp_path):
+    import shutil
+
+    engine = make_engine("lora=r16")
+    engine.lora.save(tmp_path)
+    shutil.copy(tmp_path / "adapter_model.safetensors", tmp_path / "backup.safetensors")
+    with pytest.raises(LoraError, match=r"tensor \S+ is in both adapter_model\.safetensors and backup\.safetensors"):
+        make_engine("lora=r16", f"lora.path={tmp_path}")

@@ -527,10 +527,14 @@ def _adapter_tensors(directory: Path) -> dict[str, torch.Tensor]:
         pickled = sorted(directory.glob("*.bin"))
         hint = f" (only pickled {pickled[0].name}: convert it to safetensors)" if pickled else ""
         raise LoraError(f"lora.path={directory}: no adapter_model.safetensors{hint}")
-    out = {}
+    out, where = {}, {}
     for f in files:
         with open_safetensors(f, LoraError) as h:
-            out.update({k: get_tensor(h, f, k, LoraError) for k in h.keys()})
+            for k in h.keys():
+                if k in out:  # a stray copy beside the adapter would load over it
+                    raise LoraError(f"lora.path={directory}: tensor {k} is in both {where[k]} and {f.name}: keep one "
+                                    "adapter's files in the directory")
+                out[k], where[k] = get_tensor(h, f, k, LoraError), f.name
     return out
 
 
