@@ -1,0 +1,76 @@
+"""Careless and hostile input of issue 36 (docs/hostile-input.md): chat messages and prompts that
+are not text, prompts files that are not JSON, garbage given to the report, job locks, score()
+arguments. Each is refused by name; nothing else of the call (or report) is lost."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexgemma import RequestError, SamplingParams, build_engine, compose
+from flexgemma.run import run_job
+from flexgemma.workload import WorkloadError
+
+from conftest import SMALL, make_engine
+from test_workload import checkpoint_with_tokenizer  # noqa: F401 - the fixture, reused
+
+GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+TINY_JOB = ["+model=tiny", "device=cpu", "logger=none", "kv.page_size=8", "kv.cpu_pages=80", "engine.max_model_len=256",
+            "workload.num_prompts=2", "workload.max_new_tokens=3", "workload.rounds=1", "workload.warmup_rounds=0"]
+
+
+@pytest.fixture
+def text_engine(checkpoint_with_tokenizer):  # noqa: F811
+    return build_engine(compose(["+model=tiny", f"model.path={checkpoint_with_tokenizer}", *SMALL]))
+
+
+BAD_PROMPTS = [
+    ("hello \ud800 world", r"request 1: prompt text holds a lone surrogate '\\ud800' at character 6"),
+    ([{"role": "user", "content": None}], r"request 1: chat message 0: 'content' is None \(NoneType\), not a string"),
+    ([{"role": "user", "content": "hi"}, {"role": 123, "content": "x"}],
+     r"request 1: chat message 1: 'role' is 123 \(int\), not a string"),
+    ([{"role": "user", "content": 5.5}], r"chat message 0: 'content' is 5.5 \(float\)"),
+    ([{"role": "user", "content": "the \udfff cat"}], r"chat message 0: 'content' holds a lone surrogate"),
+    ([{"role": "user"}], r"chat message 0 .* needs a 'role' and a 'content'"),
+]
+
+
+@pytest.mark.parametrize("bad,message", BAD_PROMPTS, ids=range(len(BAD_PROMPTS)))
+def test_a_prompt_that_is_not_text_errors_alone(text_engine, bad, message):
+    """A lone surrogate or a message whose role/content is not a string: that request errors (its
+    message's index and field named), the others run."""
+    good = "hello world the cat"
+    want = text_engine.generate([good], GREEDY)[0].token_ids
+    outs = text_engine.generate([good, bad, good], GREEDY)
+    assert outs[0].token_ids == outs[2].token_ids == want
+    assert outs[1].finish_reason == "error"
+    assert __import__("re").search(message, outs[1].error), outs[1].error
+    with pytest.raises(RequestError, match=message.removeprefix("request 1: ")):
+        text_engine.add_request(bad, GREEDY)
+    assert not text_engine.has_work
+
+
+def test_content_parts_are_text(text_engine):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "the cat sat"}]}]
+    assert text_engine.generate([parts], GREEDY)[0].finish_reason == "length"
+
+
+def test_a_prompts_file_with_bad_messages_deep_json_or_surrogates_names_each_line(tmp_path, checkpoint_with_tokenizer):  # noqa: F811
+    lines = ['{"prompt": "hello world"}',
+             '{"messages": [{"role": "user", "content": null}]}',
+             '{"messages": [{"role": 123, "content": "hi"}]}',
+             '{"prompt": "the \\ud800 cat"}',
+             "[" * 100_000,
+             '"bare \\udc00 string"',
+             '{"messages": [{"role": "user", "content": "hello"}]}']
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    cfg = compose([*TINY_JOB, "workload=jsonl", f"workload.path={f}", "workload.num_prompts=null",
+                   f"model.path={checkpoint_with_tokenizer}"])
+    with pytest.raises(WorkloadError) as e:
+        run_job(cfg, tmp_path / "job")
+    listed = e.value.args[0].splitlines()[1:]
+    assert [ln.split(": ", 1)[0] for ln in listed] == [f"  {f}:{n}" for n in (2, 3, 4, 5, 6)]
+    assert "chat message 0: 'content' is None" in listed[0] and "'role' is 123" in listed[1]
+    assert "lone surrogate" in listed[2] and "nested too deeply" in listed[3] and "lone surrogate" in listed[4]
