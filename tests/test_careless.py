@@ -74,3 +74,35 @@ def test_a_prompts_file_with_bad_messages_deep_json_or_surrogates_names_each_lin
     assert [ln.split(": ", 1)[0] for ln in listed] == [f"  {f}:{n}" for n in (2, 3, 4, 5, 6)]
     assert "chat message 0: 'content' is None" in listed[0] and "'role' is 123" in listed[1]
     assert "lone surrogate" in listed[2] and "nested too deeply" in listed[3] and "lone surrogate" in listed[4]
+
+
+# -- the report over garbage ------------------------------------------------------------------------------
+def test_garbage_job_files_are_named_one_line_each_and_the_report_is_still_made(tmp_path, capsys):
+    """A binary metrics.jsonl and overrides.yaml, JSON nested 200,000 deep (summary.json and a
+    metrics.jsonl line), YAML nested as deep: each is one line naming the file (and line), and the
+    report of the sweep is made from everything else."""
+    from test_report import cpu_summary, write_job
+
+    from flexgemma.report.__main__ import main as report_main
+
+    sweep = tmp_path / "sweep"
+    for n, speed in enumerate([1000.0, 1200.0]):
+        write_job(sweep / f"{n}_seed={n}", ["+model=tiny", f"seed={n}"], cpu_summary(speed), rounds=[speed] * 3)
+    bad = write_job(sweep / "2_seed=2", ["+model=tiny", "seed=2"], cpu_summary(900.0), rounds=[900.0] * 3)
+    (bad / "metrics.jsonl").write_bytes(bytes(range(256)) * 4)
+    (bad / ".hydra" / "overrides.yaml").write_bytes(b"\xff\xfe\x00garbage")
+    deep = write_job(sweep / "3_seed=3", ["+model=tiny", "seed=3"], None)
+    (deep / "summary.json").write_text("[" * 200_000)
+    (deep / "config_resolved.yaml").write_text("[" * 200_000)
+    with open(sweep / "0_seed=0" / "metrics.jsonl", "a") as f:
+        f.write("[" * 200_000 + "\n")
+    assert report_main([str(sweep), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert sorted(err) == sorted([
+        f"flexgemma.report: {bad / 'metrics.jsonl'}: not UTF-8 text (byte 128); left out",
+        f"flexgemma.report: {bad / '.hydra' / 'overrides.yaml'}: not UTF-8 text (byte 0); left out",
+        f"flexgemma.report: {deep / 'config_resolved.yaml'}: nested too deeply to read; left out",
+        f"flexgemma.report: {sweep / '0_seed=0' / 'metrics.jsonl'}:4: nested too deeply to read; left out",
+    ])
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "summary.json cannot be read: nested too deeply to read" in md and "1,200" in md
