@@ -106,3 +106,31 @@ def test_garbage_job_files_are_named_one_line_each_and_the_report_is_still_made(
     ])
     md = (tmp_path / "out" / "report.md").read_text()
     assert "summary.json cannot be read: nested too deeply to read" in md and "1,200" in md
+
+
+# -- job locks ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pid", [2**70, 2**40, 0, -1, True], ids=["2**70", "2**40", "0", "-1", "true"])
+def test_a_lock_whose_pid_no_process_can_have_is_stale(tmp_path, pid):
+    """A pid too large for the OS (OverflowError in os.kill), or 0 / -1 (process groups: os.kill(0, 0)
+    succeeds) hold nothing: the lock is stale, taken over, and the job runs."""
+    import socket
+
+    from flexgemma.joblock import JobLock, holder
+
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "job.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "start": None}))
+    assert holder(job) is None
+    with JobLock(job):
+        pass
+    (job / "job.lock").write_text('{"pid": ' + "[" * 200_000)
+    assert holder(job) is None
+
+
+def test_a_sweep_job_with_a_huge_pid_lock_runs(tmp_path):
+    import socket
+
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "job.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**70, "start": "1"}))
+    assert run_job(compose(TINY_JOB), job)["status"] == "ok"
