@@ -134,3 +134,16 @@ def test_a_sweep_job_with_a_huge_pid_lock_runs(tmp_path):
     job.mkdir()
     (job / "job.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**70, "start": "1"}))
     assert run_job(compose(TINY_JOB), job)["status"] == "ok"
+
+
+# -- score() arguments ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sequences,prompt_lens,message", [
+    ([[2, 5, 6, 7]], None, r"prompt_lens=None is not a list of ints, one per sequence"),
+    (None, [1], r"sequences=None is not a list of token-id lists"),
+    ([[2, 5, 6, 7]], 2, r"prompt_lens=2 is not a list of ints"),
+    ("2 5 6", [1], r"sequences='2 5 6' is not a list"),
+])
+def test_score_names_the_argument_that_is_not_a_list(tiny_engine, sequences, prompt_lens, message):
+    with pytest.raises(RequestError, match=r"invalid score\(\) call \(nothing was run\): " + message):
+        tiny_engine.score(sequences, prompt_lens)
+    assert len(tiny_engine.score([[2, 5, 6, 7]], [2])[0].logprobs) == 2  # the engine is untouched

@@ -216,8 +216,7 @@ class Engine:
         with self._lock:
             self._require_awake()
             self._require_idle("score()")
-            prompt_lens = list(prompt_lens)
-            tokens, errs = score_problems(self, sequences, prompt_lens)
+            tokens, prompt_lens, errs = score_problems(self, sequences, prompt_lens)
             if not (is_int(top_k) and 0 <= top_k <= self.spec.vocab_size):
                 errs.append(f"top_k={top_k!r} must be an int in [0, {self.spec.vocab_size}]")
             if errs:
