@@ -186,3 +186,17 @@ def test_a_sweep_relaunched_over_jobs_left_running_or_interrupted_runs_them_agai
         assert again["status"] == "ok" and "marker" not in again, job  # ran again
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^  (\d+)\s+(\w+)\s", r.stdout, re.M)}
     assert rows == {"0": "ok", "1": "ok", "2": "skipped"}, r.stdout[-2000:]  # job 2 finished ok before
+
+
+def test_every_mutation_of_the_mutation_check_matches_the_code():
+    """experiments/mutation_check.py stops at a mutation whose text left the code: keep them in step."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("mutation_check", root / "experiments" / "mutation_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    counts = {m.name: (root / m.path).read_text().count(m.old) for m in mod.MUTATIONS}
+    assert {name: n for name, n in counts.items() if n != 1} == {}
+    assert len(counts) >= 20
