@@ -10,7 +10,8 @@ from torch import nn
 
 from flexgemma import SamplingParams
 from flexgemma.model.lora import LoraError, MergeTarget
-from flexgemma.model.watch import SAMPLES, WeightError, WeightWatch
+from flexgemma import WeightError
+from flexgemma.model.watch import SAMPLES, WeightWatch
 from flexgemma.tasks.drift import perturbed
 
 from conftest import make_engine
