@@ -145,3 +145,29 @@ def test_grpo_keys_are_checked_by_name(key, value):
     with pytest.raises(ConfigError, match=rf"task\.{key}={value} is invalid"):
         validate(compose([*LEARN, f"task.{key}={value}"]))
     validate(compose(["+model=tiny", f"task.{key}={value}"]))  # not task=grpo: not its keys
+
+
+def test_a_relaunched_sweep_continues_a_failed_grpo_job_from_its_checkpoint(tmp_path):
+    """The launcher's resume: a sweep job that failed at step 3 (its reward raised) is run again by
+    the re-launched sweep and continues from checkpoint-2 instead of starting over."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")]),
+           "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    sweep = tmp_path / "sweep"
+    args = [sys.executable, "-m", "flexgemma", "-m", *LEARN, "task.steps=3", "task.save_every=1", FLAKY,
+            "+task.reward.fail_at=3", "seed=0", f"hydra.sweep.dir={sweep}"]
+    r = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    failed = json.loads((sweep / "0" / "summary.json").read_text())
+    assert failed["status"] == "failed" and "checkpoint-2 (step 2)" in failed["error"]
+    first_rows = rows(sweep / "0")
+    r = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    done = json.loads((sweep / "0" / "summary.json").read_text())
+    assert done["status"] == "ok" and done["grpo/steps"] == 3
+    got = rows(sweep / "0")
+    assert got[:2] == first_rows[:2] and [r["grpo/step"] for r in got] == [1, 2, 3]  # steps 1-2 not run again
