@@ -276,3 +276,25 @@ def test_an_adapter_directory_with_a_stray_copy_is_refused(tmp_path):
     shutil.copy(tmp_path / "adapter_model.safetensors", tmp_path / "backup.safetensors")
     with pytest.raises(LoraError, match=r"tensor \S+ is in both adapter_model\.safetensors and backup\.safetensors"):
         make_engine("lora=r16", f"lora.path={tmp_path}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_a_replaced_parameter_reaches_the_captured_cuda_graphs(name):
+    """On the GPU, with decode graphs captured: a replaced Parameter (new storage) reaches the graphs,
+    which read the addresses captured at build: decode tokens equal an engine changed in place."""
+    from flexgemma import build_engine, compose
+
+    def engine():
+        return build_engine(compose(["+model=tiny", "device=cuda", "kv.max_pages=64", "engine.max_model_len=256",
+                                     "engine.max_batch_size=8", "cudagraph.buckets=[1,2,4,8]"]))
+
+    got_engine, want_engine = engine(), engine()
+    assert got_engine.runner.graphs is not None
+    w = new_values(got_engine.model.get_parameter(name).cpu(), 5).cuda()
+    replace(got_engine, name, w, "parameter")
+    set_in_place(want_engine, name, w)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    got = got_engine.generate([PROMPT, PROMPT[:9]], params)
+    want = want_engine.generate([PROMPT, PROMPT[:9]], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -145,8 +145,8 @@ class WeightWatch:
         with torch.no_grad():
             for e, cur in replaced:
                 self._take(e, cur)
-        if refresh_factors and self.lora is not None and any(e.kind == "factor" for e, _ in replaced + [
-                (c, None) for c in changed]):
+        factors = any(e.kind == "factor" for e in [e for e, _ in replaced] + changed)
+        if refresh_factors and factors and self.lora is not None:
             self.lora.refresh()
         self.rebaseline()
         return True
