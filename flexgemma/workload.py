@@ -144,6 +144,7 @@ def record_problem(record: Any) -> Optional[str]:
     if kinds[0] == "prompt_token_ids":
         if not isinstance(value, list) or not value or not all(_is_int(t) and t >= 0 for t in value):
             return "prompt_token_ids must be a non-empty list of non-negative integers"
+        return None
     elif kinds[0] == "prompt":
         return _prompt_problem(value) if isinstance(value, str) else "prompt must be a non-empty string"
     elif not isinstance(value, list) or not value:

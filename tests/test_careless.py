@@ -147,3 +147,10 @@ def test_score_names_the_argument_that_is_not_a_list(tiny_engine, sequences, pro
     with pytest.raises(RequestError, match=r"invalid score\(\) call \(nothing was run\): " + message):
         tiny_engine.score(sequences, prompt_lens)
     assert len(tiny_engine.score([[2, 5, 6, 7]], [2])[0].logprobs) == 2  # the engine is untouched
+
+
+def test_token_id_lines_are_not_taken_for_chat_messages():
+    from flexgemma.workload import record_problem
+
+    assert record_problem({"prompt_token_ids": [2, 7, 9]}) is None
+    assert record_problem({"messages": [{"role": "user", "content": "hi"}]}) is None
