@@ -78,7 +78,10 @@ def test_sleep_then_wake_serves_no_page_of_before():
 
 
 def test_a_preempted_request_is_readmitted_before_later_arrivals():
-    engine = make_engine("kv.cpu_pages=20", "engine.max_model_len=150", "engine.max_prefill_tokens=32")
+    """Three requests fill the batch; a fourth arrives and waits; the pool then forces one of the
+    three out: it is prefilled again before the fourth (vLLM's order: preempted first)."""
+    engine = make_engine("kv.cpu_pages=20", "engine.max_model_len=150", "engine.max_prefill_tokens=32",
+                         "engine.max_batch_size=3")
     rng = random.Random(4)
     params = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
     first = [engine.add_request(rand_prompt(rng, 40), params) for _ in range(3)]
@@ -92,17 +95,18 @@ def test_a_preempted_request_is_readmitted_before_later_arrivals():
         return plan
 
     engine.scheduler.schedule = record
-    late = None
+    while len(engine.scheduler.running) < 3:
+        engine.step()
+    late = engine.add_request(rand_prompt(rng, 10), params)
+    victim = mark = None
     while engine.has_work:
         engine.step()
         preempted = [s.request_id for s in engine.scheduler.waiting if s.num_preemptions]
-        if preempted and late is None:
-            late = engine.add_request(rand_prompt(rng, 10), params)  # arrives while one waits, preempted
-            victim = preempted[0]
-            mark = len(prefills)
-    assert late is not None, "the pool should have forced a preemption"
+        if preempted and victim is None:
+            victim, mark = preempted[0], len(prefills)
+    assert victim in first, "the pool should have forced one of the first three out"
     after = [rid for step in prefills[mark:] for rid in step]
-    assert after.index(victim) < after.index(late) and victim in first
+    assert after.index(victim) < after.index(late)
 
 
 def test_two_rollouts_with_the_same_adapter_draw_different_samples():
