@@ -199,10 +199,7 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
             reward.step = state.global_step + 1
 
         def on_save(self, args, state, control, **kw):
-            """The metrics rows so far go into the checkpoint: a resumed run's metrics.jsonl starts with them."""
-            if ranks.world().is_main:
-                where = Path(args.output_dir) / f"checkpoint-{state.global_step}" / ROWS_FILE
-                where.write_text(json.dumps(rows))
+            save_rows(rows, Path(args.output_dir) / f"checkpoint-{state.global_step}")
 
         def on_step_end(self, args, state, control, **kw):
             _sync()
@@ -278,6 +275,14 @@ def resume_point(t, trainer_dir: Path) -> Optional[Path]:
         raise ConfigError(f"task.resume=true but {trainer_dir} holds no checkpoint (checkpoint-<step>/"
                           "trainer_state.json): save some with task.save_every=N")
     return found[-1][1] if found else None
+
+
+def save_rows(rows: list, checkpoint: Path) -> None:
+    """The metrics rows so far, into a checkpoint (rank 0): a resumed run's metrics.jsonl starts with them."""
+    from flexgemma.rl import ranks
+
+    if ranks.world().is_main:
+        (checkpoint / ROWS_FILE).write_text(json.dumps(rows))
 
 
 def _restore_rows(resume: Optional[Path], rows: list, recorder) -> None:
