@@ -20,6 +20,7 @@ _EXPORTS = {
     "build_engine": "flexgemma.builder",
     "Engine": "flexgemma.engine.engine",
     "RequestError": "flexgemma.engine.engine",
+    "WeightError": "flexgemma.model.watch",
     "ScoreOutput": "flexgemma.engine.score",
     "CompletionOutput": "flexgemma.engine.sequence",
     "RequestOutput": "flexgemma.engine.sequence",
@@ -28,7 +29,7 @@ _EXPORTS = {
 }
 
 __all__ = ["compose", "build_engine", "SamplingParams", "RequestOutput", "CompletionOutput", "ScoreOutput", "Engine",
-           "ConfigError", "RequestError", "outputs_to_dataset"]
+           "ConfigError", "RequestError", "WeightError", "outputs_to_dataset"]
 __version__ = "0.1.0"
 
 

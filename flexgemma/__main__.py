@@ -12,6 +12,9 @@ import os
 # torch's own pool and any other library's (bitsandbytes) on a CPU, making runs 3-30x slower at
 # random. A user's own setting is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# TRL's trainers send usage telemetry to the Hugging Face Hub (huggingface_hub reads the switch once,
+# at import): a job talks to no host. HF_HUB_OFFLINE is left alone: a user's reward may use the Hub.
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import sys  # noqa: E402
 

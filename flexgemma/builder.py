@@ -241,10 +241,10 @@ def assemble_engine(cfg, model, tokenizer, info: dict, lora, r: Resolved,
                 async_decode=bool(cfg.engine.async_decode), prefix_cache=scheduler.prefix is not None)
     if any(s.moe for s in spec.layers):
         info["moe_kernel"] = r.kernels.moe
-    engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info)
+    engine = Engine(model, spec, runner, scheduler, max_len, seed=int(cfg.seed), tokenizer=tokenizer, info=info,
+                    lora=lora)
     engine.compile_counter = counter
     engine.async_decode = bool(cfg.engine.async_decode)
-    engine.lora = lora
     if cfg.engine.warmup and (device.type == "cuda" or use_compile):  # the CPU's eager steps have nothing to warm
         info.update(warm_up(engine, demand, int(cfg.engine.max_prefill_tokens)))
     info["build_seconds"] = time.perf_counter() - t0

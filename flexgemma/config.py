@@ -384,6 +384,21 @@ class TaskConfig:
     # MoE models, trainer_forward=engine: the trainer routes each completion token to the experts the rollout
     # routed it to (R3, arXiv 2510.11370); grpo/router_flip_rate is logged either way
     routing_replay: bool = False
+    # grpo checkpoints (<job dir>/trainer/checkpoint-<step>: adapter, optimizer, scheduler, RNG, trainer state)
+    save_every: int = 0  # a checkpoint every N optimizer steps (0: none)
+    keep_checkpoints: int = 2  # the newest N are kept
+    resume: Optional[bool] = None  # null: continue from the job dir's last checkpoint if any; true: must; false: refuse one
+
+    def __post_init__(self):
+        if self.name != TaskName.grpo:
+            return
+        for key in ("steps", "prompts_per_step", "num_generations", "max_new_tokens", "keep_checkpoints"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"task.{key}={getattr(self, key)} is invalid: task=grpo needs at least 1")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise ConfigError(f"task.micro_batch={self.micro_batch} is invalid: at least 1, or null (the whole step)")
+        if self.save_every < 0:
+            raise ConfigError(f"task.save_every={self.save_every} is invalid: 0 (no checkpoints) or N >= 1 steps")
 
 
 @dataclass

@@ -43,13 +43,15 @@ def holder(job_dir: Path) -> Optional[dict]:
         pid = int(owner["pid"])
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None  # half-written or garbage: no process can be shown to hold it
     if owner.get("host") != socket.gethostname():
         return owner
+    if pid <= 0 or isinstance(owner["pid"], bool):
+        return None  # 0 and -N name process groups (os.kill would signal them), not a job's process
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: a pid no OS has
         return None
     except PermissionError:
         pass  # alive, another user's

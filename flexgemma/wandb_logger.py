@@ -35,8 +35,9 @@ def logger_kind(cfg: DictConfig) -> str:
 class WandbRun:
     """One W&B run per job: started before the engine is built, always finished (also on failure)."""
 
-    def __init__(self, run):
+    def __init__(self, run, saved_env: Optional[dict] = None):
         self.run = run
+        self._saved_env = saved_env or {}  # W&B's directory variables as they were before this run
 
     @classmethod
     def start(cls, cfg, out_dir: Path, identity: dict[str, Any],
@@ -58,8 +59,10 @@ class WandbRun:
         # the job prints its own table and where the run is; W&B's banner, hints, warnings and run
         # summary would bury it (WANDB_SILENT=false brings them back)
         os.environ.setdefault("WANDB_SILENT", "true")
+        saved = {}
         if _MODES[kind] == "offline":
             keep_offline()
+            saved = inside_job_dir(out_dir)
         config = {"config": _resolved(cfg), "env": environment, "choices": identity.get("choices", {}),
                   "overrides": identity.get("overrides", [])}
         tags = [t[:_MAX_TAG_LEN] for t in identity.get("tags", [])] + [str(t) for t in cfg.logger.get("tags", [])]
@@ -74,8 +77,9 @@ class WandbRun:
         except Exception as e:  # noqa: BLE001 - the job's own files still record it; say how to get W&B back
             log.error("W&B (logger=%s) could not start a run: %s. The job goes on and is recorded in %s; "
                       "use logger=wandb_offline and `wandb sync` later, or logger=none.", kind, e, out_dir)
+            restore_env(saved)
             return None
-        return cls(run)
+        return cls(run, saved)
 
     @property
     def where(self) -> str:
@@ -109,7 +113,32 @@ class WandbRun:
                     self.run.save(str(path), base_path=str(path.parent), policy="now")
                 except Exception as e:  # noqa: BLE001 - a file W&B cannot take must not lose the run
                     log.warning("W&B could not attach %s: %s", path, e)
-        self.run.finish(exit_code={"ok": 0, "invalid": 2}.get(status, 1))
+        try:
+            self.run.finish(exit_code={"ok": 0, "invalid": 2}.get(status, 1))
+        finally:
+            restore_env(self._saved_env)
+
+
+# wandb's own directories outside the run's: staged table/artifact files (~/.local/share/wandb),
+# artifact cache and wandb-core's logs (~/.cache/wandb). An offline run keeps them in its job directory.
+_LOCAL_DIRS = {"WANDB_DATA_DIR": "data", "WANDB_CACHE_DIR": "cache", "WANDB_ARTIFACT_DIR": "artifacts"}
+
+
+def inside_job_dir(out_dir: Path) -> dict[str, Optional[str]]:
+    """Points wandb's staging, cache and artifact directories into <out_dir>/wandb; returns the previous
+    values for restore_env (a sweep may run several jobs in one process)."""
+    saved = {k: os.environ.get(k) for k in _LOCAL_DIRS}
+    for key, sub in _LOCAL_DIRS.items():
+        os.environ[key] = str(Path(out_dir).resolve() / "wandb" / sub)
+    return saved
+
+
+def restore_env(saved: dict[str, Optional[str]]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def keep_offline() -> None:

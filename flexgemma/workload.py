@@ -23,6 +23,7 @@ import numpy as np
 from flexgemma.config import ConfigError
 from flexgemma.engine.kv_cache import PoolDemand
 from flexgemma.engine.sequence import SamplingParams
+from flexgemma.engine.text import messages_problem, text_problem
 
 FIRST_ORDINARY_TOKEN = 3  # 0 pad, 1 eos, 2 bos in every Gemma-4 vocabulary
 
@@ -110,6 +111,9 @@ def read_prompts_file(wcfg) -> list[tuple[str, Any]]:
                 except ValueError as e:
                     problems.append(f"{where}: not JSON ({e})")
                     continue
+                except RecursionError:
+                    problems.append(f"{where}: JSON nested too deeply to read")
+                    continue
                 problem = record_problem(record)
                 if problem:
                     problems.append(f"{where}: {problem}")
@@ -130,7 +134,7 @@ def read_prompts_file(wcfg) -> list[tuple[str, Any]]:
 def record_problem(record: Any) -> Optional[str]:
     """What is wrong with one prompt line's JSON value (None: nothing)."""
     if isinstance(record, str):
-        return None if record else "an empty prompt"
+        return _prompt_problem(record)
     if not isinstance(record, Mapping):
         return f"expected an object with 'prompt', 'messages' or 'prompt_token_ids', got a {type(record).__name__}"
     kinds = [k for k in ("prompt_token_ids", "messages", "prompt") if k in record]
@@ -140,13 +144,19 @@ def record_problem(record: Any) -> Optional[str]:
     if kinds[0] == "prompt_token_ids":
         if not isinstance(value, list) or not value or not all(_is_int(t) and t >= 0 for t in value):
             return "prompt_token_ids must be a non-empty list of non-negative integers"
+        return None
     elif kinds[0] == "prompt":
-        if not isinstance(value, str) or not value:
-            return "prompt must be a non-empty string"
-    elif not isinstance(value, list) or not value or not all(
-            isinstance(m, Mapping) and isinstance(m.get("role"), str) and "content" in m for m in value):
+        return _prompt_problem(value) if isinstance(value, str) else "prompt must be a non-empty string"
+    elif not isinstance(value, list) or not value:
         return "messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects"
-    return None
+    return messages_problem(value)
+
+
+def _prompt_problem(text: str) -> Optional[str]:
+    if not text:
+        return "prompt must be a non-empty string"
+    problem = text_problem(text)
+    return f"prompt text {problem}" if problem else None
 
 
 def _is_int(t: Any) -> bool:

@@ -29,22 +29,13 @@ from flexgemma.engine.sequence import (RequestOutput, SamplingParams, Sequence, 
                                        is_prompt_dict, prompt_tokens, unwrap_prompt)
 from flexgemma.engine.text import StopMatcher, completion_text, encode_prompt, is_chat, is_text_prompt, prompt_text
 from flexgemma.model.spec import ModelSpec
+from flexgemma.model.watch import WeightWatch
 
 log = logging.getLogger("flexgemma")
 
 
 class RequestError(ValueError):
     """An invalid request: raised by add_request(), and by generate(strict=True) listing every bad one."""
-
-
-def parameter_versions(params: list) -> Optional[tuple]:
-    """Each parameter's identity and in-place change counter (views of a fused weight share theirs):
-    it differs once a parameter is changed in place or replaced. None where tensors keep no counter
-    (created under inference mode)."""
-    try:
-        return tuple((id(p), p._version) for p in params)
-    except RuntimeError:
-        return None
 
 
 @dataclass
@@ -151,7 +142,7 @@ class Engine:
     lora = None  # a model.lora.LoraAdapters when built with a LoRA adapter
 
     def __init__(self, model, spec: ModelSpec, runner: ModelRunner, scheduler: Scheduler, max_model_len: int,
-                 seed: int = 0, tokenizer=None, info: Optional[dict] = None):
+                 seed: int = 0, tokenizer=None, info: Optional[dict] = None, lora=None):
         self.model = model  # the transformers Gemma4ForCausalLM whose weights the engine runs
         self.spec, self.runner, self.scheduler = spec, runner, scheduler
         scheduler.stop_rule = StopRule(frozenset(spec.eos_token_ids), max_model_len)
@@ -165,8 +156,9 @@ class Engine:
         self.asleep = False  # sleep() released the KV pool; wake() restores it
         self._inflight = InflightDecode(runner, scheduler)
         self._lock = threading.RLock()
-        self._params = list(model.parameters()) if model is not None else []
-        self._weights_seen = parameter_versions(self._params)  # see _notice_weight_changes
+        self.lora = lora
+        # every parameter the forward reads, to notice changes the caller makes (model/watch.py)
+        self._watch = WeightWatch(model, lora) if model is not None else None
 
     # Engine.from_model(hf_model, tokenizer=None, **overrides) is flexgemma.api.engine_from_model,
     # attached in flexgemma/__init__.py: the engine imports nothing that builds engines (no cycle).
@@ -179,33 +171,32 @@ class Engine:
         if self.lora is None:
             raise RuntimeError("this engine was built without a LoRA adapter (lora=none): build it with lora=r16 etc.")
         with self._lock:  # never between two steps of a generate() in another thread
+            self._notice_weight_changes(refresh_factors=False)  # the caller's own changes first; the update refreshes
             try:
                 report = self.lora.update(source, adapter_name)
-            finally:  # even a failed update may have changed some weights
+            finally:  # a failed update restored the previous adapter; either way the merges are the engine's own
+                self._watch.rebaseline()
                 self.weights_changed()
         log.debug("update_lora: %.2f ms (copy %.2f, merge %.2f)", report["refresh_ms"], report["copy_ms"],
                   report["merge_ms"])
         return report
 
     def weights_changed(self) -> None:
-        """Call after changing the weights the forward reads (update_lora does; an in-place change of
-        a parameter is noticed by itself): the prefix cache forgets every page, and no page computed
-        with the old weights is ever a hit again."""
+        """Call after changing the weights the forward reads where the engine cannot see it (a change
+        through `.data` of a few elements; update_lora and every other change are seen by
+        themselves: model/watch.py): the prefix cache forgets every page, and no page computed with
+        the old weights is ever a hit again."""
         with self._lock:
             if self.scheduler.prefix is not None:
                 self.scheduler.prefix.bump_version()
 
-    def _notice_weight_changes(self, relist: bool) -> None:
-        """Before admitting requests: a parameter changed in place since the last look (an optimizer
-        step, load_state_dict, copy_) counts as weights_changed(), so a cached prefix is never served
-        across it even when the caller forgets to say so. Changes through `.data` are not seen.
-        relist: walk the model for its parameters again (generate(): ~2 ms; add_request() reuses
-        the last list, ~0.1 ms)."""
-        if relist and self.model is not None:
-            self._params = list(self.model.parameters())
-        seen = parameter_versions(self._params)
-        if seen != self._weights_seen:
-            self._weights_seen = seen
+    def _notice_weight_changes(self, refresh_factors: bool = True) -> None:
+        """Before admitting requests (generate, add_request) and before a step that may prefill a
+        queued one: takes every change to the model's parameters since the last look (in place,
+        through `.data`, or a replaced Parameter: re-fused into the storage the forward and CUDA
+        graphs read), or refuses one it cannot take (WeightError naming the parameter); a change
+        counts as weights_changed(), so no cached page of the old weights is ever served."""
+        if self._watch is not None and self._watch.check(refresh_factors):
             self.weights_changed()
 
     def reset_prefix_cache(self) -> None:
@@ -226,8 +217,7 @@ class Engine:
         with self._lock:
             self._require_awake()
             self._require_idle("score()")
-            prompt_lens = list(prompt_lens)
-            tokens, errs = score_problems(self, sequences, prompt_lens)
+            tokens, prompt_lens, errs = score_problems(self, sequences, prompt_lens)
             if not (is_int(top_k) and 0 <= top_k <= self.spec.vocab_size):
                 errs.append(f"top_k={top_k!r} must be an int in [0, {self.spec.vocab_size}]")
             if errs:
@@ -343,7 +333,7 @@ class Engine:
             tokens, params, errs = self._check(prompt, params)
             if errs:
                 raise RequestError("invalid request (nothing was queued): " + "; ".join(errs))
-            self._notice_weight_changes(relist=False)
+            self._notice_weight_changes()
             return self._add(tokens, params, text=prompt_text(self.tokenizer, unwrap_prompt(prompt)[0]))
 
     def _add(self, tokens: list[int], params: SamplingParams, index: Optional[int] = None,
@@ -393,12 +383,19 @@ class Engine:
         the requests that finished in it. If it raises (or is interrupted), every pending request
         is aborted and every page freed before the exception propagates: the engine stays usable."""
         with self._lock:
-            try:
-                self._require_awake()
-                return self._finished_outputs(self._run_step())
-            except BaseException:
-                self._abort_all()
-                raise
+            return self._step(admitting=True)
+
+    def _step(self, admitting: bool) -> list[RequestOutput]:
+        """step(); `admitting`: a queued request may be prefilled, so the weights are looked at first
+        (generate() looked before queuing its requests and holds the lock: nothing changed since)."""
+        try:
+            self._require_awake()
+            if admitting and self.scheduler.waiting:  # never prefill from pages of weights changed since add_request
+                self._notice_weight_changes()
+            return self._finished_outputs(self._run_step())
+        except BaseException:
+            self._abort_all()
+            raise
 
     def _run_step(self) -> list[Sequence]:
         if self._inflight.step is not None:
@@ -453,13 +450,13 @@ class Engine:
             self._require_awake()
             outputs, accepted = self._validate_call(prompts, params, strict)
             first_id = self._begin_call()
-            self._notice_weight_changes(relist=True)
+            self._notice_weight_changes()
             bar = tqdm(total=len(accepted), desc="generate", unit="req", disable=not use_tqdm, leave=False)
             try:
                 for i, tokens, sp, text in accepted:
                     self._add(tokens, sp, index=i, text=text)
                 while self.has_work:
-                    for out in self.step():
+                    for out in self._step(admitting=False):
                         outputs[out.index] = out
                         bar.update(1)
                     self._show_rate(bar)

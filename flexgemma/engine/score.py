@@ -37,11 +37,17 @@ class ScoreOutput:
     routed_experts: Optional[np.ndarray] = None
 
 
-def score_problems(engine, sequences, prompt_lens) -> tuple[list[list[int]], list[str]]:
-    """(the sequences as lists of ints, everything wrong with the call)."""
+_WANT = {"sequences": "a list of token-id lists", "prompt_lens": "a list of ints, one per sequence"}
+
+
+def score_problems(engine, sequences, prompt_lens) -> tuple[list[list[int]], list, list[str]]:
+    """(the sequences as lists of ints, prompt_lens as a list, everything wrong with the call)."""
+    for name, value in (("sequences", sequences), ("prompt_lens", prompt_lens)):
+        if value is None or isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+            return [], [], [f"{name}={value!r:.60} is not {_WANT[name]}"]
     sequences, prompt_lens = list(sequences), list(prompt_lens)
     if len(sequences) != len(prompt_lens):
-        return [], [f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens"]
+        return [], prompt_lens, [f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens"]
     seqs, errs = [], []
     for i, (seq, plen) in enumerate(zip(sequences, prompt_lens)):
         tokens, err = prompt_tokens(seq)
@@ -57,7 +63,7 @@ def score_problems(engine, sequences, prompt_lens) -> tuple[list[list[int]], lis
         if bad:
             errs.append(f"sequence {i}: token id {bad[0]} is outside the vocabulary [0, {engine.spec.vocab_size})")
         seqs.append(tokens)
-    return seqs, errs
+    return seqs, prompt_lens, errs
 
 
 def run_score(engine, token_lists: list[list[int]], prompt_lens: list[int], top_k: int,

@@ -9,6 +9,7 @@ searched, so a step costs the same however long the completion is.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Optional
 
 from flexgemma.engine.sequence import CompletionOutput
@@ -26,6 +27,46 @@ def is_text_prompt(prompt) -> bool:
     return isinstance(prompt, str) or is_chat(prompt)
 
 
+def text_problem(text: str) -> Optional[str]:
+    """Why `text` cannot be tokenised (None: it can): a lone surrogate is no Unicode character, and
+    the tokenizer would fail the whole call on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"holds a lone surrogate {text[e.start]!r} at character {e.start}: not valid Unicode (decode the "
+                "source with errors='replace', or fix it)")
+    return None
+
+
+def _content_texts(content) -> Optional[list[str]]:
+    """The strings of a message's content: a string, or a list of content parts ({"type": "text",
+    "text": ...}); None when it is neither."""
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list) and content and all(isinstance(p, Mapping) for p in content):
+        return [p["text"] for p in content if isinstance(p.get("text"), str)]
+    return None
+
+
+def messages_problem(messages) -> Optional[str]:
+    """What is wrong with a list of chat messages (None: nothing), naming the message's index and field:
+    a chat template would render None or 123 as text without a word."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not {"role", "content"} <= set(m):
+            return f"chat message {i} ({m!r:.80}) needs a 'role' and a 'content'"
+        if not isinstance(m["role"], str):
+            return f"chat message {i}: 'role' is {m['role']!r:.40} ({type(m['role']).__name__}), not a string like 'user'"
+        texts = _content_texts(m["content"])
+        if texts is None:
+            return (f"chat message {i}: 'content' is {m['content']!r:.40} ({type(m['content']).__name__}), not a "
+                    "string (or a list of content parts)")
+        for field, text in [("role", m["role"])] + [("content", t) for t in texts]:
+            problem = text_problem(text)
+            if problem:
+                return f"chat message {i}: '{field}' {problem}"
+    return None
+
+
 def encode_prompt(tokenizer, prompt) -> tuple[Optional[list[int]], Optional[str]]:
     """(token ids, None) for a text or chat prompt, or (None, why not)."""
     if tokenizer is None:
@@ -34,12 +75,13 @@ def encode_prompt(tokenizer, prompt) -> tuple[Optional[list[int]], Optional[str]
                       "prompts give model.path a checkpoint directory with tokenizer.json, or pass tokenizer= to "
                       "Engine.from_model)")
     if isinstance(prompt, str):
-        return list(tokenizer(prompt)["input_ids"]), None
+        problem = text_problem(prompt)
+        return (None, f"prompt text {problem}") if problem else (list(tokenizer(prompt)["input_ids"]), None)
     if getattr(tokenizer, "chat_template", None) is None:
         return None, "chat messages need a tokenizer with a chat template (tokenizer_config.json chat_template)"
-    bad = [m for m in prompt if not {"role", "content"} <= set(m)]
-    if bad:
-        return None, f"chat message {bad[0]!r} needs a 'role' and a 'content'"
+    problem = messages_problem(prompt)
+    if problem:
+        return None, problem
     ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding in newer transformers
         ids = ids["input_ids"]

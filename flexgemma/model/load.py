@@ -7,6 +7,7 @@ this module only decides the config, the dtype, the device and where the weights
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 from pathlib import Path
@@ -17,6 +18,8 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from flexgemma.model.files import get_tensor, open_safetensors, read_json_object
+
+log = logging.getLogger("flexgemma")
 
 # Weight files of formats flexgemma does not read: a directory holding only these must not run on
 # random weights (a checkpoint saved with torch.save, a Lightning .ckpt, a GGUF export).
@@ -97,7 +100,36 @@ def _read_checkpoint_config(path: Path) -> dict:
     return text, qcfg or None
 
 
+_INDEXES = (("model.safetensors.index.json", "safetensors"), ("pytorch_model.bin.index.json", "pickle"))
+
+
+def _indexed_files(path: Path) -> Optional[tuple[list[Path], str]]:
+    """The shards a checkpoint's index lists (exactly those: a stray file beside them is not read),
+    or None without an index."""
+    for name, kind in _INDEXES:
+        index = path / name
+        if not index.is_file():
+            continue
+        weight_map = read_json_object(index, ModelLoadError).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(f"{index}: 'weight_map' must be an object of tensor name -> shard file name")
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (path / s).is_file() or Path(s).name != s]
+        if missing:
+            raise ModelLoadError(f"{index} lists shards that are not files in {path}: {missing[:3]} (an incomplete "
+                                 "download? fetch them again)")
+        stray = sorted(f.name for f in path.glob("*.safetensors" if kind == "safetensors" else "*.bin")
+                       if f.name not in shards)
+        if stray:
+            log.warning("model.path=%s: %s not listed in %s: not loaded", path, ", ".join(stray[:3]), name)
+        return [path / s for s in shards], kind
+    return None
+
+
 def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], str]:
+    indexed = _indexed_files(path)
+    if indexed is not None and (indexed[1] == "safetensors" or allow_pickle):
+        return indexed
     st = sorted(path.glob("*.safetensors"))
     if st:
         return st, "safetensors"
@@ -295,6 +327,7 @@ class CheckpointReader:
     def __init__(self, files: list[Path], kind: str):
         self.skipped, self.loaded, self.prequantized = 0, 0, 0
         self._where: dict[str, tuple[str, Any]] = {}  # model name -> (checkpoint key, getter)
+        self._file: dict[str, str] = {}  # model name -> the file holding it
         self._handles: list[Any] = []  # open safetensors files, read lazily
         for f in files:
             if kind == "safetensors":
@@ -308,8 +341,14 @@ class CheckpointReader:
                 name = _text_key(key)
                 if name is None:
                     self.skipped += 1  # vision/audio towers and their embedders
-                else:
-                    self._where[name] = (key, get)
+                    continue
+                if name in self._where:
+                    raise ModelLoadError(
+                        f"{name} is stored twice: as {self._where[name][0]} in {self._file[name]} and as {key} in "
+                        f"{f.name} (in {f.parent}). Without a model.safetensors.index.json every *.safetensors file is read, so a "
+                        "stray copy (a backup?) would load over the real weights: move it out of the directory, "
+                        "or add the index that lists the shards")
+                self._where[name], self._file[name] = (key, get), f.name
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

@@ -97,6 +97,14 @@ def merge_into(weight: torch.Tensor, pristine: torch.Tensor, lhs: torch.Tensor, 
         (weight.baddbmm_ if batched else weight.addmm_)(lhs, rhs, alpha=alpha)
 
 
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    if all(d.device == v.device and d.dtype == v.dtype for d, v in zip(dst, src)):
+        torch._foreach_copy_(dst, src)  # one fused launch group (a trainer on the same GPU)
+    else:
+        for d, v in zip(dst, src):
+            d.copy_(v, non_blocking=True)
+
+
 def _delta_factors(layer, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(lhs, rhs, scale) with delta = scale * lhs @ rhs, in the layout of the base weight."""
     from peft.tuners.lora import ParamWrapper
@@ -207,6 +215,9 @@ def _check_value(key: str, value: Any) -> None:
     if not isinstance(value, torch.Tensor):
         raise LoraError(f"adapter tensor {key} is a {type(value).__name__}, not a torch.Tensor "
                         "(convert it with torch.as_tensor)")
+    if value.layout != torch.strided:
+        raise LoraError(f"adapter tensor {key} is a {value.layout} tensor: LoRA factors must be dense "
+                        "(convert it with .to_dense())")
     if not value.dtype.is_floating_point:
         raise LoraError(f"adapter tensor {key} has dtype {value.dtype}: LoRA factors must be floating point "
                         "(float32, bfloat16 or float16)")
@@ -335,7 +346,7 @@ class LoraAdapters:
             raise TypeError(f"update_lora takes a peft model or a state dict, not {type(source).__name__}")
         if adapter_name is not None and adapter_name not in self.adapter_names:
             raise LoraError(f"adapter {adapter_name!r} is not one of the engine's adapters {self.adapter_names}")
-        out, unknown = {}, []
+        out, unknown, keys = {}, [], {}
         for key, value in items:
             m = _KEY.match(key)
             if m is None:
@@ -359,9 +370,12 @@ class LoraAdapters:
             if slot not in self.slots:
                 unknown.append(key)
                 continue
+            if slot in out:
+                raise LoraError(f"adapter tensors {keys[slot]} and {key} are both {slot} (after prefixes such as "
+                                "'base_model.model.' are stripped): send each adapter tensor once")
             _check_value(key, value)
             self._check_shape(key, value, path, m["ab"], adapter)
-            out[slot] = value
+            out[slot], keys[slot] = value, key
         if unknown:
             have = sorted({k.rsplit(".", 2)[0] for k in self.slots})
             raise LoraError(
@@ -399,22 +413,31 @@ class LoraAdapters:
         for `adapter_name`, default the first adapter). Every tensor keeps its storage, so captured
         CUDA graphs see the new weights at their next replay without re-capture.
         """
-        incoming = self._incoming(source, adapter_name)
+        incoming = self._incoming(source, adapter_name)  # every tensor checked before any weight is touched
         _sync(self.device)
         t0 = time.perf_counter()
         dst, src = [self.slots[k] for k in incoming], list(incoming.values())
-        if all(d.device == v.device and d.dtype == v.dtype for d, v in zip(dst, src)):
-            torch._foreach_copy_(dst, src)  # one fused launch group (a trainer on the same GPU)
-        else:
-            for d, v in zip(dst, src):
-                d.copy_(v, non_blocking=True)
-        _sync(self.device)
-        t1 = time.perf_counter()
-        merge_ms = self.refresh()
+        previous = [d.detach().clone() for d in dst]
+        try:
+            _copy_all(dst, src)
+            _sync(self.device)
+            t1 = time.perf_counter()
+            merge_ms = self.refresh()
+        except BaseException:  # an error or Ctrl-C half-way: back to the previous adapter, every weight
+            self._restore(dst, previous)
+            raise
         copy_ms = (t1 - t0) * 1e3
         self.last_refresh = {"refresh_ms": copy_ms + merge_ms, "copy_ms": copy_ms, "merge_ms": merge_ms,
                              "tensors": float(len(incoming))}
         return dict(self.last_refresh)
+
+    @torch.no_grad()
+    def _restore(self, slots: list[torch.Tensor], previous: list[torch.Tensor]) -> None:
+        """The previous factors back, and every merged weight and factor copy rebuilt from them: the
+        merge is a pure function of (pristine, factors), so this is the state before the update, bit
+        for bit."""
+        _copy_all(slots, previous)
+        self.refresh()
 
     # -- inspection --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -525,10 +548,14 @@ def _adapter_tensors(directory: Path) -> dict[str, torch.Tensor]:
         pickled = sorted(directory.glob("*.bin"))
         hint = f" (only pickled {pickled[0].name}: convert it to safetensors)" if pickled else ""
         raise LoraError(f"lora.path={directory}: no adapter_model.safetensors{hint}")
-    out = {}
+    out, where = {}, {}
     for f in files:
         with open_safetensors(f, LoraError) as h:
-            out.update({k: get_tensor(h, f, k, LoraError) for k in h.keys()})
+            for k in h.keys():
+                if k in out:  # a stray copy beside the adapter would load over it
+                    raise LoraError(f"lora.path={directory}: tensor {k} is in both {where[k]} and {f.name}: keep one "
+                                    "adapter's files in the directory")
+                out[k], where[k] = get_tensor(h, f, k, LoraError), f.name
     return out
 
 

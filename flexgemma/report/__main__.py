@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ReportError, MissingExtra) as e:
         print(f"flexgemma.report: {e}", file=sys.stderr)
         return 2
+    for line in report.collection.unreadable:  # the rest of the report is made without these files
+        print(f"flexgemma.report: {line}", file=sys.stderr)
     print(report.verdict.headline)
     if report.verdict.command:
         print(f"  {report.verdict.command}")

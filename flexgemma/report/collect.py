@@ -37,6 +37,7 @@ class Job:
     config: dict[str, Any] | None  # config_resolved.yaml, flattened to dotted keys
     rounds: list[dict[str, Any]]  # metrics.jsonl rows of the timed rounds (last attempt)
     swept: dict[str, str] = field(default_factory=dict)  # swept key -> value as typed
+    unreadable: list[str] = field(default_factory=list)  # "<file>[:line]: why" of each file left out
 
     @property
     def ok(self) -> bool:
@@ -74,6 +75,11 @@ class Collection:
     @property
     def problem_jobs(self) -> list[Job]:
         return [j for j in self.jobs if not j.ok]
+
+    @property
+    def unreadable(self) -> list[str]:
+        """One line for each job file the report could not read (and so left out)."""
+        return [line for j in self.jobs for line in j.unreadable]
 
     def best(self) -> Job | None:
         """The ok job with the highest median output tokens/s."""
@@ -123,9 +129,29 @@ def _read_job(root: Path, job_dir: Path) -> Job:
     label = root.name if label == "." else label
     m = re.match(r"(\d+)(_|$)", job_dir.name)
     summary, status, error = _read_summary(job_dir)
-    return Job(dir=job_dir, label=label, number=int(m.group(1)) if m else None, status=status,
-               summary=summary, error=error, overrides=_read_overrides(job_dir),
-               config=_read_config(job_dir), rounds=_read_rounds(job_dir))
+    notes: list[str] = []
+    job = Job(dir=job_dir, label=label, number=int(m.group(1)) if m else None, status=status,
+              summary=summary, error=error, overrides=_read_overrides(job_dir, notes),
+              config=_read_config(job_dir, notes), rounds=_read_rounds(job_dir, notes))
+    job.unreadable = notes
+    return job
+
+
+def _why(e: BaseException) -> str:
+    """A read or parse error as a few words (a RecursionError's own text names no file or depth)."""
+    if isinstance(e, RecursionError):
+        return "nested too deeply to read"
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 text (byte {e.start})"
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+
+def _read_text(path: Path, notes: list[str]) -> str | None:
+    try:
+        return path.read_text()
+    except (OSError, ValueError) as e:
+        notes.append(f"{path}: {_why(e)}; left out")
+        return None
 
 
 def _read_summary(job_dir: Path) -> tuple[dict, str, str | None]:
@@ -136,8 +162,8 @@ def _read_summary(job_dir: Path) -> tuple[dict, str, str | None]:
         summary = json.loads(path.read_text())
         if not isinstance(summary, dict):
             raise ValueError("not a JSON object")
-    except (OSError, ValueError) as e:
-        return {}, "unreadable", f"summary.json cannot be read: {e}"
+    except (OSError, ValueError, RecursionError) as e:
+        return {}, "unreadable", f"summary.json cannot be read: {_why(e)}"
     status = str(summary.get("status") or "unknown")
     error = None
     if status != "ok":
@@ -150,38 +176,48 @@ def _last_line(text: Any) -> str | None:
     return lines[-1].strip() if lines else None
 
 
-def _read_overrides(job_dir: Path) -> list[str] | None:
-    path = job_dir / ".hydra" / "overrides.yaml"
-    if not path.exists():
-        return None
+_UNREAD = object()  # _read_yaml: no such file, or not readable YAML
+
+
+def _read_yaml(path: Path, notes: list[str]) -> Any:
+    """The YAML in `path`; _UNREAD when there is none or it is not readable (a note names the file)."""
+    text = _read_text(path, notes) if path.exists() else None
+    if text is None:
+        return _UNREAD
     try:
-        data = yaml.safe_load(path.read_text()) or []
-    except yaml.YAMLError:
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError, RecursionError) as e:
+        notes.append(f"{path}: {_why(e)}; left out")
+        return _UNREAD
+
+
+def _read_overrides(job_dir: Path, notes: list[str]) -> list[str] | None:
+    data = _read_yaml(job_dir / ".hydra" / "overrides.yaml", notes)
+    if data is _UNREAD:
         return None
+    data = data or []  # an empty file: no overrides
     return [str(x) for x in data] if isinstance(data, list) else None
 
 
-def _read_config(job_dir: Path) -> dict[str, Any] | None:
-    path = job_dir / "config_resolved.yaml"
-    if not path.exists():
-        return None
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
-        return None
+def _read_config(job_dir: Path, notes: list[str]) -> dict[str, Any] | None:
+    data = _read_yaml(job_dir / "config_resolved.yaml", notes)
     return flatten(data) if isinstance(data, dict) else None
 
 
-def _read_rounds(job_dir: Path) -> list[dict[str, Any]]:
+def _read_rounds(job_dir: Path, notes: list[str]) -> list[dict[str, Any]]:
     path = job_dir / "metrics.jsonl"
-    if not path.exists():
+    text = _read_text(path, notes) if path.exists() else None
+    if text is None:
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    for lineno, line in enumerate(text.splitlines(), 1):
         try:
             row = json.loads(line)
         except ValueError:
             continue  # a line cut short by a killed job
+        except RecursionError as e:
+            notes.append(f"{path}:{lineno}: {_why(e)}; left out")
+            continue
         if isinstance(row, dict) and "throughput/output_tok_s" in row:
             rows.append(row)
     # metrics.jsonl is appended to, so a re-run job holds several attempts: keep the last one,

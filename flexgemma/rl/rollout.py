@@ -53,6 +53,9 @@ class EngineRollout:
 
     def __call__(self, prompts: list, trainer) -> dict:
         ids = [list(self.prompt_ids_of(p)) for p in prompts]
+        state = getattr(trainer, "state", None)
+        if state is not None:  # a run resumed at step k draws the seeds of step k + 1, as one that never stopped
+            self.calls = max(self.calls, int(state.global_step))
         # every row of every rank and step its own seed (ranks hold equal-sized shards of a step)
         base = (self.seed * 1_000_003 + (self.calls * self.world_size + self.rank) * len(ids)) & 0x3FFFFFFF
         params = [SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,

@@ -18,9 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -29,18 +31,49 @@ from flexgemma.config import Config, ConfigError
 log = logging.getLogger("flexgemma")
 
 
+class RewardError(RuntimeError):
+    """A reward function raised or returned something TRL cannot train on; names the function and the step."""
+
+
 class RecordedReward:
-    """The user's reward, keeping the last step's values for the metrics."""
+    """The user's reward, checked (a list of one finite number, or None, per completion) and keeping the
+    last step's values for the metrics. `step`: the optimizer step being computed (the step logger sets it)."""
 
     def __init__(self, fn):
         self.fn = fn
-        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        inner = getattr(fn, "func", None)  # a partial (Hydra's _partial_) names its function
+        self.__name__ = getattr(fn, "__name__", None) or getattr(inner, "__name__", None) or type(fn).__name__
         self.values: list[float] = []
+        self.step = 1
 
     def __call__(self, **kwargs):
-        out = self.fn(**kwargs)
+        where = f"reward {self.__name__} at step {self.step}"
+        try:
+            out = self.fn(**kwargs)
+        except Exception as e:
+            raise RewardError(f"{where} raised {type(e).__name__}: {e}") from e
+        n = len(kwargs.get("completions") or kwargs.get("completion_ids") or [])
+        if isinstance(out, (str, bytes)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
+            raise RewardError(f"{where} returned {out!r:.80} ({type(out).__name__}): it must return a list of {n} "
+                              "floats, one per completion (None where the reward does not apply)")
+        out = list(out)
+        if len(out) != n:
+            raise RewardError(f"{where} returned {len(out)} values for {n} completions: one per completion")
+        for i, v in enumerate(out):
+            if v is not None and not _finite_number(v):
+                raise RewardError(f"{where} returned {v!r:.40} ({type(v).__name__}) for completion {i}: each value "
+                                  "must be a finite number (or None where the reward does not apply)")
         self.values = [float(v) for v in out if v is not None]
         return out
+
+
+def _finite_number(v) -> bool:
+    if isinstance(v, (str, bytes)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
 
 
 def make_reward(cfg):
@@ -125,7 +158,9 @@ def grpo_args(cfg, out_dir: Path, device: torch.device, world_size: int = 1):
         steps_per_generation=batch // micro, num_iterations=1,
         num_generations=int(t.num_generations), max_completion_length=int(t.max_new_tokens),
         temperature=float(t.temperature), beta=float(t.beta), loss_type=str(t.loss_type),
-        lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, report_to="none", save_strategy="no",
+        lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, report_to="none",
+        save_strategy="steps" if int(t.save_every) else "no", save_steps=int(t.save_every) or 500,
+        save_total_limit=int(t.keep_checkpoints),
         disable_tqdm=True, seed=int(cfg.seed), use_cpu=device.type == "cpu", bf16=False, fp16=False,
         remove_unused_columns=False, dataloader_num_workers=0, shuffle_dataset=True,
         vllm_importance_sampling_clip_max=float(t.is_clip_max),
@@ -161,6 +196,10 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
         def on_step_begin(self, args, state, control, **kw):
             _sync()
             self.t0 = time.perf_counter()
+            reward.step = state.global_step + 1
+
+        def on_save(self, args, state, control, **kw):
+            save_rows(rows, Path(args.output_dir) / f"checkpoint-{state.global_step}")
 
         def on_step_end(self, args, state, control, **kw):
             _sync()
@@ -206,6 +245,71 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
             trainer_ref[0].step_stats = {}
 
     return StepLogger()
+
+
+ROWS_FILE = "flexgemma_rows.json"  # in a checkpoint: the metrics rows of the steps before it
+
+
+class GrpoFailed(RuntimeError):
+    """task=grpo stopped at a step; the message says where its last checkpoint is."""
+
+
+def checkpoints(trainer_dir: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of the complete checkpoints under trainer_dir, oldest first (a checkpoint is
+    complete once its trainer_state.json is written, after the adapter, optimizer and RNG states)."""
+    found = []
+    for d in trainer_dir.glob("checkpoint-*"):
+        step = d.name.removeprefix("checkpoint-")
+        if step.isdigit() and (d / "trainer_state.json").is_file():
+            found.append((int(step), d))
+    return sorted(found)
+
+
+def resume_point(t, trainer_dir: Path) -> Optional[Path]:
+    """The checkpoint a run continues from (task.resume: null continues from the last one if any)."""
+    found = checkpoints(trainer_dir)
+    if t.resume is False and found:
+        raise ConfigError(f"task.resume=false but {trainer_dir} holds checkpoints of an earlier run (the last at step "
+                          f"{found[-1][0]}): remove them, use another job directory, or leave task.resume unset to "
+                          "continue from the last")
+    if t.resume is True and not found:
+        raise ConfigError(f"task.resume=true but {trainer_dir} holds no checkpoint (checkpoint-<step>/"
+                          "trainer_state.json): save some with task.save_every=N")
+    return found[-1][1] if found else None
+
+
+def save_rows(rows: list, checkpoint: Path) -> None:
+    """The metrics rows so far, into a checkpoint (rank 0): a resumed run's metrics.jsonl starts with them."""
+    from flexgemma.rl import ranks
+
+    if ranks.world().is_main:
+        (checkpoint / ROWS_FILE).write_text(json.dumps(rows))
+
+
+def _restore_rows(resume: Optional[Path], rows: list, recorder) -> None:
+    """The metrics rows of the steps before the checkpoint, into this run's metrics.jsonl (and W&B)."""
+    if resume is None or not (resume / ROWS_FILE).is_file():
+        return
+    for row in json.loads((resume / ROWS_FILE).read_text()):
+        rows.append(row)
+        recorder.log_round(row)
+    log.info("grpo: continuing from %s (step %d)", resume, len(rows))
+
+
+def _train(trainer, resume: Optional[Path], trainer_dir: Path) -> None:
+    """trainer.train(), from `resume` when given; a failure says which step and where the last checkpoint is."""
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    except BaseException as e:
+        found = checkpoints(trainer_dir)
+        where = (f"the last checkpoint is {found[-1][1]} (step {found[-1][0]}): re-run the same job directory (or "
+                 "task.resume=true) to continue from it" if found
+                 else "no checkpoint was saved (task.save_every=N saves one every N steps)")
+        step = trainer.state.global_step + 1
+        if isinstance(e, (ConfigError, KeyboardInterrupt)) or not isinstance(e, Exception):
+            log.error("grpo stopped at step %d: %s", step, where)
+            raise
+        raise GrpoFailed(f"task=grpo failed at step {step}: {type(e).__name__}: {e}; {where}") from e
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -273,8 +377,10 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
         trainer_forward=str(t.trainer_forward), routing_replay=bool(t.routing_replay))
     ref.extend([trainer, shared])
     trainer.remove_callback(PrinterCallback)  # TRL's per-step dict print; the rows go to metrics.jsonl
+    resume = resume_point(t, recorder.dir / "trainer")
+    _restore_rows(resume, rows, recorder)
     t0 = time.perf_counter()
-    trainer.train()
+    _train(trainer, resume, recorder.dir / "trainer")
     train_wall = time.perf_counter() - t0
     summary = summarise(rows)
     opt_bytes = sum(v.numel() * v.element_size() for st in trainer.optimizer.state.values()

@@ -110,6 +110,7 @@ class _ResumableSubmititLauncher(BaseSubmititLauncher):
         # every job's process inherits it: OpenMP threads that spin while waiting fight torch's (and
         # bitsandbytes') pools on a CPU; a user's own setting is kept
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # TRL's usage telemetry (flexgemma/__main__.py)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         state = Singleton.get_state()  # before job_dir() touches HydraConfig
