@@ -78,10 +78,10 @@ MUTATIONS = [
     # issue 36: the weights the engine runs, GRPO, and behaviours pinned by tests/test_regressions.py
     Mutation("a replaced parameter is not copied into the storage the forward reads", "flexgemma/model/watch.py",
              "                e.run.copy_(cur.detach())", "                pass",
-             ("tests/test_weights.py", "-k", "replaced_or_data_changed")),
+             ("tests/model/test_weights.py", "-k", "replaced_or_data_changed")),
     Mutation("an interrupted update_lora keeps the half-merged adapter", "flexgemma/model/lora.py",
              "            self._restore(dst, previous)\n", "",
-             ("tests/test_weights.py", "-k", "interrupted_at_the_kth")),
+             ("tests/model/test_weights.py", "-k", "interrupted_at_the_kth")),
     Mutation("a preempted request queues behind later arrivals", "flexgemma/engine/scheduler.py",
              "self.waiting.appendleft(seq)", "self.waiting.append(seq)",
              ("tests/test_regressions.py", "-k", "preempted")),

@@ -13,7 +13,6 @@ from flexgemma.run import run_job
 from flexgemma.workload import WorkloadError
 
 from conftest import SMALL, make_engine
-from test_workload import checkpoint_with_tokenizer  # noqa: F401 - the fixture, reused
 
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
 TINY_JOB = ["+model=tiny", "device=cpu", "logger=none", "kv.page_size=8", "kv.cpu_pages=80", "engine.max_model_len=256",
@@ -81,7 +80,7 @@ def test_garbage_job_files_are_named_one_line_each_and_the_report_is_still_made(
     """A binary metrics.jsonl and overrides.yaml, JSON nested 200,000 deep (summary.json and a
     metrics.jsonl line), YAML nested as deep: each is one line naming the file (and line), and the
     report of the sweep is made from everything else."""
-    from test_report import cpu_summary, write_job
+    from conftest import cpu_summary, write_job
 
     from flexgemma.report.__main__ import main as report_main
 

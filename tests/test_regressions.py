@@ -18,7 +18,6 @@ from flexgemma import SamplingParams, build_engine, compose
 from flexgemma.engine.sequence import child_seed
 
 from conftest import SMALL, make_engine
-from test_workload import checkpoint_with_tokenizer  # noqa: F401 - the fixture, reused
 
 
 def rand_prompt(rng: random.Random, n: int) -> list[int]:
@@ -174,7 +173,7 @@ def test_the_is_correction_scales_advantages_by_exp_trainer_minus_engine(tmp_pat
 
 # -- sweeps ------------------------------------------------------------------------------------------------
 def test_a_sweep_relaunched_over_jobs_left_running_or_interrupted_runs_them_again(tmp_path):
-    from test_sweep import run_python
+    from conftest import run_python
 
     sweep = tmp_path / "sweep"
     args = ["-m", "flexgemma", "-m", "+model=tiny", "seed=0,1,2", "logger=none", "workload.num_prompts=2",
