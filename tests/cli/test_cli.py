@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from conftest import ROOT
+
 
 def run_cli(*args, cwd):
     env = {**os.environ, "HYDRA_FULL_ERROR": "1"}

@@ -4,7 +4,6 @@ configs' ids, it encodes any text, and text prompts, chat messages and stop stri
 import json
 
 import pytest
-from omegaconf import OmegaConf
 
 from flexgemma import SamplingParams, build_engine, compose
 from flexgemma.model.load import ModelLoadError, load_tokenizer
@@ -25,8 +24,9 @@ def test_special_tokens_and_size_match_the_tiny_configs(tok, model):
     cfg = compose([f"+model={model}"])
     hf = cfg.model.hf_config
     assert cfg.model.tokenizer == "tiny" and "tiny" in shipped()
-    assert len(tok) == hf.vocab_size == 512
-    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (hf.pad_token_id, hf.eos_token_id, hf.bos_token_id)
+    assert len(tok) == hf["vocab_size"] == 512
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == \
+        (hf["pad_token_id"], hf["eos_token_id"], hf["bos_token_id"])
 
 
 def test_any_text_round_trips_and_a_prompt_starts_with_bos(tok):
@@ -74,7 +74,7 @@ def test_model_tokenizer_takes_a_directory_and_names_what_is_wrong(tmp_path):
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
-    hf = OmegaConf.to_container(compose(["+model=tiny"]).model.hf_config)
+    hf = dict(compose(["+model=tiny"]).model.hf_config)
     with pytest.raises(ModelLoadError, match="512 tokens but model 'tiny' a vocabulary of 256"):
         build_engine(compose(["+model=tiny", "device=cpu", "model.hf_config.vocab_size=256",
                               "model.hf_config.vocab_size_per_layer_input=256"]))
