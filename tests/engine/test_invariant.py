@@ -110,20 +110,20 @@ for win in (None, 24):
 
 
 def test_triton_logprobs_whole_and_streamed_agree_interpreted():
-    """The sampler's one-program kernel and the trainer's slice-by-slice kernels (update, finish): the
-    same bits, close to torch's log_softmax of the capped logits."""
+    """The sampler's stream (the whole vocabulary in one update) and the trainer's (a slice at a time):
+    the same bits, close to torch's log_softmax of the capped logits."""
     out = run_interpreted(INTERPRETER_LOOPS + """
 import torch
 from flexgemma.model.invariant import triton_logprobs as tl_
 torch.manual_seed(0)
 head = torch.randn(6, 8192 + 300) * 20
 tokens = torch.randint(0, head.shape[1], (6,))
-whole = tl_.token_logprobs(head, tokens, 30.0)
-lane_max = torch.full((6, 4096), float("-inf"))
-lane_sum = torch.zeros(6, 4096)
-for v0 in range(0, head.shape[1], 4096):
-    tl_.update(head[:, v0: v0 + 4096], lane_max, lane_sum, 30.0)
-streamed = tl_.finish(lane_max, lane_sum, head.gather(1, tokens[:, None])[:, 0], 30.0)
+def stream(width):
+    lane_max, lane_sum = torch.full((6, 4096), float("-inf")), torch.zeros(6, 4096)
+    for v0 in range(0, head.shape[1], width):
+        tl_.update(head[:, v0: v0 + width], lane_max, lane_sum, 30.0)
+    return tl_.finish(lane_max, lane_sum, head.gather(1, tokens[:, None])[:, 0], 30.0)
+whole, streamed = stream(head.shape[1]), stream(4096)
 ref = torch.log_softmax(torch.tanh(head / 30) * 30, -1).gather(1, tokens[:, None])[:, 0]
 print(torch.equal(whole, streamed), (whole - ref).abs().max().item() < 1e-4)
 """)

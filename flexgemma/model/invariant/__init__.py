@@ -16,8 +16,9 @@ when rows are few. Here:
   positions into chunks of `split_tokens`, each chunk a softmax pass over fixed tiles in position order,
   the chunks folded left to right; decode runs the chunks in parallel programs and folds them in a
   second kernel, prefill folds them in one program, with the same arithmetic.
-- `logprobs.token_logprobs`: soft-cap, log-sum-exp and the chosen token's log-probability, one pass
-  per row in a fixed order; the sampler and `score()` both call it.
+- `logprobs.token_logprobs`: soft-cap, log-sum-exp and the chosen token's log-probability, the vocabulary
+  streamed through fixed lanes in order; the sampler and `score()` call it, the trainer's sliced head
+  runs the same stream (`LogprobStream`, the same kernels).
 - `experts.grouped_linear`: the routed experts' products through the same rule as `linear`.
 
 Norms and the elementwise glue are per-row by construction (a row's reduction never sees another row).

@@ -75,10 +75,10 @@ def capped(head: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
 
 def token_logprobs(head: torch.Tensor, tokens: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
     """head [T, V] (the lm_head's output, before the soft-cap), tokens [T] -> float32 [T]."""
-    if head.is_cuda:
-        from flexgemma.model.invariant import triton_logprobs
-
-        return triton_logprobs.token_logprobs(head, tokens, softcap)
+    if head.is_cuda:  # the stream's kernels, the very ones the trainer's sliced head runs (triton_logprobs)
+        stream = LogprobStream(head.shape[0], head.device, softcap)
+        stream.update(head)
+        return stream.logprobs(head.gather(-1, tokens.long()[:, None])[:, 0])
     t = head.shape[0]
     n = padded_row_count(t)  # whole vector steps in every elementwise loop (rows.py)
     with serial():

@@ -1,6 +1,7 @@
-"""The Triton kernels of `logprobs` (imported only on a GPU): a lane update over a vocabulary slice,
-the lanes' combine, and both in one program per row for the whole vocabulary. The three share their
-steps (`_lane_step`, `_combine_lanes`, `_capped`), so a row gets the same bits either way."""
+"""The Triton kernels of `logprobs` (imported only on a GPU): a lane update over a vocabulary slice and
+the lanes' combine. The sampler, engine.score() and the trainer all run these two kernels, never a fused
+one: the combine's sum is ordered by the register layout the compiler picks for its kernel, and another
+kernel (a fused whole-vocabulary one) may pick another and round a logprob 1 ulp apart."""
 
 from __future__ import annotations
 
@@ -45,18 +46,6 @@ def _combine_lanes(lane_max, lane_sum):
 
 
 @triton.jit
-def _token_logprob_kernel(head_ptr, token_ptr, out_ptr, stride, cap, V, HAS_CAP: tl.constexpr,
-                          LANES: tl.constexpr):
-    row = tl.program_id(0)
-    base = head_ptr + row * stride
-    lane_max = tl.full((LANES,), float("-inf"), tl.float32)
-    lane_sum = tl.zeros((LANES,), tl.float32)
-    lane_max, lane_sum = _lanes_over(base, lane_max, lane_sum, cap, V, HAS_CAP, LANES)
-    zt = _capped(tl.load(base + tl.load(token_ptr + row)).to(tl.float32), cap, HAS_CAP)
-    tl.store(out_ptr + row, zt - _combine_lanes(lane_max, lane_sum))
-
-
-@triton.jit
 def _update_kernel(head_ptr, max_ptr, sum_ptr, stride, cap, V, HAS_CAP: tl.constexpr, LANES: tl.constexpr):
     row = tl.program_id(0)
     lanes = tl.arange(0, LANES)
@@ -69,7 +58,7 @@ def _update_kernel(head_ptr, max_ptr, sum_ptr, stride, cap, V, HAS_CAP: tl.const
 
 @triton.jit
 def _finish_kernel(max_ptr, sum_ptr, target_ptr, out_ptr, cap, HAS_CAP: tl.constexpr, LANES: tl.constexpr):
-    """out = capped(target head value) - the lanes combined: `_token_logprob_kernel`'s last step."""
+    """out = capped(target head value) - the lanes combined."""
     row = tl.program_id(0)
     lanes = tl.arange(0, LANES)
     zt = _capped(tl.load(target_ptr + row).to(tl.float32), cap, HAS_CAP)
@@ -77,22 +66,12 @@ def _finish_kernel(max_ptr, sum_ptr, target_ptr, out_ptr, cap, HAS_CAP: tl.const
                                                 tl.load(sum_ptr + row * LANES + lanes)))
 
 
-# the same layout and no FMA contraction in all three kernels: the lane sums and their combine round alike
+# no FMA contraction: the lane sums round as the CPU's stream and the interpreter do
 _OPTS = dict(num_warps=8, enable_fp_fusion=False)
 
 
 def _launch(head):
     return head if head.stride(-1) == 1 else head.contiguous()
-
-
-def token_logprobs(head: torch.Tensor, tokens: torch.Tensor, softcap) -> torch.Tensor:
-    t, v = head.shape
-    out = torch.empty(t, dtype=torch.float32, device=head.device)
-    if t:
-        head = _launch(head)
-        _token_logprob_kernel[(t,)](head, tokens, out, head.stride(0), float(softcap or 1.0), v,
-                                    HAS_CAP=softcap is not None, LANES=LANES, **_OPTS)
-    return out
 
 
 def update(head: torch.Tensor, lane_max: torch.Tensor, lane_sum: torch.Tensor, softcap) -> None:
