@@ -25,7 +25,8 @@ def _tile_step(m, l, acc, q, k_ptr, v_ptr, table_ptr, seq_row, table_width, star
     kpos = start + tl.arange(0, BN)
     slot = page * P + start % P + tl.arange(0, BN)
     dd = tl.arange(0, D)
-    paged = (page >= 0) & (kpos <= t_hi)
+    # a scalar select, not `(page >= 0) & (kpos <= t_hi)`: Triton 3.9's interpreter refuses `&` of a scalar and a block
+    paged = kpos <= tl.where(page >= 0, t_hi, -1)
     k = tl.load(k_ptr + slot[:, None] * D + dd[None, :], mask=paged[:, None], other=0.0)
     v = tl.load(v_ptr + slot[:, None] * D + dd[None, :], mask=paged[:, None], other=0.0)
     if IEEE:

@@ -102,7 +102,9 @@ def _grouped_fold(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_first_ptr, tile_e
     end = tl.load(tile_end_ptr + tl.program_id(0))
     rows = first + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    row_ok = (rows < end) & (e < E)
+    # the bound a scalar select, not `(rows < end) & (e < E)`: Triton 3.9's interpreter refuses a mask
+    # made by `&` of a block and a scalar
+    row_ok = rows < tl.where(e < E, end, first)
     col_ok = cols < N
     # a program past the schedule (e == E) reads expert E-1's matrix for rows it does not store
     w_e = w_ptr + tl.minimum(e, E - 1).to(tl.int64) * N * K
