@@ -52,7 +52,7 @@ L6="model.hf_config.num_hidden_layers=6 model.hf_config.layer_types=[sliding_att
 # correctness, not timings: the GPU test files and the float32 26B-A4B parity job side by side
 gpu_tests() {
   local pids=() f
-  for f in "gpu tests/engine/test_gpu_engine.py tests/model/test_gpu_model.py" "moe_quant tests/model/test_moe.py tests/model/test_quant.py" "lora tests/model/test_lora_gpu.py"; do
+  for f in "gpu tests/engine/test_gpu_engine.py tests/model/test_gpu_model.py" "moe_quant tests/model/test_moe.py tests/model/test_quant.py" "lora tests/model/test_lora_gpu.py tests/model/test_weights.py"; do
     set -- $f
     local name=$1; shift
     timeout 400 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s "$@" > "$WORK/tests_$name.log" 2>&1 &
