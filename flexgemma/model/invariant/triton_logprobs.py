@@ -66,7 +66,7 @@ def _finish_kernel(max_ptr, sum_ptr, target_ptr, out_ptr, cap, HAS_CAP: tl.const
                                                 tl.load(sum_ptr + row * LANES + lanes)))
 
 
-# no FMA contraction: the lane sums round as the CPU's stream and the interpreter do
+# no FMA contraction: the GPU rounds each step as the interpreted tests (numpy, no FMA) check it
 _OPTS = dict(num_warps=8, enable_fp_fusion=False)
 
 
