@@ -74,15 +74,17 @@ def capped(head: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
 
 
 def token_logprobs(head: torch.Tensor, tokens: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
-    """head [T, V] (the lm_head's output, before the soft-cap), tokens [T] -> float32 [T]."""
-    if head.is_cuda:  # the stream's kernels, the very ones the trainer's sliced head runs (triton_logprobs)
-        stream = LogprobStream(head.shape[0], head.device, softcap)
-        stream.update(head)
-        return stream.logprobs(head.gather(-1, tokens.long()[:, None])[:, 0])
+    """head [T, V] (the lm_head's output, before the soft-cap), tokens [T] -> float32 [T]: one
+    `LogprobStream` over the whole vocabulary, the steps the trainer's sliced head takes too."""
+    if head.is_cuda:
+        return _streamed(head, tokens.long(), softcap)
     t = head.shape[0]
     n = padded_row_count(t)  # whole vector steps in every elementwise loop (rows.py)
     with serial():
-        head, tokens = pad_rows(head, n), pad_rows(tokens.long(), n)
-        stream = LogprobStream(n, head.device, softcap)
-        stream.update(head)
-        return stream.logprobs(head.gather(-1, tokens[:, None])[:, 0])[:t]
+        return _streamed(pad_rows(head, n), pad_rows(tokens.long(), n), softcap)[:t]
+
+
+def _streamed(head: torch.Tensor, tokens: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    stream = LogprobStream(head.shape[0], head.device, softcap)
+    stream.update(head)
+    return stream.logprobs(head.gather(-1, tokens[:, None])[:, 0])
