@@ -234,6 +234,24 @@ def test_after_preemption_the_same_bits(model):
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+def test_top_k_and_top_p_rows_draw_alone_as_among_other_filters(model):
+    """Filtered sampling: a top-k / top-p row draws the same tokens (and logprobs) alone as in a batch
+    whose rows filter otherwise, and a plain row in that batch as it does alone (the batch runs the
+    filter for every row then)."""
+    eng = engine(model, "bfloat16")
+    ps = prompts(17, seed=31)
+
+    def filtered(i: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=NEW, temperature=0.8, top_k=(0, 20, 5)[i % 3], top_p=(0.9, 1.0, 0.7)[i % 3],
+                              seed=2000 + i, ignore_eos=True)
+
+    sps = [params(i) if i == 8 else filtered(i) for i in range(len(ps))]
+    batch = eng.generate(ps, sps)
+    for i in (3, 4, 5, 8):
+        assert same(eng.generate([ps[i]], [sps[i]])[0], batch[i]), f"row {i} alone vs in the filtered batch"
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
 def test_a_prefix_cache_hit_gives_the_same_bits(model):
     eng = engine(model, "float32")
     p = prompts(1, seed=11, lo=40, hi=41)[0]  # five full pages of 8
