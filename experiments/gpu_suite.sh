@@ -73,7 +73,7 @@ run tests 420 bash -c gpu_tests
 run tests_kernels 300 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s tests/model/test_moe_kernel.py \
   tests/model/test_linear4bit.py tests/engine/test_sampling.py
 # batch invariance and the trainer through the engine's kernels (issues 34, 35): every model's shapes
-run invariant_tests 360 python3 -m pytest -q -p no:logging -m gpu --durations=0 tests/engine/test_invariant.py \
+run invariant_tests 540 python3 -m pytest -q -p no:logging -m gpu --durations=0 tests/engine/test_invariant.py \
   tests/rl/test_trainable.py
 
 # The numbers of README.md and docs/results.md, each its preset's command (experiments/RESULTS.md)

@@ -233,22 +233,24 @@ def test_after_preemption_the_same_bits(model):
     assert all(same(a, b) for a, b in zip(roomy, squeezed))
 
 
+def filtered(i: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=NEW, temperature=0.8, top_k=(0, 20, 5)[i % 3], top_p=(0.9, 1.0, 0.7)[i % 3],
+                          seed=2000 + i, ignore_eos=True)
+
+
+def check_filtered_rows(eng, ps):
+    sps = [params(i) if i == 8 else filtered(i) for i in range(len(ps))]
+    batch = eng.generate(ps, sps)
+    for i in (3, 4, 5, 8):
+        assert same(eng.generate([ps[i]], [sps[i]])[0], batch[i]), f"row {i} alone vs in the filtered batch"
+
+
 @pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
 def test_top_k_and_top_p_rows_draw_alone_as_among_other_filters(model):
     """Filtered sampling: a top-k / top-p row draws the same tokens (and logprobs) alone as in a batch
     whose rows filter otherwise, and a plain row in that batch as it does alone (the batch runs the
     filter for every row then)."""
-    eng = engine(model, "bfloat16")
-    ps = prompts(17, seed=31)
-
-    def filtered(i: int) -> SamplingParams:
-        return SamplingParams(max_new_tokens=NEW, temperature=0.8, top_k=(0, 20, 5)[i % 3], top_p=(0.9, 1.0, 0.7)[i % 3],
-                              seed=2000 + i, ignore_eos=True)
-
-    sps = [params(i) if i == 8 else filtered(i) for i in range(len(ps))]
-    batch = eng.generate(ps, sps)
-    for i in (3, 4, 5, 8):
-        assert same(eng.generate([ps[i]], [sps[i]])[0], batch[i]), f"row {i} alone vs in the filtered batch"
+    check_filtered_rows(engine(model, "bfloat16"), prompts(17, seed=31))
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
@@ -310,6 +312,12 @@ def test_gpu_alone_slot_chunked_and_scored(model):
     alone = check_alone_slot_and_score(eng, ps)
     chunked = invariant_gpu_engine(model, "engine.max_prefill_tokens=64", "cudagraph.enabled=false")
     assert same(alone, chunked.generate([ps[7]], [params(7)])[0]), "prefill chunks of 64, eager decode"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["e2b", "26b_a4b"])
+def test_gpu_top_k_and_top_p_rows(model):
+    check_filtered_rows(invariant_gpu_engine(model), prompts(17, seed=31, lo=20, hi=400))
 
 
 @pytest.mark.gpu
