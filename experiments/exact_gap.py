@@ -1,0 +1,113 @@
+"""Where the engine and the trainer's forward part on a GRPO-shaped rollout (a probe, not a test).
+
+`task=grpo engine.batch_invariant=true task.trainer_forward=engine` should give |dlogp| = 0; this
+rebuilds one of its steps piece by piece and says, per piece, whether the logprobs are bitwise the
+rollout's and where they first part:
+
+  score        engine.score() of every finished sequence (teacher-forced prefill vs decode)
+  alone        the group's first and second member generated alone (batch and prefix-cache tail copy)
+  no_prefix    the same rollout with kv.prefix_cache=false (each member prefills its own prompt)
+  eager        the same rollout with cudagraph.enabled=false
+  trainer      model.trainable.TrainableForward over micro-batches of --micro sequences (the job's)
+  trainer_one  the trainer's forward one sequence at a time
+
+The rollout is the job's: --prompts prompts of 64-128 random tokens, each --group times with its own
+seed, --new tokens at temperature 1, the LoRA factors upcast to float32 as task=grpo holds them.
+
+    python experiments/exact_gap.py +model=e2b lora=r32 device=cuda
+    python experiments/exact_gap.py +model=26b_a4b quant=bnb4 lora=r16 device=cuda --micro 8
+    python experiments/exact_gap.py +model=tiny lora=r16 device=cpu --prompts 2 --group 4 --new 24  # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def parts(name: str, got: list, want: list) -> bool:
+    """Prints whether got (per sequence logprobs) equals want bit for bit, else the first parting."""
+    total = sum(len(w) for w in want)
+    same = sum(int(a == b) for g, w in zip(got, want) for a, b in zip(list(g), list(w)))
+    first = next(((i, t, g[t], w[t]) for i, (g, w) in enumerate(zip(got, want))
+                  for t in range(min(len(g), len(w))) if g[t] != w[t]), None)
+    diffs = [abs(a - b) for g, w in zip(got, want) for a, b in zip(list(g), list(w))]
+    lengths = all(len(g) == len(w) for g, w in zip(got, want))
+    verdict = "EQUAL" if first is None and lengths else "PARTS"
+    where = "" if first is None else (f"; first at sequence {first[0]} token {first[1]}: {first[2]!r} vs {first[3]!r}"
+                                      f"; mean |d| {sum(diffs) / max(len(diffs), 1):.4g}, max {max(diffs):.4g}")
+    print(f"{name:12s} {verdict}  {same}/{total} tokens equal{'' if lengths else ', lengths differ'}{where}", flush=True)
+    return verdict == "EQUAL"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("overrides", nargs="*", help="config overrides of the engine (model, quant, lora, device)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--micro", type=int, default=16, help="sequences per trainer forward (task.micro_batch)")
+    ap.add_argument("--skip", default="", help="comma-separated pieces to leave out")
+    a = ap.parse_args()
+    skip = set(filter(None, a.skip.split(",")))
+
+    from flexgemma import SamplingParams, build_engine, compose
+    from flexgemma.engine.kv_cache import PoolDemand
+    from flexgemma.model.trainable import TrainableForward
+    from flexgemma.rl.shared import SharedModel
+
+    base = [*a.overrides, "engine.batch_invariant=true"]
+    demand = PoolDemand(a.prompts * a.group, 128 + a.new)
+
+    def engine(*extra):
+        t0 = time.perf_counter()
+        eng = build_engine(compose([*base, *extra]), demand)
+        shared = SharedModel(eng, engine_forward=True)  # the job's view: float32 factors, merged weights
+        eng.update_lora(shared.peft_model)
+        print(f"# engine {' '.join(extra) or '(as given)'} built in {time.perf_counter() - t0:.0f} s", flush=True)
+        return eng, shared
+
+    eng, shared = engine()
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, min(30000, eng.spec.vocab_size), (int(n),), generator=g).tolist()
+           for n in torch.randint(64, 129, (a.prompts,), generator=g)]
+    prompts = [p for p in ids for _ in range(a.group)]
+    params = [SamplingParams(max_new_tokens=a.new, temperature=1.0, seed=1000 + i) for i in range(len(prompts))]
+    outs = eng.generate(prompts, params, strict=True)
+    seqs = [p + o.token_ids for p, o in zip(prompts, outs)]
+    firsts = [len(p) for p in prompts]
+    want = [o.logprobs for o in outs]
+    print(f"# rollout: {len(outs)} sequences, {sum(len(w) for w in want)} tokens", flush=True)
+
+    if "score" not in skip:
+        parts("score", [s.logprobs for s in eng.score(seqs, firsts)], want)
+    if "alone" not in skip:
+        alone = [eng.generate([prompts[i]], [params[i]])[0].logprobs for i in (0, 1)]
+        parts("alone", alone, want[:2])
+    if "trainer" not in skip or "trainer_one" not in skip:
+        tf = TrainableForward(eng.runner.forward, eng.lora)
+        shared.merged_for_training()
+        with torch.no_grad():
+            if "trainer" not in skip:
+                got = []
+                for i in range(0, len(seqs), a.micro):
+                    got += [t.tolist() for t in tf.token_logprobs(seqs[i: i + a.micro], firsts[i: i + a.micro])[0]]
+                parts("trainer", got, want)
+            if "trainer_one" not in skip:
+                n = min(4, len(seqs))
+                got = [tf.token_logprobs([seqs[i]], [firsts[i]])[0][0].tolist() for i in range(n)]
+                parts("trainer_one", got, want[:n])
+    for name, extra in (("no_prefix", "kv.prefix_cache=false"), ("eager", "cudagraph.enabled=false")):
+        if name in skip:
+            continue
+        del eng, shared
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        eng, shared = engine(extra)
+        parts(name, [o.logprobs for o in eng.generate(prompts, params)], want)
+
+
+if __name__ == "__main__":
+    main()
