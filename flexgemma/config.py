@@ -299,6 +299,12 @@ class KernelsConfig:
     invariant_k_chunk: int = 512
     invariant_split_tokens: int = 256
     invariant_block_n: int = 64
+    # speed only (the bits are the same either way): an invariant product of fewer output tiles than this
+    # runs a program per tile and K chunk, then sums the chunks in order (small row counts' parallelism)
+    invariant_split_below_tiles: int = 264
+    # task.trainer_forward=engine: vocabulary columns of one slice of the trainer's head (whole lane steps);
+    # 0: as many as keep a [rows x slice] float32 block within 512 MiB (memory against launches)
+    trainer_vocab_slice: int = 0
 
     def __post_init__(self):
         _check_choice("kernels.moe", self.moe, ("auto", "grouped_mm", "triton"))
@@ -308,7 +314,8 @@ class KernelsConfig:
         _check_choice("kernels.linear4bit", self.linear4bit, ("auto", "bnb", "triton"))
         _check_choice("kernels.linear4bit_dequant", self.linear4bit_dequant, ("bnb", "triton"))
         _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
-        for key in ("linear4bit_max_rows", "moe_sort_above", "moe_fused_max_entries"):
+        for key in ("linear4bit_max_rows", "moe_sort_above", "moe_fused_max_entries", "invariant_split_below_tiles",
+                    "trainer_vocab_slice"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"kernels.{key}={getattr(self, key)} is invalid: at least 0")
 

@@ -199,6 +199,7 @@ def test_ci_installs_as_the_readme_says():
     for args in commands(install.code):
         assert args in ci, f".ci/run does not run README's install line: {shlex.join(args)}"
     two = next(b for b in blocks(ROOT / "README.md") if "python -m pytest -q" in b.code)
-    assert ["python", "-m", "pytest", "-q"] in commands(two.code) and ["python", "-m", "pytest", "-q"] in ci
+    test_command = next(a for a in commands(two.code) if a[:3] == ["python", "-m", "pytest"])
+    assert test_command in ci, f".ci/run does not run README's test command: {shlex.join(test_command)}"
     pip = [a for a in ci if a[:2] == ["pip", "install"] or a[2:4] == ["pip", "install"]]
     assert pip and not any("-c" in a or "--constraint" in a or "-r" in a for a in pip), pip  # the README's, nothing more

@@ -13,6 +13,7 @@ weights, 4-bit ones included.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, Optional
@@ -70,9 +71,42 @@ def exact(fn: Callable, ref: Callable) -> Callable:
     return lambda *args: _Exact.apply(fn, ref, *args)
 
 
+def as_the_engine_calls(fn: Callable, row_args: tuple[int, ...]) -> Callable:
+    """The engine's compiled glue function `fn`, called as the engine calls it: in inference mode, its
+    per-row arguments inference tensors (copies), on the CPU on one thread. torch.compile guards on all
+    three, so an autograd-side call compiles the function again, and a new compile may reduce a row with
+    other tiles (other bits on a GPU); this way the trainer runs the kernels the engine compiled. Outputs
+    are copied back out."""
+    def call(*args):
+        cpu = not args[row_args[0]].is_cuda
+        with torch.inference_mode(), (serial() if cpu else nullcontext()):
+            out = fn(*[a.clone() if i in row_args and torch.is_tensor(a) else a for i, a in enumerate(args)])
+        return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+
+    return call
+
+
+class _Linear(torch.autograd.Function):
+    """x @ w.T by the engine's product; the backward is F.linear's (no recomputed forward: a product's
+    gradients need only its inputs)."""
+
+    @staticmethod
+    def forward(ctx, x, w, linear):
+        ctx.save_for_backward(x, w)
+        with torch.no_grad():
+            return linear(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = g @ w if ctx.needs_input_grad[0] else None
+        gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
 def trainable_linear(linear: Callable) -> Callable:
     """`linear(x, w)` (the engine's product) with gradients for x and w."""
-    return exact(linear, lambda x, w: F.linear(x, w))
+    return lambda x, w: _Linear.apply(x, w, linear)
 
 
 class _MergedLora(torch.autograd.Function):
@@ -341,13 +375,14 @@ class TrainableExperts:
 
 
 # -- log-probabilities a slice of the vocabulary at a time ------------------------------------------
-_HEAD_FLOATS = 1 << 27  # float32 values of one [rows, vocabulary slice] block in the backward (512 MiB)
+HEAD_FLOATS = 1 << 27  # float32 values of one [rows, vocabulary slice] block in the backward (512 MiB)
 
 
-def _slice_width(rows: int, vocab: int, lane: int) -> int:
-    """Vocabulary columns per slice: whole lane steps (so the lanes see the engine's order), about
-    _HEAD_FLOATS / rows of them."""
-    return min(vocab, max(lane, _HEAD_FLOATS // max(rows, 1) // lane * lane))
+def slice_width(rows: int, vocab: int, lane: int, columns: int = 0) -> int:
+    """Vocabulary columns per slice (kernels.trainer_vocab_slice; 0: about HEAD_FLOATS / rows), in whole
+    lane steps (so the lanes see the engine's order)."""
+    want = columns or HEAD_FLOATS // max(rows, 1)
+    return min(vocab, max(lane, want // lane * lane))
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -356,9 +391,9 @@ class _HeadLogprobs(torch.autograd.Function):
     (invariant.logprobs), so the values are the sampler's; the backward recomputes each slice."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, linear, softcap, entropy: bool):
+    def forward(ctx, x, weight, targets, linear, softcap, entropy: bool, columns: int):
         n, v = x.shape[0], weight.shape[0]
-        width = _slice_width(n, v, lanes(x.device))
+        width = slice_width(n, v, lanes(x.device), columns)
         stream = LogprobStream(n, x.device, softcap)
         target_head = torch.zeros(n, dtype=x.dtype, device=x.device)
         ent = _EntropyStream(n, x.device) if entropy else None
@@ -380,11 +415,13 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, _g_entropy):
         x, weight, targets, lse = ctx.saved_tensors
-        xf, gf = x.float(), g.float()
-        gx = torch.zeros_like(xf)
+        gf = g.float()
+        gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for v0 in range(0, weight.shape[0], ctx.width):
-            w = weight[v0: v0 + ctx.width].float()
-            h = xf @ w.t()
+            # the products in the model's dtype (float32 accumulation), as transformers' head computes its
+            # logits, not through a float32 copy of each slice; float32 models are unchanged
+            w = weight[v0: v0 + ctx.width]
+            h = (x @ w.t()).float()
             z = h if ctx.softcap is None else torch.tanh(h / ctx.softcap) * ctx.softcap
             dz = -torch.exp(z - lse[:, None]) * gf[:, None]
             inside = (targets >= v0) & (targets < v0 + w.shape[0])
@@ -392,8 +429,8 @@ class _HeadLogprobs(torch.autograd.Function):
             dz[rows, targets[rows] - v0] += gf[rows]
             if ctx.softcap is not None:
                 dz = dz * (1 - torch.tanh(h / ctx.softcap) ** 2)
-            gx += dz @ w
-        return gx.to(x.dtype), None, None, None, None, None
+            gx += (dz.to(w.dtype) @ w).float()
+        return gx.to(x.dtype), None, None, None, None, None, None
 
 
 class _EntropyStream:
@@ -438,7 +475,8 @@ class TrainableForward:
                               "attn.fused_kv_write=false")
         self.engine, self.lora = f, lora
         linear = trainable_linear(f.invariant)
-        ops = SimpleNamespace(**{name: exact(getattr(f.ops, name), getattr(glue, name)) for name in glue.ROW_ARGS})
+        ops = SimpleNamespace(**{name: exact(as_the_engine_calls(getattr(f.ops, name), rows), getattr(glue, name))
+                                 for name, rows in glue.ROW_ARGS.items()})
         ops.experts_kernel = TrainableExperts(f.ops.experts_kernel, lora)
         max_len = next(iter(f.rope.values()))[0].shape[0]
         self.forward = GemmaForward(f.model, f.spec, PackedKV(f.pools.block_size), f.attn_cfg, max_len,
@@ -495,12 +533,12 @@ class TrainableForward:
 
     def _head(self, x: torch.Tensor, targets: torch.Tensor, entropy: bool):
         weight = self.forward.model.lm_head.weight
-        softcap = self.engine.spec.softcap
+        softcap, columns = self.engine.spec.softcap, self.engine.kernels.trainer_vocab_slice
         if x.is_cuda:
-            return _HeadLogprobs.apply(x, weight, targets, self.engine.invariant, softcap, entropy)
+            return _HeadLogprobs.apply(x, weight, targets, self.engine.invariant, softcap, entropy, columns)
         n = x.shape[0]  # the CPU's invariant padding (model/invariant/rows.py), as the sampler pads its rows
         rows = padded_row_count(n)
         with serial():
             logp, ent = _HeadLogprobs.apply(pad_rows(x, rows), weight, pad_rows(targets, rows), self.engine.invariant,
-                                            softcap, entropy)
+                                            softcap, entropy, columns)
         return logp[:n], ent[:n]

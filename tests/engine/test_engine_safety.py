@@ -133,7 +133,7 @@ BAD_PROMPTS = [
 
 @pytest.mark.parametrize("prompt,message", BAD_PROMPTS, ids=[m for _, m in BAD_PROMPTS])
 def test_bad_prompts_are_named(tiny_engine, prompt, message):
-    out = tiny_engine.generate([prompt, [2, 5]], SamplingParams(max_new_tokens=3))
+    out = tiny_engine.generate([prompt, [2, 5]], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert out[0].finish_reason == "error" and message in out[0].error, out[0].error
     assert out[1].finish_reason == "length"
     with pytest.raises(RequestError, match="request 0: "):

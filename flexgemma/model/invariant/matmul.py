@@ -21,14 +21,19 @@ import torch.nn.functional as F
 
 K_CHUNK = 512  # kernels.invariant_k_chunk's default: fixes a row's summation order, so it is part of the result
 CPU_ROW_TILE = 16
+# kernels.invariant_split_below_tiles' default: below this many output tiles the split kernel runs (a
+# program per tile and K chunk)
+SPLIT_BELOW_TILES = 264
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
+           split_below_tiles: int = SPLIT_BELOW_TILES) -> torch.Tensor:
     """x [..., K] @ w [N, K].T -> [..., N] in x's dtype, each row independent of the others; k_chunk
-    (kernels.invariant_k_chunk): the K elements summed before the next chunk is added (GPU)."""
+    (kernels.invariant_k_chunk): the K elements summed before the next chunk is added (GPU);
+    split_below_tiles (kernels.invariant_split_below_tiles): which of two kernels, the same bits."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    out = _linear_gpu(x2, w, k_chunk) if x2.is_cuda else _linear_cpu(x2, w)
+    out = _linear_gpu(x2, w, k_chunk, split_below_tiles) if x2.is_cuda else _linear_cpu(x2, w)
     return out.reshape(*lead, w.shape[0])
 
 
@@ -49,8 +54,6 @@ _TILES_16BIT = ((16, dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)),
                 (256, dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)),
                 (None, dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)))
 _TILES_32BIT = ((None, dict(BM=32, BN=64, BK=32, num_warps=4, num_stages=2)),)
-# below this many output tiles the split kernel runs (a program per tile and K chunk)
-_SPLIT_BELOW_TILES = 264
 
 
 def _tiles(m: int, dtype: torch.dtype) -> dict:
@@ -58,7 +61,7 @@ def _tiles(m: int, dtype: torch.dtype) -> dict:
     return next(t for most, t in table if most is None or m <= most)
 
 
-def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int) -> torch.Tensor:
+def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int, split_below_tiles: int) -> torch.Tensor:
     from flexgemma.model.invariant import triton_matmul as tm
 
     if w.stride(-1) != 1:
@@ -73,7 +76,7 @@ def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int) -> torch.Tensor:
     cfg = dict(_tiles(m, x.dtype))
     tiles = -(-m // cfg["BM"]) * -(-n // cfg["BN"])
     chunks = -(-k // k_chunk)
-    if chunks > 1 and tiles < _SPLIT_BELOW_TILES:
+    if chunks > 1 and tiles < split_below_tiles:
         tm.split_then_sum(x, w, out, chunks, k_chunk, cfg)
     else:
         tm.fold(x, w, out, k_chunk, cfg)
