@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexgemma.model.files import get_tensor, open_safetensors, read_json_object
-from flexgemma.model.quant import quiet_bitsandbytes_notice
+from flexgemma.model.quant import import_bitsandbytes_offline, quiet_bitsandbytes_notice
 
 log = logging.getLogger("flexgemma")
 quiet_bitsandbytes_notice()  # before anything imports peft (which imports bitsandbytes when installed)
@@ -586,6 +586,7 @@ def attach_lora(model, lora_cfg, merge: bool) -> Optional[LoraAdapters]:
     """
     if not lora_enabled(lora_cfg):
         return None
+    import_bitsandbytes_offline()  # peft imports it
     from peft import get_peft_model
 
     names = list(lora_cfg.adapter_names)

@@ -55,15 +55,39 @@ def quiet_bitsandbytes_notice() -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
-def require_bitsandbytes(device: torch.device):
-    """Imports bitsandbytes and checks it has 4-bit kernels for `device`; a clear error otherwise."""
+def import_bitsandbytes_offline() -> None:
+    """Imports bitsandbytes (when installed, once) with the Hugging Face Hub held offline. On a CPU with
+    AVX512-BF16 its import asks the Hub, through the `kernels` package that transformers brings, for a
+    kernel to download and run: a flexgemma job reaches no host and runs no downloaded code, so it keeps
+    bitsandbytes' own CPU kernels (quietly: the fallback is not the user's concern). peft imports
+    bitsandbytes whenever it is installed: call this before the first peft import too."""
     import warnings
 
     quiet_bitsandbytes_notice()
+    if "bitsandbytes" in sys.modules:
+        return
+    import huggingface_hub.constants as hub
+
+    kernels_log = logging.getLogger("kernels")
+    offline, level = hub.HF_HUB_OFFLINE, kernels_log.level
+    hub.HF_HUB_OFFLINE = True
+    kernels_log.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            import bitsandbytes as bnb
+            import bitsandbytes  # noqa: F401
+    except ImportError:
+        pass  # not installed, or broken: the caller that needs it says so
+    finally:
+        hub.HF_HUB_OFFLINE = offline
+        kernels_log.setLevel(level)
+
+
+def require_bitsandbytes(device: torch.device):
+    """Imports bitsandbytes and checks it has 4-bit kernels for `device`; a clear error otherwise."""
+    import_bitsandbytes_offline()
+    try:
+        import bitsandbytes as bnb
     except ImportError as e:
         from flexgemma.extras import MissingExtra, install_hint
 
