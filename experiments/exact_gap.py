@@ -10,6 +10,7 @@ rollout's and where they first part:
   eager        the same rollout with cudagraph.enabled=false
   trainer      model.trainable.TrainableForward over micro-batches of --micro sequences (the job's)
   trainer_one  the trainer's forward one sequence at a time
+  compiles     graphs torch.compile made for the trainer (0: it runs the glue the engine compiled)
 
 The rollout is the job's: --prompts prompts of 64-128 random tokens, each --group times with its own
 seed, --new tokens at temperature 1, the LoRA factors upcast to float32 as task=grpo holds them.
@@ -87,6 +88,9 @@ def main() -> None:
         alone = [eng.generate([prompts[i]], [params[i]])[0].logprobs for i in (0, 1)]
         parts("alone", alone, want[:2])
     if "trainer" not in skip or "trainer_one" not in skip:
+        from torch._dynamo.utils import counters
+
+        graphs = counters["stats"]["unique_graphs"]
         tf = TrainableForward(eng.runner.forward, eng.lora)
         shared.merged_for_training()
         with torch.no_grad():
@@ -99,6 +103,8 @@ def main() -> None:
                 n = min(4, len(seqs))
                 got = [tf.token_logprobs([seqs[i]], [firsts[i]])[0][0].tolist() for i in range(n)]
                 parts("trainer_one", got, want[:n])
+        # the trainer must run the glue the engine compiled (a second compile may reduce rows otherwise)
+        print(f"{'compiles':12s} {counters['stats']['unique_graphs'] - graphs} new graphs in the trainer", flush=True)
     for name, extra in (("no_prefix", "kv.prefix_cache=false"), ("eager", "cudagraph.enabled=false")):
         if name in skip:
             continue

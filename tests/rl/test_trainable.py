@@ -21,9 +21,13 @@ def rollout(eng, n=5, seed=1, new=10, lo=5, hi=40):
 
 
 def check_bitwise(eng, **shape):
+    from torch._dynamo.utils import counters
+
     ps, outs = rollout(eng, **shape)
+    graphs = counters["stats"]["unique_graphs"]
     tf = TrainableForward(eng.runner.forward, eng.lora)
     lps, _ = tf.token_logprobs([p + o.token_ids for p, o in zip(ps, outs)], [len(p) for p in ps])
+    assert counters["stats"]["unique_graphs"] == graphs, "the trainer compiled glue of its own"
     for lp, o in zip(lps, outs):
         assert lp.tolist() == o.logprobs
 
