@@ -375,13 +375,13 @@ class TrainableExperts:
 
 
 # -- log-probabilities a slice of the vocabulary at a time ------------------------------------------
-HEAD_FLOATS = 1 << 27  # float32 values of one [rows, vocabulary slice] block in the backward (512 MiB)
+_HEAD_FLOATS = 1 << 27  # float32 values of one [rows, vocabulary slice] block in the backward (512 MiB)
 
 
-def slice_width(rows: int, vocab: int, lane: int, columns: int = 0) -> int:
-    """Vocabulary columns per slice (kernels.trainer_vocab_slice; 0: about HEAD_FLOATS / rows), in whole
+def _slice_width(rows: int, vocab: int, lane: int, columns: int = 0) -> int:
+    """Vocabulary columns per slice (kernels.trainer_vocab_slice; 0: about _HEAD_FLOATS / rows), in whole
     lane steps (so the lanes see the engine's order)."""
-    want = columns or HEAD_FLOATS // max(rows, 1)
+    want = columns or _HEAD_FLOATS // max(rows, 1)
     return min(vocab, max(lane, want // lane * lane))
 
 
@@ -393,7 +393,7 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, linear, softcap, entropy: bool, columns: int):
         n, v = x.shape[0], weight.shape[0]
-        width = slice_width(n, v, lanes(x.device), columns)
+        width = _slice_width(n, v, lanes(x.device), columns)
         stream = LogprobStream(n, x.device, softcap)
         target_head = torch.zeros(n, dtype=x.dtype, device=x.device)
         ent = _EntropyStream(n, x.device) if entropy else None
