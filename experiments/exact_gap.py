@@ -11,6 +11,8 @@ rollout's and where they first part:
   trainer      model.trainable.TrainableForward over micro-batches of --micro sequences (the job's)
   trainer_one  the trainer's forward one sequence at a time
   compiles     graphs torch.compile made for the trainer (0: it runs the glue the engine compiled)
+  trace        (--trace) the first sequence's glue calls, engine.score() vs the trainer, call by call:
+               the first call whose inputs or output part (names the op between or the glue itself)
 
 The rollout is the job's: --prompts prompts of 64-128 random tokens, each --group times with its own
 seed, --new tokens at temperature 1, the LoRA factors upcast to float32 as task=grpo holds them.
@@ -43,6 +45,71 @@ def parts(name: str, got: list, want: list) -> bool:
     return verdict == "EQUAL"
 
 
+def trace(eng, shared, seq: list, first: int) -> None:
+    """Records every glue call (name, row inputs, output) of engine.score([seq]) and of the trainer's
+    forward of seq, and prints the first call where the two part."""
+    from flexgemma.model import glue
+    from flexgemma.model.trainable import TrainableForward
+
+    ops = eng.runner.forward.ops
+    calls: list = []
+
+    def recorder(name, fn):
+        def call(*args):
+            out = fn(*args)
+            outs = out if isinstance(out, tuple) else (out,)
+            calls.append((name, [args[i].detach().clone() for i in glue.ROW_ARGS[name]],
+                          [o.detach().clone() for o in outs if torch.is_tensor(o)]))
+            return out
+        return call
+
+    originals = {n: getattr(ops, n) for n in glue.ROW_ARGS}
+    for n, fn in originals.items():
+        setattr(ops, n, recorder(n, fn))
+    try:
+        eng.score([seq], [first])
+        engine_calls, calls[:] = list(calls), []
+        tf = TrainableForward(eng.runner.forward, eng.lora)
+        shared.merged_for_training()
+        with torch.no_grad():
+            tf.token_logprobs([seq], [first])
+        trainer_calls = list(calls)
+    finally:
+        for n, fn in originals.items():
+            setattr(ops, n, fn)
+    print(f"{'trace':12s} engine {len(engine_calls)} glue calls, trainer {len(trainer_calls)}", flush=True)
+
+    def common(a, b):  # the rows both hold (the CPU engine pads its rows)
+        n = min(a.shape[0], b.shape[0]) if a.dim() and b.dim() else None
+        return (a, b) if n is None or a.shape[1:] != b.shape[1:] else (a[:n], b[:n])
+
+    def same(a, b):
+        a, b = common(a, b)
+        return a.shape == b.shape and torch.equal(a, b)
+
+    for i, ((n1, in1, out1), (n2, in2, out2)) in enumerate(zip(engine_calls, trainer_calls)):
+        if n1 != n2:
+            print(f"{'trace':12s} call {i}: engine {n1}, trainer {n2}", flush=True)
+            return
+        bad_in = [j for j, (x, y) in enumerate(zip(in1, in2)) if not same(x, y)]
+        bad_out = [j for j, (x, y) in enumerate(zip(out1, out2)) if not same(x, y)]
+        if bad_in or bad_out:
+            def d(x, y):
+                x, y = common(x, y)
+                return (f"{tuple(x.shape)} {x.dtype} {x.stride()} vs {tuple(y.shape)} {y.dtype} {y.stride()}"
+                        if x.shape != y.shape else f"max |d| {(x.float() - y.float()).abs().max().item():.3g}, "
+                        f"{int((x != y).reshape(x.shape[0], -1).any(-1).sum())}/{x.shape[0]} rows differ")
+            what = (f"inputs {bad_in} part ({d(in1[bad_in[0]], in2[bad_in[0]])}): the op before it"
+                    if bad_in else f"same inputs, outputs {bad_out} part ({d(out1[bad_out[0]], out2[bad_out[0]])}): "
+                    f"the glue itself")
+            print(f"{'trace':12s} call {i} ({n1}): {what}", flush=True)
+            for j, x in enumerate(in1):
+                print(f"{'':12s}   input {j}: engine {x.dtype} {tuple(x.shape)} {x.stride()}, "
+                      f"trainer {in2[j].dtype} {tuple(in2[j].shape)} {in2[j].stride()}", flush=True)
+            return
+    print(f"{'trace':12s} the common {min(len(engine_calls), len(trainer_calls))} calls agree bit for bit", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("overrides", nargs="*", help="config overrides of the engine (model, quant, lora, device)")
@@ -51,6 +118,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--micro", type=int, default=16, help="sequences per trainer forward (task.micro_batch)")
     ap.add_argument("--skip", default="", help="comma-separated pieces to leave out")
+    ap.add_argument("--trace", action="store_true", help="compare the first sequence's glue calls one by one")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
 
@@ -105,6 +173,8 @@ def main() -> None:
                 parts("trainer_one", got, want[:n])
         # the trainer must run the glue the engine compiled (a second compile may reduce rows otherwise)
         print(f"{'compiles':12s} {counters['stats']['unique_graphs'] - graphs} new graphs in the trainer", flush=True)
+    if a.trace:
+        trace(eng, shared, seqs[0], firsts[0])
     for name, extra in (("no_prefix", "kv.prefix_cache=false"), ("eager", "cudagraph.enabled=false")):
         if name in skip:
             continue

@@ -52,11 +52,15 @@ def resolve(cfg, device: torch.device) -> Resolved:
     if invariant and device.type == "cuda" and int(cfg.kv.page_size) < 16:
         raise ConfigError(f"engine.batch_invariant=true on a GPU needs kv.page_size >= 16 (the attention kernel's "
                           f"smallest tile), got {cfg.kv.page_size}")
+    compile_glue = bool(cfg.engine.compile) if cfg.engine.compile is not None else device.type == "cuda"
+    if invariant and device.type == "cuda" and not compile_glue:
+        raise ConfigError("engine.batch_invariant=true on a GPU needs engine.compile=true (or null): torch's eager "
+                          "norms reduce a row in an order that depends on the row count; the compiled glue does not")
     return Resolved(
         device=device,
         dtype=model_dtype(cfg.model, cfg.quant, device),
         attention_backend=backend,
-        compile=bool(cfg.engine.compile) if cfg.engine.compile is not None else device.type == "cuda",
+        compile=compile_glue,
         kernels=resolve_kernels(cfg.kernels, device, backend, int(cfg.engine.max_batch_size), quantised),
         quantised=quantised,
         lora_merge=(not quantised) if cfg.lora.merge is None else bool(cfg.lora.merge),

@@ -71,16 +71,26 @@ def exact(fn: Callable, ref: Callable) -> Callable:
     return lambda *args: _Exact.apply(fn, ref, *args)
 
 
+def same_layout_copy(a: torch.Tensor) -> torch.Tensor:
+    """A copy of `a` with its sizes, strides and storage offset (a view of a fused projection's output
+    stays such a view): torch.compile guards on all three, and the engine passes its glue such views."""
+    extent = a.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))
+    if a.numel() == 0:
+        extent = a.storage_offset()
+    out = torch.empty(extent, dtype=a.dtype, device=a.device).as_strided(a.shape, a.stride(), a.storage_offset())
+    return out.copy_(a)
+
+
 def as_the_engine_calls(fn: Callable, row_args: tuple[int, ...]) -> Callable:
     """The engine's compiled glue function `fn`, called as the engine calls it: in inference mode, its
-    per-row arguments inference tensors (copies), on the CPU on one thread. torch.compile guards on all
-    three, so an autograd-side call compiles the function again, and a new compile may reduce a row with
-    other tiles (other bits on a GPU); this way the trainer runs the kernels the engine compiled. Outputs
-    are copied back out."""
+    per-row arguments inference tensors laid out as the engine's (copies), on the CPU on one thread.
+    torch.compile guards on each of these, so a call that differs in one compiles the function again,
+    and a new compile may reduce a row with other tiles (on the H200 it did: 1-2 rows in 349 a bit
+    apart); this way the trainer runs the kernels the engine compiled. Outputs are copied back out."""
     def call(*args):
         cpu = not args[row_args[0]].is_cuda
         with torch.inference_mode(), (serial() if cpu else nullcontext()):
-            out = fn(*[a.clone() if i in row_args and torch.is_tensor(a) else a for i, a in enumerate(args)])
+            out = fn(*[same_layout_copy(a) if i in row_args and torch.is_tensor(a) else a for i, a in enumerate(args)])
         return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
     return call

@@ -68,6 +68,49 @@ def test_the_trainer_runs_the_glue_the_engine_compiled(model):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in eng.lora.slots.values())
 
 
+def test_the_trainer_calls_the_glue_with_the_engines_layouts():
+    """The engine hands its glue views of fused projections' outputs (a row stride wider than the row,
+    an offset); torch.compile guards on sizes, strides and offsets, so the trainer's copies keep all
+    three and hit the engine's graph (contiguous copies compiled a second graph on the H200, whose
+    norm+RoPE put 2 rows in 349 a bit apart)."""
+    from flexgemma.compiled import CompileCounter, compile_fn
+    from flexgemma.model import glue
+    from flexgemma.model.invariant.rows import serial
+    from flexgemma.model.trainable import as_the_engine_calls, same_layout_copy
+
+    counter = CompileCounter()
+    fn = compile_fn(glue.gelu_mul, counter)
+    with torch.inference_mode(), serial():  # the CPU engine: gate and up split from one [T, 2 x 24] output
+        gate, up = torch.randn(7, 48).split(24, dim=-1)
+        want = fn(gate, up)
+        gate9, up9 = torch.randn(9, 48).split(24, dim=-1)
+        fn(gate9, up9)  # a second row count: the graph's rows are dynamic
+    graphs = counter.count
+    fused = torch.randn(11, 48, requires_grad=True)  # the trainer: an autograd tensor's views
+    g, u = fused.split(24, dim=-1)
+    copy = same_layout_copy(u)
+    assert (copy.shape, copy.stride(), copy.storage_offset()) == (u.shape, u.stride(), u.storage_offset())
+    assert torch.equal(copy, u) and copy.untyped_storage().data_ptr() != u.untyped_storage().data_ptr()
+    call = as_the_engine_calls(fn, glue.ROW_ARGS["gelu_mul"])
+    out = call(g.detach(), u.detach())
+    assert torch.allclose(out, glue.gelu_mul(g, u).detach(), atol=1e-6) and not out.is_inference()
+    assert torch.equal(call(gate, up), want)
+    assert counter.count == graphs, "the trainer's call compiled the glue again"
+
+
+def test_the_invariant_engine_on_a_gpu_compiles_its_glue():
+    """Eager torch norms on a GPU reduce a row in an order that depends on the row count (on the H200:
+    scored logprobs 0.15 nats from the rollout's with engine.compile=false)."""
+    from flexgemma import ConfigError, compose
+    from flexgemma.compose import to_config
+    from flexgemma.resolve import resolve
+
+    cfg = to_config(compose(["+model=tiny", INV, "engine.compile=false"]))
+    with pytest.raises(ConfigError, match="engine.compile"):
+        resolve(cfg, torch.device("cuda"))
+    assert resolve(cfg, torch.device("cpu")).batch_invariant  # the CPU's eager glue pads its rows instead
+
+
 # -- the GPU: every model's shapes, fewer layers ------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("model, extra", [("e2b", ["lora=r32"]), ("26b_a4b", ["quant=bnb4", "lora=r16"]),
