@@ -45,6 +45,33 @@ def parts(name: str, got: list, want: list) -> bool:
     return verdict == "EQUAL"
 
 
+def grpo_engine(overrides: list[str], demand: tuple[int, int]):
+    """The engine and the task=grpo job's view of it (SharedModel: float32 factors, merged weights)."""
+    from flexgemma import build_engine, compose
+    from flexgemma.engine.kv_cache import PoolDemand
+    from flexgemma.rl.shared import SharedModel
+
+    t0 = time.perf_counter()
+    eng = build_engine(compose(overrides), PoolDemand(*demand))
+    shared = SharedModel(eng, engine_forward=True)
+    eng.update_lora(shared.peft_model)
+    print(f"# engine {' '.join(overrides)} built in {time.perf_counter() - t0:.0f} s", flush=True)
+    return eng, shared
+
+
+def grpo_rollout(eng, n_prompts: int, group: int, new: int):
+    """The job's rollout: n_prompts random prompts of 64-128 tokens, each `group` times with its own
+    seed, `new` tokens at temperature 1. Returns (prompts, params, outputs)."""
+    from flexgemma import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, min(30000, eng.spec.vocab_size), (int(n),), generator=g).tolist()
+           for n in torch.randint(64, 129, (n_prompts,), generator=g)]
+    prompts = [p for p in ids for _ in range(group)]
+    params = [SamplingParams(max_new_tokens=new, temperature=1.0, seed=1000 + i) for i in range(len(prompts))]
+    return prompts, params, eng.generate(prompts, params, strict=True)
+
+
 def trace(eng, shared, seq: list, first: int) -> None:
     """Records every glue call (name, row inputs, output) of engine.score([seq]) and of the trainer's
     forward of seq, and prints the first call where the two part."""
@@ -122,29 +149,12 @@ def main() -> None:
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
 
-    from flexgemma import SamplingParams, build_engine, compose
-    from flexgemma.engine.kv_cache import PoolDemand
     from flexgemma.model.trainable import TrainableForward
-    from flexgemma.rl.shared import SharedModel
 
     base = [*a.overrides, "engine.batch_invariant=true"]
-    demand = PoolDemand(a.prompts * a.group, 128 + a.new)
-
-    def engine(*extra):
-        t0 = time.perf_counter()
-        eng = build_engine(compose([*base, *extra]), demand)
-        shared = SharedModel(eng, engine_forward=True)  # the job's view: float32 factors, merged weights
-        eng.update_lora(shared.peft_model)
-        print(f"# engine {' '.join(extra) or '(as given)'} built in {time.perf_counter() - t0:.0f} s", flush=True)
-        return eng, shared
-
-    eng, shared = engine()
-    g = torch.Generator().manual_seed(0)
-    ids = [torch.randint(3, min(30000, eng.spec.vocab_size), (int(n),), generator=g).tolist()
-           for n in torch.randint(64, 129, (a.prompts,), generator=g)]
-    prompts = [p for p in ids for _ in range(a.group)]
-    params = [SamplingParams(max_new_tokens=a.new, temperature=1.0, seed=1000 + i) for i in range(len(prompts))]
-    outs = eng.generate(prompts, params, strict=True)
+    demand = (a.prompts * a.group, 128 + a.new)
+    eng, shared = grpo_engine(base, demand)
+    prompts, params, outs = grpo_rollout(eng, a.prompts, a.group, a.new)
     seqs = [p + o.token_ids for p, o in zip(prompts, outs)]
     firsts = [len(p) for p in prompts]
     want = [o.logprobs for o in outs]
@@ -181,7 +191,7 @@ def main() -> None:
         del eng, shared
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        eng, shared = engine(extra)
+        eng, shared = grpo_engine([*base, extra], demand)
         parts(name, [o.logprobs for o in eng.generate(prompts, params)], want)
 
 

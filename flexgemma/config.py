@@ -382,7 +382,9 @@ class TaskConfig:
     generator: str = "flexgemma"  # flexgemma (the engine) | trl (TRL's transformers generate, for the side-by-side)
     is_correction: bool = True  # token-level importance-sampling correction exp(trainer - engine), clipped
     is_clip_max: float = 3.0
-    gradient_checkpointing: bool = False  # recompute activations in the trainer's backward (large models)
+    # recompute activations in the trainer's backward (less memory, more time); null: on with
+    # trainer_forward=engine (its layers), off with transformers (TRL's gradient_checkpointing)
+    gradient_checkpointing: Optional[bool] = None
     micro_batch: Optional[int] = None  # completions per backward (gradient accumulation); null: the whole step
     # the trainer's per-token logprobs: transformers (its Gemma-4 over peft's live adapters) or engine (the
     # engine's own forward and kernels with a backward, model/trainable.py; with engine.batch_invariant the
@@ -406,6 +408,8 @@ class TaskConfig:
             raise ConfigError(f"task.micro_batch={self.micro_batch} is invalid: at least 1, or null (the whole step)")
         if self.save_every < 0:
             raise ConfigError(f"task.save_every={self.save_every} is invalid: 0 (no checkpoints) or N >= 1 steps")
+        if self.gradient_checkpointing is None:
+            self.gradient_checkpointing = self.trainer_forward == "engine"
 
 
 @dataclass

@@ -173,6 +173,7 @@ METRICS: dict[str, str] = {
     "grpo/is_ratio_max": "largest token importance ratio of the run (before clipping)",
     "grpo/generator": "flexgemma (the engine generates) | trl (TRL's transformers generate)",
     "grpo/trainer_forward": "what computed the trainer's logprobs: transformers, or engine (the engine's kernels)",
+    "grpo/gradient_checkpointing": "whether the trainer's backward recomputed its activations (task.gradient_checkpointing)",
     "grpo/ranks": "processes that trained (torchrun/accelerate world size): one engine and one shard of prompts each",
     "grpo/wall_s": "wall time of trainer.train() (s)",
     "grpo/shared_base_bytes": "bytes of the weights trainer and engine share (one copy: base, norms, embeddings, "

@@ -14,12 +14,13 @@ weights, 4-bit ones included.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from flexgemma.model import glue
 from flexgemma.model.invariant.attention import RowTable, paged_attention
@@ -32,12 +33,12 @@ class _Exact(torch.autograd.Function):
     """out = fn(*args) (no graph); the backward differentiates ref(*args), recomputed."""
 
     @staticmethod
-    def forward(ctx, fn, ref, *args):
-        ctx.ref = ref
+    def forward(ctx, name, fn, ref, *args):
+        ctx.ref, ctx.name = ref, name
         ctx.tensor_at = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]
         ctx.save_for_backward(*[args[i] for i in ctx.tensor_at])
-        with torch.no_grad():
+        with torch.no_grad(), record_function(f"trainer.engine.{name}"):
             out = fn(*args)
         outs = out if isinstance(out, tuple) else (out,)
         ctx.mark_non_differentiable(*[o for o in outs if torch.is_tensor(o) and not o.is_floating_point()])
@@ -48,27 +49,28 @@ class _Exact(torch.autograd.Function):
         args = list(ctx.others)
         wants = []
         for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
-            needs = ctx.needs_input_grad[i + 2]
+            needs = ctx.needs_input_grad[i + 3]
             args[i] = t.detach().requires_grad_(needs) if needs else t
             if needs:
                 wants.append(i)
         if not wants:
-            return (None, None) + (None,) * len(args)
-        with torch.enable_grad():
+            return (None, None, None) + (None,) * len(args)
+        with torch.enable_grad(), record_function(f"trainer.backward.{ctx.name}"):
             out = ctx.ref(*args)
-        outs = out if isinstance(out, tuple) else (out,)
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and torch.is_tensor(o) and o.requires_grad]
-        got = torch.autograd.grad([o for o, _ in pairs], [args[i] for i in wants], [g for _, g in pairs],
-                                  allow_unused=True)
+            outs = out if isinstance(out, tuple) else (out,)
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and torch.is_tensor(o) and o.requires_grad]
+            got = torch.autograd.grad([o for o, _ in pairs], [args[i] for i in wants], [g for _, g in pairs],
+                                      allow_unused=True)
         result = [None] * len(args)
         for i, g in zip(wants, got):
             result[i] = g
-        return (None, None, *result)
+        return (None, None, None, *result)
 
 
-def exact(fn: Callable, ref: Callable) -> Callable:
-    """fn's values with ref's gradients (fn and ref: the same maths)."""
-    return lambda *args: _Exact.apply(fn, ref, *args)
+def exact(fn: Callable, ref: Callable, name: str = "") -> Callable:
+    """fn's values with ref's gradients (fn and ref: the same maths); `name` labels both in a profile."""
+    name = name or getattr(ref, "__name__", "op")
+    return lambda *args: _Exact.apply(name, fn, ref, *args)
 
 
 def same_layout_copy(a: torch.Tensor) -> torch.Tensor:
@@ -103,14 +105,15 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, linear):
         ctx.save_for_backward(x, w)
-        with torch.no_grad():
+        with torch.no_grad(), record_function("trainer.engine.linear"):
             return linear(x, w)
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        gx = g @ w if ctx.needs_input_grad[0] else None
-        gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        with record_function("trainer.backward.linear"):
+            gx = g @ w if ctx.needs_input_grad[0] else None
+            gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
         return gx, gw, None
 
 
@@ -128,22 +131,23 @@ class _MergedLora(torch.autograd.Function):
     def forward(ctx, x, linear, weight, members, *factors):
         ctx.members = members  # per member: (first row, rows, [(index of A in factors, index of B, scale)])
         ctx.save_for_backward(x, weight, *factors)
-        with torch.no_grad():
+        with torch.no_grad(), record_function("trainer.engine.merged_linear"):
             return linear(x, weight)
 
     @staticmethod
     def backward(ctx, g):
         x, weight, *factors = ctx.saved_tensors
-        gx = g @ weight if ctx.needs_input_grad[0] else None
-        grads = [None] * len(factors)
-        xf, gf = x.float(), g.float()
-        for first, rows, adapters in ctx.members:
-            gi = gf[..., first: first + rows].reshape(-1, rows)
-            x2 = xf.reshape(-1, xf.shape[-1])
-            for ia, ib, scale in adapters:
-                a, b = factors[ia].float(), factors[ib].float()
-                grads[ib] = (scale * gi.t() @ (x2 @ a.t())).to(factors[ib].dtype)
-                grads[ia] = (scale * (gi @ b).t() @ x2).to(factors[ia].dtype)
+        with record_function("trainer.backward.merged_linear"):
+            gx = g @ weight if ctx.needs_input_grad[0] else None
+            grads = [None] * len(factors)
+            xf, gf = x.float(), g.float()
+            for first, rows, adapters in ctx.members:
+                gi = gf[..., first: first + rows].reshape(-1, rows)
+                x2 = xf.reshape(-1, xf.shape[-1])
+                for ia, ib, scale in adapters:
+                    a, b = factors[ia].float(), factors[ib].float()
+                    grads[ib] = (scale * gi.t() @ (x2 @ a.t())).to(factors[ib].dtype)
+                    grads[ia] = (scale * (gi @ b).t() @ x2).to(factors[ia].dtype)
         return (gx, None, None, None, *grads)
 
 
@@ -156,6 +160,29 @@ class PackedRows:
     lengths: list[int]
     positions: torch.Tensor  # [T]
     window: Optional[int]
+    _pages: Optional[tuple] = field(default=None, init=False, repr=False)
+
+    def pages(self, page: int) -> tuple[torch.Tensor, torch.Tensor, int, RowTable]:
+        """(each token's slot [T], the page table [sequences + 1, pages], slots in all, the queries'
+        RowTable) of the batch laid out as a paged pool: each sequence on pages of its own, page 0 left
+        empty, the table's last row listing no page. Built once per batch, read by every layer."""
+        if self._pages is None:
+            device = self.positions.device
+            counts = [-(-n // page) for n in self.lengths]
+            table = torch.full((len(counts) + 1, max(counts + [1])), -1, dtype=torch.int32)
+            slot_of = torch.empty(int(self.positions.shape[0]), dtype=torch.long)
+            nxt = 1
+            for i, (start, n, p) in enumerate(zip(self.starts, self.lengths, counts)):
+                table[i, :p] = torch.arange(nxt, nxt + p, dtype=torch.int32)
+                slot_of[start: start + n] = nxt * page + torch.arange(n)
+                nxt += p
+            q_row = torch.repeat_interleave(torch.arange(len(self.lengths), dtype=torch.int32),
+                                            torch.tensor(self.lengths))
+            table = table.to(device)
+            rows = RowTable(table, q_row.to(device), self.positions.int(), self.window, False, max(self.lengths),
+                            list(zip(self.starts, self.lengths)))
+            self._pages = (slot_of.to(device), table, nxt * page, rows)
+        return self._pages
 
 
 class PackedKV:
@@ -177,21 +204,12 @@ class PackedKV:
         self._kv.clear()
 
 
-def _staged(k: torch.Tensor, rows: PackedRows, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """k [T, Hkv, D] laid out as a paged pool [1, Hkv, slots, D] (each sequence on pages of its own,
-    page 0 left empty) and the page table [sequences + 1, pages] whose last row lists no page."""
-    pages = [-(-n // page) for n in rows.lengths]
-    width = max(pages + [1])
-    table = torch.full((len(pages) + 1, width), -1, dtype=torch.int32)
-    slot_of = torch.empty(k.shape[0], dtype=torch.long)
-    nxt = 1
-    for i, (start, n, p) in enumerate(zip(rows.starts, rows.lengths, pages)):
-        table[i, :p] = torch.arange(nxt, nxt + p, dtype=torch.int32)
-        slot_of[start: start + n] = nxt * page + torch.arange(n)
-        nxt += p
-    pool = k.new_zeros(1, k.shape[1], nxt * page, k.shape[2])
-    pool[0, :, slot_of.to(k.device)] = k.transpose(0, 1)
-    return pool, table.to(k.device)
+def _staged(k: torch.Tensor, rows: PackedRows, page: int) -> torch.Tensor:
+    """k [T, Hkv, D] laid out as the paged pool [1, Hkv, slots, D] of `rows.pages(page)`."""
+    slot_of, _, slots, _ = rows.pages(page)
+    pool = k.new_zeros(1, k.shape[1], slots, k.shape[2])
+    pool[0, :, slot_of] = k.transpose(0, 1)
+    return pool
 
 
 def _attention_reference(q, k, v, rows: PackedRows):
@@ -227,15 +245,11 @@ class PackedAttention:
         page = self.engine.page_size
 
         def engine_attention(q, k, v):
-            kp, table = _staged(k, rows, page)
-            vp, _ = _staged(v, rows, page)
-            q_row = torch.repeat_interleave(torch.arange(len(rows.lengths), dtype=torch.int32),
-                                            torch.tensor(rows.lengths)).to(q.device)
-            table_rows = RowTable(table, q_row, rows.positions.int(), rows.window, False,
-                                  max(rows.lengths), list(zip(rows.starts, rows.lengths)))
-            return paged_attention(q, kp, vp, table_rows, page, self.engine.options)
+            table_rows = rows.pages(page)[3]
+            return paged_attention(q, _staged(k, rows, page), _staged(v, rows, page), table_rows, page,
+                                   self.engine.options)
 
-        return exact(engine_attention, lambda q, k, v: _attention_reference(q, k, v, rows))(q, k, v)
+        return exact(engine_attention, lambda q, k, v: _attention_reference(q, k, v, rows), "attention")(q, k, v)
 
     decode = prefill
 
@@ -381,7 +395,7 @@ class TrainableExperts:
             with_scale = [(lhs, rhs, f[2]) for (lhs, rhs), f in zip(pairs, gu + dn)]
             return _experts_reference(x, top_k_index, w, gu_base, dn_base, act, with_scale[:n_gu], with_scale[n_gu:])
 
-        return exact(engine, reference)(x, top_k_weights, *flat)
+        return exact(engine, reference, "experts")(x, top_k_weights, *flat)
 
 
 # -- log-probabilities a slice of the vocabulary at a time ------------------------------------------
@@ -407,7 +421,7 @@ class _HeadLogprobs(torch.autograd.Function):
         stream = LogprobStream(n, x.device, softcap)
         target_head = torch.zeros(n, dtype=x.dtype, device=x.device)
         ent = _EntropyStream(n, x.device) if entropy else None
-        with torch.no_grad():
+        with torch.no_grad(), record_function("trainer.engine.head"):
             for v0 in range(0, v, width):
                 head = linear(x, weight[v0: v0 + width])
                 stream.update(head)
@@ -427,19 +441,20 @@ class _HeadLogprobs(torch.autograd.Function):
         x, weight, targets, lse = ctx.saved_tensors
         gf = g.float()
         gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for v0 in range(0, weight.shape[0], ctx.width):
-            # the products in the model's dtype (float32 accumulation), as transformers' head computes its
-            # logits, not through a float32 copy of each slice; float32 models are unchanged
-            w = weight[v0: v0 + ctx.width]
-            h = (x @ w.t()).float()
-            z = h if ctx.softcap is None else torch.tanh(h / ctx.softcap) * ctx.softcap
-            dz = -torch.exp(z - lse[:, None]) * gf[:, None]
-            inside = (targets >= v0) & (targets < v0 + w.shape[0])
-            rows = torch.nonzero(inside)[:, 0]
-            dz[rows, targets[rows] - v0] += gf[rows]
-            if ctx.softcap is not None:
-                dz = dz * (1 - torch.tanh(h / ctx.softcap) ** 2)
-            gx += (dz.to(w.dtype) @ w).float()
+        with record_function("trainer.backward.head"):
+            for v0 in range(0, weight.shape[0], ctx.width):
+                # the products in the model's dtype (float32 accumulation), as transformers' head computes its
+                # logits, not through a float32 copy of each slice; float32 models are unchanged
+                w = weight[v0: v0 + ctx.width]
+                h = (x @ w.t()).float()
+                z = h if ctx.softcap is None else torch.tanh(h / ctx.softcap) * ctx.softcap
+                dz = -torch.exp(z - lse[:, None]) * gf[:, None]
+                inside = (targets >= v0) & (targets < v0 + w.shape[0])  # no nonzero(): a GPU would sync
+                at = (targets - v0).clamp(0, w.shape[0] - 1)[:, None]
+                dz.scatter_add_(1, at, torch.where(inside, gf, 0.0)[:, None])
+                if ctx.softcap is not None:
+                    dz = dz * (1 - torch.tanh(h / ctx.softcap) ** 2)
+                gx += (dz.to(w.dtype) @ w).float()
         return gx.to(x.dtype), None, None, None, None, None, None
 
 

@@ -264,7 +264,8 @@ def make_trainer_class():
 
 def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=None, prompt_ids_of=None,
                  generator: str = "flexgemma", is_correction: bool = True, callbacks=None, rank: int = 0,
-                 world_size: int = 1, trainer_forward: str = "transformers", routing_replay: bool = False):
+                 world_size: int = 1, trainer_forward: str = "transformers", routing_replay: bool = False,
+                 gradient_checkpointing: bool = True):
     """A FlexGemmaGRPOTrainer training `engine`'s LoRA adapter (one model: see shared.SharedModel),
     generating through the engine (generator="flexgemma") or with TRL's transformers generate ("trl").
 
@@ -276,6 +277,8 @@ def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=Non
     the engine built with engine.batch_invariant), "transformers" through the peft model.
     routing_replay: MoE models with trainer_forward="engine": the trainer routes each completion token to the
     experts the rollout routed it to (R3).
+    gradient_checkpointing: trainer_forward="engine": recompute each layer in the backward (only each layer's
+    input kept); transformers' forward takes TRL's args.gradient_checkpointing instead.
     Returns (trainer, shared, rollout or None)."""
     from flexgemma.rl.shared import SharedModel
     from flexgemma.rl.tokenizer import tiny_tokenizer
@@ -297,7 +300,7 @@ def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=Non
     if trainer_forward == "engine":
         from flexgemma.model.trainable import TrainableForward
 
-        engine_forward = TrainableForward(engine.runner.forward, engine.lora)
+        engine_forward = TrainableForward(engine.runner.forward, engine.lora, checkpoint=gradient_checkpointing)
     trainer = make_trainer_class()(
         model=shared.peft_model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
         processing_class=tokenizer, rollout_func=rollout, callbacks=callbacks,

@@ -164,7 +164,8 @@ def grpo_args(cfg, out_dir: Path, device: torch.device, world_size: int = 1):
         disable_tqdm=True, seed=int(cfg.seed), use_cpu=device.type == "cpu", bf16=False, fp16=False,
         remove_unused_columns=False, dataloader_num_workers=0, shuffle_dataset=True,
         vllm_importance_sampling_clip_max=float(t.is_clip_max),
-        gradient_checkpointing=bool(t.gradient_checkpointing),
+        # TRL's flag checkpoints transformers' forward; the engine's forward takes it in rl/rollout.py
+        gradient_checkpointing=bool(t.gradient_checkpointing) and t.trainer_forward == "transformers",
     )
 
 
@@ -374,7 +375,8 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
     trainer, shared, _ = grpo_trainer(
         engine, grpo_args(cfg, recorder.dir, device, w.size), [reward], dataset, tokenizer, ids_of, generator,
         bool(t.is_correction), callbacks=[logger], rank=w.rank, world_size=w.size,
-        trainer_forward=str(t.trainer_forward), routing_replay=bool(t.routing_replay))
+        trainer_forward=str(t.trainer_forward), routing_replay=bool(t.routing_replay),
+        gradient_checkpointing=bool(t.gradient_checkpointing))
     ref.extend([trainer, shared])
     trainer.remove_callback(PrinterCallback)  # TRL's per-step dict print; the rows go to metrics.jsonl
     resume = resume_point(t, recorder.dir / "trainer")
@@ -386,6 +388,7 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
     opt_bytes = sum(v.numel() * v.element_size() for st in trainer.optimizer.state.values()
                     for v in st.values() if torch.is_tensor(v))
     summary.update({"grpo/generator": generator, "grpo/trainer_forward": str(t.trainer_forward),
+                    "grpo/gradient_checkpointing": bool(t.gradient_checkpointing),
                     "grpo/wall_s": train_wall, "grpo/optimizer_state_bytes": opt_bytes,
                     "grpo/ranks": w.size,
                     **{f"grpo/{k}": v for k, v in shared.base_bytes().items()}})

@@ -111,6 +111,36 @@ def test_the_invariant_engine_on_a_gpu_compiles_its_glue():
     assert resolve(cfg, torch.device("cpu")).batch_invariant  # the CPU's eager glue pads its rows instead
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+def test_gradient_checkpointing_changes_no_gradient(model):
+    """task.gradient_checkpointing for the engine's forward: each layer recomputed in the backward, or
+    its ops' inputs kept; the logprobs and every LoRA gradient are the same bits either way."""
+    eng = make_engine(INV, "lora=r16", model=model)
+    ps, outs = rollout(eng, n=4, new=8)
+    seqs, firsts = [p + o.token_ids for p, o in zip(ps, outs)], [len(p) for p in ps]
+    for p in eng.lora.slots.values():
+        p.requires_grad_(True)
+    got = {}
+    for checkpoint in (True, False):
+        tf = TrainableForward(eng.runner.forward, eng.lora, checkpoint=checkpoint)
+        runs, layer = [0], tf.forward.layer
+
+        def counted(*args, **kwargs):
+            runs[0] += 1
+            return layer(*args, **kwargs)
+
+        tf.forward.layer = counted
+        lps, _ = tf.token_logprobs(seqs, firsts)
+        sum((lp * (1 + i)).sum() for i, lp in enumerate(lps)).backward()
+        got[checkpoint] = ([lp.tolist() for lp in lps], {k: p.grad.clone() for k, p in eng.lora.slots.items()}, runs[0])
+        for p in eng.lora.slots.values():
+            p.grad = None
+    layers = len(eng.spec.layers)
+    assert got[True][2] == 2 * layers and got[False][2] == layers  # recomputed in the backward, or not
+    assert got[True][0] == got[False][0] == [o.logprobs for o in outs]
+    assert all(torch.equal(got[True][1][k], got[False][1][k]) for k in got[True][1])
+
+
 # -- the GPU: every model's shapes, fewer layers ------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("model, extra", [("e2b", ["lora=r32"]), ("26b_a4b", ["quant=bnb4", "lora=r16"]),
@@ -185,6 +215,7 @@ def test_grpo_trainer_and_rollout_agree_exactly(tmp_path, model, dtype):
 
     summary = run_job(compose([f"+model={model}", *EXACT, f"model.dtype={dtype}", "task.steps=3"]), tmp_path)
     assert summary["status"] == "ok" and summary["grpo/trainer_forward"] == "engine"
+    assert summary["grpo/gradient_checkpointing"] is True  # null: on for the engine's forward
     rows = _rows(tmp_path)
     assert len(rows) == 3
     for r in rows:  # every step, every token: the importance ratios are exactly 1

@@ -1,0 +1,154 @@
+"""Where the trainer's time goes with task.trainer_forward=engine (a probe, not a test).
+
+Rebuilds one task=grpo step's training work (experiments/exact_gap.py's rollout: --prompts x --group
+completions of --new tokens) and times the trainer's forward + backward over its micro-batches, no
+optimizer, side by side in one process:
+
+  engine       the engine's forward (model/trainable.py), layers recomputed in the backward (the default)
+  engine_keep  the same with task.gradient_checkpointing=false (each op's inputs kept)
+  transformers transformers' Gemma-4 over peft's live adapters, full-vocabulary logits (the default trainer)
+
+Medians of --rounds, peak memory of each; then one micro-batch of `engine` under torch.profiler: GPU
+time per trainer op (the record_function scopes trainer.engine.* / trainer.backward.*: the engine's
+kernels in the forward, the references' maths in the backward) and the top kernels.
+
+    python experiments/profile_trainer.py +model=e2b lora=r32 device=cuda --micro 16
+    python experiments/profile_trainer.py +model=26b_a4b quant=bnb4 lora=r16 device=cuda --prompts 4 --micro 8
+    python experiments/profile_trainer.py +model=tiny lora=r16 device=cpu --prompts 2 --group 4 --new 16 --micro 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from exact_gap import grpo_engine, grpo_rollout
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def engine_step(tf, shared, batches, weights) -> None:
+    """Forward and backward of every micro-batch through the engine's forward."""
+    shared.merged_for_training()
+    for (seqs, firsts), w in zip(batches, weights):
+        lps, _ = tf.token_logprobs(seqs, firsts)
+        sum((lp * wi).sum() for lp, wi in zip(lps, w)).backward()
+
+
+def transformers_step(model, batches, weights, device) -> None:
+    """The same through transformers' forward (right-padded micro-batches, as TRL pads them)."""
+    for (seqs, firsts), w in zip(batches, weights):
+        n = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), n, dtype=torch.long)
+        mask = torch.zeros(len(seqs), n, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+        ids, mask = ids.to(device), mask.to(device)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        total = 0.0
+        for i, (s, f0) in enumerate(zip(seqs, firsts)):
+            lp = torch.log_softmax(logits[i, f0 - 1: len(s) - 1].float(), -1).gather(-1, ids[i, f0: len(s), None])[:, 0]
+            total = total + (lp * w[i]).sum()
+        total.backward()
+
+
+def timed(name: str, step, rounds: int, params) -> None:
+    times = []
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(rounds + 1):  # the first round warms up
+        _sync()
+        t0 = time.perf_counter()
+        step()
+        _sync()
+        times.append(time.perf_counter() - t0)
+        for p in params:
+            p.grad = None
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    print(f"{name:13s} forward+backward {statistics.median(times[1:]):.3f} s (median of {rounds}; rounds "
+          f"{', '.join(f'{t:.3f}' for t in times[1:])}), peak {peak:.2f} GiB", flush=True)
+
+
+def profile(tf, shared, batch, weights) -> None:
+    """One micro-batch of the engine's forward under torch.profiler: time per trainer scope, top kernels."""
+    from torch.profiler import ProfilerActivity
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    engine_step(tf, shared, [batch], [weights])  # warm
+    _sync()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        engine_step(tf, shared, [batch], [weights])
+        _sync()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+
+    def device_us(e) -> float:
+        return float(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)))
+
+    def self_device_us(e) -> float:
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+
+    scopes = sorted((e for e in events if e.key.startswith("trainer.")), key=device_us, reverse=True)
+    kernels = sum(self_device_us(e) for e in events) / 1e6
+    print(f"# profile of one micro-batch ({len(batch[0])} sequences): wall {wall:.3f} s (profiled), GPU kernels "
+          f"{kernels:.3f} s", flush=True)
+    print(f"{'scope':34s} {'calls':>6s} {'GPU s':>8s} {'CPU s':>8s}")
+    for e in scopes:
+        print(f"{e.key:34s} {e.count:6d} {device_us(e) / 1e6:8.3f} {e.cpu_time_total / 1e6:8.3f}")
+    print("# top kernels by GPU time")
+    tops = sorted((e for e in events if self_device_us(e) > 0), key=self_device_us, reverse=True)[:15]
+    for e in tops:
+        print(f"  {self_device_us(e) / 1e6:8.3f} s {e.count:6d}x  {e.key[:110]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("overrides", nargs="*", help="config overrides of the engine (model, quant, lora, device)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--micro", type=int, default=16, help="sequences per trainer forward (task.micro_batch)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--skip", default="", help="comma-separated variants to leave out (engine_keep, transformers, profile)")
+    a = ap.parse_args()
+    skip = set(filter(None, a.skip.split(",")))
+
+    from flexgemma.model.trainable import TrainableForward
+
+    eng, shared = grpo_engine([*a.overrides, "engine.batch_invariant=true"], (a.prompts * a.group, 128 + a.new))
+    prompts, _, outs = grpo_rollout(eng, a.prompts, a.group, a.new)
+    seqs, firsts = [p + o.token_ids for p, o in zip(prompts, outs)], [len(p) for p in prompts]
+    batches = [(seqs[i: i + a.micro], firsts[i: i + a.micro]) for i in range(0, len(seqs), a.micro)]
+    g = torch.Generator().manual_seed(1)
+    device = eng.model.model.embed_tokens.weight.device
+    weights = [[torch.randn(1, generator=g).item() for _ in b[0]] for b in batches]
+    print(f"# {len(seqs)} sequences, {sum(len(s) for s in seqs)} tokens, {len(batches)} micro-batches of "
+          f"{a.micro}", flush=True)
+    params = list(shared.lora.slots.values())
+    for p in params:
+        p.requires_grad_(True)
+    tf = TrainableForward(eng.runner.forward, eng.lora, checkpoint=True)
+    timed("engine", lambda: engine_step(tf, shared, batches, weights), a.rounds, params)
+    if "engine_keep" not in skip:
+        keep = TrainableForward(eng.runner.forward, eng.lora, checkpoint=False)
+        timed("engine_keep", lambda: engine_step(keep, shared, batches, weights), a.rounds, params)
+        del keep
+    if "profile" not in skip:
+        profile(tf, shared, batches[0], weights[0])
+        for p in params:
+            p.grad = None
+    if "transformers" not in skip:
+        shared.engine_forward = False
+        shared.trainer_view()  # pristine weights, peft's adapters live: what task.trainer_forward=transformers runs
+        timed("transformers", lambda: transformers_step(shared.peft_model, batches, weights, device), a.rounds, params)
+
+
+if __name__ == "__main__":
+    main()
