@@ -100,13 +100,17 @@ q = torch.randn(76, 8, 64)
 q_row = torch.tensor([1] * 20 + [0] * 50 + [2] * 6, dtype=torch.int32)
 q_pos = torch.cat([torch.arange(10, 30), torch.arange(5, 55), torch.zeros(6, dtype=torch.long)]).int()
 for win in (None, 24):
-    pre = ta.paged_attention(q, k, v, RowTable(table, q_row, q_pos, win, False, 96, [(0, 20), (20, 50), (70, 6)]),
-                             16, 32, 16)
+    rows = RowTable(table, q_row, q_pos, win, False, 96, [(0, 20), (20, 50), (70, 6)])
+    pre = ta.paged_attention(q, k, v, rows, 16, 32, 16)
     dec = ta.paged_attention(q, k, v, RowTable(table, q_row, q_pos, win, True, 96), 16, 32, 16)
     ref = _paged_attention_cpu(q, k, v, RowTable(table, q_row, q_pos, win, False, 96), 16, 32, 16)
     print(torch.equal(dec, pre), (pre - ref).abs().max().item() < 1e-4, pre[70:].abs().max().item() == 0.0)
+    # the row tiles are built once per table (every layer of a step reads it), then reused
+    tiles = dict(rows.tiles)
+    again = ta.paged_attention(q, k, v, rows, 16, 32, 16)
+    print(torch.equal(again, pre), len(tiles) == 1 and all(a is b for a, b in zip(tiles.values(), rows.tiles.values())))
 """)
-    assert out.split() == ["True"] * 6
+    assert out.split() == ["True"] * 10
 
 
 def test_triton_logprobs_whole_and_streamed_agree_interpreted():

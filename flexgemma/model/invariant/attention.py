@@ -15,7 +15,7 @@ pages are handed out; the engine fills these tables.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -31,7 +31,9 @@ class RowTable:
     each query's row of `table` and logical position. decode: one query per sequence (its chunks run
     in parallel programs); else `segments` lists (first query, count) of each run of consecutive
     queries of one sequence (a prefill chunk, or padding), which the kernel cuts into its row tiles.
-    max_len: the longest sequence the engine allows (sizes the decode kernel's chunk grid)."""
+    max_len: the longest sequence the engine allows (sizes the decode kernel's chunk grid).
+    tiles: the prefill kernel's row tiles of `segments` (rows per tile -> device tensors), built once for
+    all the layers that read this table (building them copies to the GPU, which waits for it)."""
 
     table: torch.Tensor
     q_row: torch.Tensor
@@ -40,6 +42,7 @@ class RowTable:
     decode: bool
     max_len: int
     segments: Optional[list[tuple[int, int]]] = None
+    tiles: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

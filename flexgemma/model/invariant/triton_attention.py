@@ -166,14 +166,18 @@ def _config(head_dim: int, dtype: torch.dtype, block_n: int) -> dict:
     return dict(BM=bm, BN=bn, num_warps=warps)
 
 
-def _tiles(segments: list[tuple[int, int]], per_tile: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    starts, lens = [], []
-    for first, count in segments:
-        for s in range(first, first + count, per_tile):
-            starts.append(s)
-            lens.append(min(per_tile, first + count - s))
-    return (torch.tensor(starts, dtype=torch.int32, device=device),
-            torch.tensor(lens, dtype=torch.int32, device=device))
+def row_tiles(rows, per_tile: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first query, queries) of each row tile of rows.segments, `per_tile` queries at most, memoised on
+    `rows` (every layer of a step reads the same table; each build is a host-to-device copy)."""
+    if per_tile not in rows.tiles:
+        starts, lens = [], []
+        for first, count in rows.segments:
+            for s in range(first, first + count, per_tile):
+                starts.append(s)
+                lens.append(min(per_tile, first + count - s))
+        rows.tiles[per_tile] = (torch.tensor(starts, dtype=torch.int32, device=device),
+                                torch.tensor(lens, dtype=torch.int32, device=device))
+    return rows.tiles[per_tile]
 
 
 def paged_attention(q, k_pool, v_pool, rows, page_size: int, split: int, block_n: int) -> torch.Tensor:
@@ -204,7 +208,7 @@ def paged_attention(q, k_pool, v_pool, rows, page_size: int, split: int, block_n
                        BH=triton.next_power_of_2(h), D=d, S=split, HAS_WINDOW=rows.window is not None,
                        num_warps=4, enable_fp_fusion=False)
         return out
-    starts, lens = _tiles(rows.segments, bm // g, q.device)
+    starts, lens = row_tiles(rows, bm // g, q.device)
     _attention_kernel[(starts.numel(), hkv)](q, k_pool, v_pool, out, out, out, out, table, rows.q_row, rows.q_pos,
                                              starts, lens, table.shape[1], q.stride(0), k_pool.stride(1), window,
                                              chunks, 1.0, SPLIT=False, **meta)
