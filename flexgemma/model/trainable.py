@@ -331,23 +331,39 @@ def _merged_or_dense(modules, lora, linear):
 
 
 # -- routed experts ----------------------------------------------------------------------------------
-def _expert_matrix(w, e: int, factors, device) -> torch.Tensor:
-    """Expert e's [out, in] matrix in float32: stored (or 4-bit, dequantised), plus its merged adapters
-    (s B_e A_e, differentiable) when the experts carry LoRA."""
-    base = w[e].float() if torch.is_tensor(w) else w.dequantize(torch.tensor([e], device=device))[0].float()
+def _expert_matrix(w: torch.Tensor, e: int, at: int, factors) -> torch.Tensor:
+    """Expert e's [out, in] matrix in float32 (w[at]: stored, or its dequantised copy), plus its merged
+    adapters (s B_e A_e, differentiable) when the experts carry LoRA."""
+    base = w[at].float()
     for lhs, rhs, scale in factors:
         base = base + scale * (lhs[e].float() @ rhs[e].float())
     return base
 
 
 def _experts_reference(x, top_k_index, top_k_weights, gate_up, down, act, gate_up_factors, down_factors):
-    """Each expert on the rows routed to it, in float32 (the backward's maths)."""
+    """Each expert on the rows routed to it, in float32 (the backward's maths). The (token, slot) pairs
+    are sorted by expert once and 4-bit experts dequantised in one call: one host sync a layer, where a
+    per-expert nonzero() or index copy would wait for the GPU once an expert."""
+    k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # an expert's pairs in (token, slot) order
+    counts = torch.bincount(flat).tolist()
+    used = [e for e, n in enumerate(counts) if n]
+    if not torch.is_tensor(gate_up):  # 4-bit: the routed experts only, once
+        ids = torch.tensor(used, device=x.device)
+        gate_up, down, at = gate_up.dequantize(ids), down.dequantize(ids), {e: i for i, e in enumerate(used)}
+    else:
+        at = {e: e for e in used}
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in torch.unique(top_k_index).tolist():
-        tok, slot = torch.where(top_k_index == e)
-        h = x[tok].float() @ _expert_matrix(gate_up, e, gate_up_factors, x.device).t()
+    start = 0
+    for e, n in enumerate(counts):
+        pairs, start = order[start: start + n], start + n
+        if not n:
+            continue
+        tok, slot = pairs // k, pairs % k
+        h = x[tok].float() @ _expert_matrix(gate_up, e, at[e], gate_up_factors).t()
         g, u = h.chunk(2, dim=-1)
-        y = (act(g) * u) @ _expert_matrix(down, e, down_factors, x.device).t()
+        y = (act(g) * u) @ _expert_matrix(down, e, at[e], down_factors).t()
         out = out.index_add(0, tok, y * top_k_weights[tok, slot, None].float())
     return out.to(x.dtype)
 
