@@ -76,6 +76,8 @@ def exact(fn: Callable, ref: Callable, name: str = "") -> Callable:
 def same_layout_copy(a: torch.Tensor) -> torch.Tensor:
     """A copy of `a` with its sizes, strides and storage offset (a view of a fused projection's output
     stays such a view): torch.compile guards on all three, and the engine passes its glue such views."""
+    if any(st == 0 and n > 1 for n, st in zip(a.shape, a.stride())):
+        return a.clone()  # an expanded view: a copy cannot repeat its elements (the glue takes none today)
     extent = a.storage_offset() + (1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride())) if a.numel() else 0)
     out = torch.empty(extent, dtype=a.dtype, device=a.device).as_strided(a.shape, a.stride(), a.storage_offset())
     return out.copy_(a)
