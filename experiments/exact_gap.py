@@ -137,13 +137,19 @@ def trace(eng, shared, seq: list, first: int) -> None:
     print(f"{'trace':12s} the common {min(len(engine_calls), len(trainer_calls))} calls agree bit for bit", flush=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def grpo_step_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of a GRPO-shaped step: the engine's overrides and the rollout's shape."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("overrides", nargs="*", help="config overrides of the engine (model, quant, lora, device)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--micro", type=int, default=16, help="sequences per trainer forward (task.micro_batch)")
+    return ap
+
+
+def main() -> None:
+    ap = grpo_step_parser(__doc__)
     ap.add_argument("--skip", default="", help="comma-separated pieces to leave out")
     ap.add_argument("--trace", action="store_true", help="compare the first sequence's glue calls one by one")
     a = ap.parse_args()

@@ -19,13 +19,12 @@ kernels in the forward, the references' maths in the backward) and the top kerne
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from exact_gap import grpo_engine, grpo_rollout
+from exact_gap import grpo_engine, grpo_rollout, grpo_step_parser
 
 
 def _sync() -> None:
@@ -109,12 +108,7 @@ def profile(tf, shared, batch, weights) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("overrides", nargs="*", help="config overrides of the engine (model, quant, lora, device)")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--micro", type=int, default=16, help="sequences per trainer forward (task.micro_batch)")
+    ap = grpo_step_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip", default="", help="comma-separated variants to leave out (engine_keep, transformers, profile)")
     a = ap.parse_args()
