@@ -73,6 +73,31 @@ def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
     assert out.split() == ["True", "True", "True", "True"]
 
 
+def test_triton_grouped_4bit_decodes_to_the_dequantised_bits_interpreted():
+    """kernels.invariant_moe_4bit=fused through Triton's interpreter: the grouped product decoding 4-bit
+    experts inside its K loop gives the bits of the dequantised slots' product (nf4 and fp4, with and
+    without double quantisation, a slot with no rows)."""
+    pytest.importorskip("bitsandbytes")
+    out = run_interpreted(INTERPRETER_LOOPS + textwrap.dedent("""
+        import torch
+        from flexgemma.model.invariant import triton_matmul as tm
+        from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+        torch.manual_seed(0)
+        cfg = dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=2)
+        ids, counts = torch.tensor([2, 0, 3]), torch.tensor([7, 0, 13])
+        for quant_type in ("nf4", "fp4"):
+            for double_quant in (False, True):
+                s = Bnb4Settings(block_size=64, quant_type=quant_type, double_quant=double_quant,
+                                 compute_dtype=torch.float32)
+                w = PackedExpertWeight.pack(torch.randn(4, 48, 192), s, torch.device("cpu"))
+                x = torch.randn(20, 192)
+                fused = tm.grouped_4bit(x, w, ids, counts, 64, cfg)
+                plain = tm.grouped(x, w.dequantize(ids), counts, 64, cfg)
+                print(torch.equal(fused, plain))
+    """))
+    assert out.split() == ["True"] * 4
+
+
 # Triton's interpreter converts a loop bound held in a tensor with int(), which numpy 2 refuses for the
 # one-element arrays the interpreter keeps scalars in; the kernels loop over runtime bounds
 INTERPRETER_LOOPS = """
@@ -329,6 +354,17 @@ def test_gpu_top_k_and_top_p_rows(model):
 def test_gpu_26b_a4b_4bit_and_lora(extra):
     pytest.importorskip("bitsandbytes") if "quant=bnb4" in extra else None
     check_alone_slot_and_score(invariant_gpu_engine("26b_a4b", *extra), prompts(33, seed=23, lo=20, hi=400))
+
+
+@pytest.mark.gpu
+def test_gpu_4bit_experts_decoded_in_the_product_give_the_same_bits():
+    """kernels.invariant_moe_4bit=fused: invariant as the dequantised slots are, and their bits."""
+    pytest.importorskip("bitsandbytes")
+    ps = prompts(33, seed=29, lo=20, hi=400)
+    fused = check_alone_slot_and_score(invariant_gpu_engine("26b_a4b", "quant=bnb4", "kernels.invariant_moe_4bit=fused"),
+                                       ps)
+    slots = invariant_gpu_engine("26b_a4b", "quant=bnb4").generate([ps[7]], [params(7)])[0]
+    assert same(fused, slots)
 
 
 # -- routed experts (SamplingParams.return_routed_experts) ---------------------------------------

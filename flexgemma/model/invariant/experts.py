@@ -28,11 +28,24 @@ def grouped_linear(rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, k_
     return out
 
 
+def grouped_linear_4bit(rows: torch.Tensor, w, ids: torch.Tensor, counts: torch.Tensor, k_chunk: int) -> torch.Tensor:
+    """grouped_linear(rows, w.dequantize(ids), counts) bit for bit, the 4-bit weights decoded inside the
+    product on a GPU (kernels.invariant_moe_4bit=fused: no [slots, out, K] copy a layer and step)."""
+    if not rows.is_cuda:
+        return grouped_linear(rows, w.dequantize(ids), counts, k_chunk)
+    from flexgemma.model.invariant import triton_matmul
+
+    per_expert = rows.shape[0] / max(1, ids.shape[0])
+    return triton_matmul.grouped_4bit(rows.contiguous(), w, ids, counts, k_chunk,
+                                      _tiles(16 if per_expert <= 16 else 64, rows.dtype))
+
+
 class InvariantExperts:
     """ops.experts_kernel under engine.batch_invariant: takes every step, bf16/fp32 or 4-bit experts."""
 
     def __init__(self, kernels=None):
         self.k_chunk = kernels.invariant_k_chunk if kernels is not None else K_CHUNK
+        self.fused_4bit = kernels is not None and kernels.invariant_moe_4bit == "fused"
 
     def takes(self, *args) -> bool:
         return True
@@ -41,17 +54,26 @@ class InvariantExperts:
         t, k = top_k_index.shape
         n_exp = gate_up.shape[0]
         flat = top_k_index.reshape(-1)
-        if not isinstance(gate_up, torch.Tensor):  # 4-bit: only the routed experts, dequantised exactly
+        groups, decoded_in = n_exp, None  # decoded_in: the slots' expert ids when the product decodes 4-bit
+        if not isinstance(gate_up, torch.Tensor):  # 4-bit: only the routed experts, each in a slot
             experts = routed_experts(torch.zeros(n_exp, dtype=torch.long, device=flat.device).scatter_add_(
                 0, flat, torch.ones_like(flat)), min(n_exp, t * k))
             slot = torch.empty(n_exp, dtype=torch.long, device=flat.device)
             slot[experts] = torch.arange(experts.numel(), device=flat.device)
-            flat = slot[flat]
-            gate_up, down = gate_up.dequantize(experts), down.dequantize(experts)
+            flat, groups = slot[flat], experts.numel()
+            if self.fused_4bit:  # decoded inside the product: the same bits as the dequantised slots
+                decoded_in = experts
+            else:  # dequantised exactly, then the plain product
+                gate_up, down = gate_up.dequantize(experts), down.dequantize(experts)
+
+        def product(rows, w, counts):
+            if decoded_in is not None:
+                return grouped_linear_4bit(rows, w, decoded_in, counts, self.k_chunk)
+            return grouped_linear(rows, w, counts, self.k_chunk)
+
         order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
-        h = grouped_linear(x[order // k], gate_up, counts, self.k_chunk)
+        counts = torch.zeros(groups, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+        h = product(x[order // k], gate_up, counts)
         g, u = h.chunk(2, dim=-1)
-        h = grouped_linear(act(g) * u, down, counts, self.k_chunk)
+        h = product(act(g) * u, down, counts)
         return sum_per_token(h, order, top_k_weights, x)

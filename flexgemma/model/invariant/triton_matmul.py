@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flexgemma.model.moe_kernel import _block_scales
+
 
 @triton.jit
 def _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_start, K, stride_x,
@@ -91,12 +93,10 @@ def split_then_sum(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: 
     _sum_chunks[(triton.cdiv(m * n, block),)](part, out, m, n, chunks, BLOCK=block, num_warps=4)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _grouped_fold(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_first_ptr, tile_end_ptr, M, E, N,
-                  K, stride_x, CHUNKS, KC: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    """Program (row tile, feature tile): rows [first, end) of one expert's group against that expert's
-    [N, K] matrix, K chunks added in order as in `_mm_fold` (a row's bits do not depend on its group)."""
+@triton.jit
+def _group_tile(tile_expert_ptr, tile_first_ptr, tile_end_ptr, E, N, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's (group, rows, cols, row_ok, col_ok) in a grouped product's tile schedule; a program
+    past the schedule (group == E) gets the last group and no rows."""
     e = tl.load(tile_expert_ptr + tl.program_id(0))
     first = tl.load(tile_first_ptr + tl.program_id(0))
     end = tl.load(tile_end_ptr + tl.program_id(0))
@@ -105,9 +105,17 @@ def _grouped_fold(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_first_ptr, tile_e
     # the bound a scalar select, not `(rows < end) & (e < E)`: Triton 3.9's interpreter refuses a mask
     # made by `&` of a block and a scalar
     row_ok = rows < tl.where(e < E, end, first)
-    col_ok = cols < N
-    # a program past the schedule (e == E) reads expert E-1's matrix for rows it does not store
-    w_e = w_ptr + tl.minimum(e, E - 1).to(tl.int64) * N * K
+    return tl.minimum(e, E - 1), rows, cols, row_ok, cols < N
+
+
+@triton.jit(do_not_specialize=["M"])
+def _grouped_fold(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_first_ptr, tile_end_ptr, M, E, N,
+                  K, stride_x, CHUNKS, KC: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """Program (row tile, feature tile): rows [first, end) of one expert's group against that expert's
+    [N, K] matrix, K chunks added in order as in `_mm_fold` (a row's bits do not depend on its group)."""
+    e, rows, cols, row_ok, col_ok = _group_tile(tile_expert_ptr, tile_first_ptr, tile_end_ptr, E, N, BM, BN)
+    w_e = w_ptr + e.to(tl.int64) * N * K
     total = tl.zeros((BM, BN), dtype=tl.float32)
     for c in range(0, CHUNKS):
         total = total + _chunk_product(x_ptr, w_e, rows, cols, row_ok, col_ok, c * KC, K, stride_x, KC, BM, BN, BK,
@@ -116,26 +124,100 @@ def _grouped_fold(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_first_ptr, tile_e
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kc: int, cfg: dict) -> torch.Tensor:
-    """x [M, K] rows grouped by expert (`counts` [E] rows each, in expert order), w [E, N, K] -> [M, N].
-    The tile schedule is computed on the device with a grid of fixed size (CUDA-graph safe)."""
-    m, k = x.shape
-    e, n = w.shape[0], w.shape[1]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm = cfg["BM"]
+@triton.jit
+def _chunk_product_4bit(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, rows, cols,
+                        row_ok, col_ok, k_start, K, stride_x, stride_ae, stride_ne, KC: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QBLOCK: tl.constexpr,
+                        NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, IEEE: tl.constexpr):
+    """`_chunk_product` against 4-bit expert widx (w_ptr: its packed bytes), each weight decoded in the
+    K loop as the slot dequantisation decodes it (code x its block's float32 scale, rounded once to x's
+    dtype, the high nibble first): the same operands, so the same bits, without the [N, K] copy."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, KC, BK):
+        ks = k_start + k0 + tl.arange(0, BK)
+        k_ok = ks < K
+        a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        ok = col_ok[:, None] & k_ok[None, :]
+        idx = cols[:, None] * K + ks[None, :]  # the weight's place in the expert's [N * K]
+        byte = tl.load(w_ptr + idx // 2, mask=ok, other=0).to(tl.int32)
+        nibble = tl.where(idx % 2 == 0, byte >> 4, byte & 15)
+        scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, idx // QBLOCK, ok, stride_ae,
+                              stride_ne, NESTED, DOUBLE_QUANT)
+        b = tl.where(ok, (tl.load(code_ptr + nibble) * scale).to(x_ptr.dtype.element_ty), 0.0)
+        if IEEE:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _grouped_fold_4bit(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, ids_ptr, out_ptr,
+                       tile_expert_ptr, tile_first_ptr, tile_end_ptr, M, E, N, K, stride_x, stride_we, stride_ae,
+                       stride_ne, CHUNKS, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, IEEE: tl.constexpr):
+    """`_grouped_fold` with group s computing against 4-bit expert ids[s], decoded in the K loop."""
+    e, rows, cols, row_ok, col_ok = _group_tile(tile_expert_ptr, tile_first_ptr, tile_end_ptr, E, N, BM, BN)
+    widx = tl.maximum(tl.load(ids_ptr + e), 0).to(tl.int64)
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for c in range(0, CHUNKS):
+        total = total + _chunk_product_4bit(x_ptr, w_ptr + widx * stride_we, absmax_ptr, code_ptr, ncode_ptr,
+                                            nabsmax_ptr, noffset_ptr, widx, rows, cols, row_ok, col_ok, c * KC, K,
+                                            stride_x, stride_ae, stride_ne, KC, BM, BN, BK, QBLOCK, NESTED,
+                                            DOUBLE_QUANT, IEEE)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], total.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _schedule(counts: torch.Tensor, m: int, bm: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tile schedule of rows grouped by `counts` [E], on the device with a grid of fixed size
+    (CUDA-graph safe): (programs, each one's group, first row, the group's end)."""
+    e = counts.shape[0]
     counts = counts.to(torch.int32)
     ends = torch.cumsum(counts, 0, dtype=torch.int32)
     tiles = (counts + bm - 1) // bm
     tile_ends = torch.cumsum(tiles, 0, dtype=torch.int32)
     slots = triton.cdiv(m, bm) + e  # at most one partial tile per expert beyond full ones
-    pid = torch.arange(slots, device=x.device, dtype=torch.int32)
+    pid = torch.arange(slots, device=counts.device, dtype=torch.int32)
     expert = torch.searchsorted(tile_ends, pid, right=True).to(torch.int32)
     safe = expert.clamp_max(e - 1)
     local = pid - (tile_ends[safe] - tiles[safe])
-    first = ends[safe] - counts[safe] + local * bm
-    meta = dict(BM=bm, BN=cfg["BN"], BK=cfg["BK"], IEEE=x.dtype == torch.float32, num_warps=cfg["num_warps"],
+    return slots, expert, ends[safe] - counts[safe] + local * bm, ends[safe]
+
+
+def _meta(x: torch.Tensor, cfg: dict) -> dict:
+    return dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], IEEE=x.dtype == torch.float32, num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
+
+
+def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kc: int, cfg: dict) -> torch.Tensor:
+    """x [M, K] rows grouped by expert (`counts` [E] rows each, in expert order), w [E, N, K] -> [M, N]."""
+    m, k = x.shape
+    e, n = w.shape[0], w.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    slots, expert, first, end = _schedule(counts, m, cfg["BM"])
     if m:
-        _grouped_fold[(slots, triton.cdiv(n, cfg["BN"]))](x, w, out, expert, first, ends[safe], m, e, n, k,
-                                                          x.stride(0), triton.cdiv(k, kc), KC=kc, **meta)
+        _grouped_fold[(slots, triton.cdiv(n, cfg["BN"]))](x, w, out, expert, first, end, m, e, n, k,
+                                                          x.stride(0), triton.cdiv(k, kc), KC=kc, **_meta(x, cfg))
+    return out
+
+
+def grouped_4bit(x: torch.Tensor, w, ids: torch.Tensor, counts: torch.Tensor, kc: int, cfg: dict) -> torch.Tensor:
+    """x [M, K] rows grouped by slot (`counts` [S] rows each), slot s against 4-bit expert ids[s] of
+    `w` (a quant.PackedExpertWeight [E, N, K]) -> [M, N]: `grouped` over w.dequantize(ids), bit for bit."""
+    from flexgemma.model.triton4bit import code4
+
+    m, k = x.shape
+    n = w.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    slots, expert, first, end = _schedule(counts, m, cfg["BM"])
+    dq = bool(w.double_quant)
+    absmax = w.absmax
+    nested = w.nested_absmax if dq else absmax  # placeholders when not double-quantised (never read)
+    if m:
+        _grouped_fold_4bit[(slots, triton.cdiv(n, cfg["BN"]))](
+            x, w.packed, absmax, code4(w.quant_type, x.device), w.nested_code if dq else absmax, nested,
+            w.nested_offset if dq else absmax, ids, out, expert, first, end, m, counts.shape[0], n, k, x.stride(0),
+            w.packed.stride(0), absmax.stride(0), nested.stride(0), triton.cdiv(k, kc), KC=kc, QBLOCK=w.block_size,
+            NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, enable_fp_fusion=False, **_meta(x, cfg))
     return out
