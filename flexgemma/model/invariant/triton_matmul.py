@@ -13,6 +13,17 @@ from flexgemma.model.moe_kernel import _block_scales
 
 
 @triton.jit
+def _dot_step(acc, x_ptr, rows, row_ok, ks, k_ok, stride_x, b, IEEE: tl.constexpr):
+    """acc + x[rows, ks] @ b^T (b [BN, BK], the weights at those K): one step of a K loop."""
+    a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    if IEEE:
+        out = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, tl.trans(b), acc)
+    return out
+
+
+@triton.jit
 def _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_start, K, stride_x,
                    KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     """float32 [BM, BN]: x[rows, k_start:k_start+KC] @ w[cols, same K]^T, tl.dot steps in K order."""
@@ -20,12 +31,8 @@ def _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_start, K, stride_
     for k0 in range(0, KC, BK):
         ks = k_start + k0 + tl.arange(0, BK)
         k_ok = ks < K
-        a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
+        acc = _dot_step(acc, x_ptr, rows, row_ok, ks, k_ok, stride_x, b, IEEE)
     return acc
 
 
@@ -136,7 +143,6 @@ def _chunk_product_4bit(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
     for k0 in range(0, KC, BK):
         ks = k_start + k0 + tl.arange(0, BK)
         k_ok = ks < K
-        a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         ok = col_ok[:, None] & k_ok[None, :]
         idx = cols[:, None] * K + ks[None, :]  # the weight's place in the expert's [N * K]
         byte = tl.load(w_ptr + idx // 2, mask=ok, other=0).to(tl.int32)
@@ -144,10 +150,7 @@ def _chunk_product_4bit(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
         scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, idx // QBLOCK, ok, stride_ae,
                               stride_ne, NESTED, DOUBLE_QUANT)
         b = tl.where(ok, (tl.load(code_ptr + nibble) * scale).to(x_ptr.dtype.element_ty), 0.0)
-        if IEEE:
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
+        acc = _dot_step(acc, x_ptr, rows, row_ok, ks, k_ok, stride_x, b, IEEE)
     return acc
 
 
