@@ -161,6 +161,30 @@ class PackedRows:
     positions: torch.Tensor  # [T]
     window: Optional[int]
     _pages: Optional[tuple] = field(default=None, init=False, repr=False)
+    _batches: dict = field(default_factory=dict, init=False, repr=False)
+
+    def batches(self, heads: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The sequences as padded batches for the attention reference, per batch (index [B, n] of each
+        sequence's tokens in the packed rows, a padded place repeating its sequence's first; valid
+        [B, n]), consecutive sequences while a batch's float32 scores [B, heads, n, n] stay within
+        _REFERENCE_SCORES values. Built once per batch."""
+        if heads not in self._batches:
+            groups, first = [], 0
+            for i in range(1, len(self.lengths) + 1):
+                n = max(self.lengths[first: i + 1]) if i < len(self.lengths) else 0
+                if i == len(self.lengths) or (i + 1 - first) * heads * n * n > _REFERENCE_SCORES:
+                    groups.append((first, i))
+                    first = i
+            device, out = self.positions.device, []
+            for a, b in groups:
+                n = max(self.lengths[a:b])
+                place = torch.arange(n)
+                at = torch.stack([s + torch.where(place < m, place, 0) for s, m in
+                                  zip(self.starts[a:b], self.lengths[a:b])])
+                valid = place[None, :] < torch.tensor(self.lengths[a:b])[:, None]
+                out.append((at.to(device), valid.to(device)))
+            self._batches[heads] = out
+        return self._batches[heads]
 
     def pages(self, page: int) -> tuple[torch.Tensor, torch.Tensor, int, RowTable]:
         """(each token's slot [T], the page table [sequences + 1, pages], slots in all, the queries'
@@ -212,18 +236,22 @@ def _staged(k: torch.Tensor, rows: PackedRows, page: int) -> torch.Tensor:
     return pool
 
 
+_REFERENCE_SCORES = 1 << 28  # float32 scores of one batched attention reference call (1 GiB)
+
+
 def _attention_reference(q, k, v, rows: PackedRows):
-    """Softmax attention per sequence in float32 (causal, sliding where the layer slides), GQA."""
+    """Softmax attention of each sequence in float32 (causal, sliding where the layer slides), GQA, the
+    sequences padded into batches (one call a batch, not one a sequence). A valid query's causal mask
+    never reaches its sequence's padding; a padded query's output is dropped, so its gradient is zero."""
     outs = []
-    for start, n in zip(rows.starts, rows.lengths):
-        qs, ks, vs = (t[start: start + n].float().transpose(0, 1) for t in (q, k, v))
-        pos = torch.arange(n, device=q.device)
+    for at, valid in rows.batches(q.shape[1]):
+        qs, ks, vs = (t.float()[at].transpose(1, 2) for t in (q, k, v))  # [B, heads, n, D]
+        pos = torch.arange(at.shape[1], device=q.device)
         allowed = pos[None, :] <= pos[:, None]
         if rows.window is not None:
             allowed = allowed & (pos[None, :] > pos[:, None] - rows.window)
-        out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=allowed, scale=1.0,
-                                             enable_gqa=True)
-        outs.append(out[0].transpose(0, 1))
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=1.0, enable_gqa=True)
+        outs.append(out.transpose(1, 2)[valid])
     return torch.cat(outs).to(q.dtype)
 
 
