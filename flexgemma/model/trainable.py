@@ -170,11 +170,12 @@ class PackedRows:
         _REFERENCE_SCORES values. Built once per batch."""
         if heads not in self._batches:
             groups, first = [], 0
-            for i in range(1, len(self.lengths) + 1):
-                n = max(self.lengths[first: i + 1]) if i < len(self.lengths) else 0
-                if i == len(self.lengths) or (i + 1 - first) * heads * n * n > _REFERENCE_SCORES:
+            for i in range(1, len(self.lengths)):
+                n = max(self.lengths[first: i + 1])
+                if (i + 1 - first) * heads * n * n > _REFERENCE_SCORES:  # sequence i opens the next batch
                     groups.append((first, i))
                     first = i
+            groups.append((first, len(self.lengths)))
             device, out = self.positions.device, []
             for a, b in groups:
                 n = max(self.lengths[a:b])

@@ -141,6 +141,38 @@ def test_gradient_checkpointing_changes_no_gradient(model):
     assert all(torch.equal(got[True][1][k], got[False][1][k]) for k in got[True][1])
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_the_attention_reference_batches_sequences_as_it_would_run_them_alone(monkeypatch, window):
+    """The backward's attention maths over sequences padded into batches equals it sequence by sequence
+    (a budget of 1 score: each sequence alone), values and gradients, sliding or not."""
+    import flexgemma.model.trainable as T
+
+    lengths = [5, 9, 3, 12]
+    starts = [0, 5, 14, 17]
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(29, h, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+    up = torch.randn(29, 4, 8, generator=g)
+    got = {}
+    for budget in (1, T._REFERENCE_SCORES):
+        monkeypatch.setattr(T, "_REFERENCE_SCORES", budget)
+        rows = T.PackedRows(starts, lengths, positions, window)
+        out = T._attention_reference(q, k, v, rows)
+        got[budget] = (len(rows.batches(4)), out, torch.autograd.grad(out, (q, k, v), up))
+    (n1, alone, g1), (n2, batched, g2) = got.values()
+    assert (n1, n2) == (4, 1)
+    for start, n in zip(starts, lengths):  # each sequence's own softmax attention, written out
+        qs, ks, vs = (t[start: start + n].detach().transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(2, 0), vs.repeat_interleave(2, 0)
+        scores = qs @ ks.transpose(1, 2)
+        pos = torch.arange(n)
+        allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - (window or n))
+        want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ vs
+        assert torch.allclose(alone[start: start + n].detach(), want.transpose(0, 1), atol=1e-5)
+    assert torch.allclose(alone, batched, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g1, g2))
+
+
 # -- the GPU: every model's shapes, fewer layers ------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("model, extra", [("e2b", ["lora=r32"]), ("26b_a4b", ["quant=bnb4", "lora=r16"]),
