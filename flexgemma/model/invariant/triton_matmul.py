@@ -149,7 +149,8 @@ def _chunk_product_4bit(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
         nibble = tl.where(idx % 2 == 0, byte >> 4, byte & 15)
         scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, idx // QBLOCK, ok, stride_ae,
                               stride_ne, NESTED, DOUBLE_QUANT)
-        b = tl.where(ok, (tl.load(code_ptr + nibble) * scale).to(x_ptr.dtype.element_ty), 0.0)
+        # places past the matrix read code[0] x a scale, not 0: zero them as the slots' loads do
+        b = tl.where(ok, tl.load(code_ptr + nibble) * scale, 0.0).to(x_ptr.dtype.element_ty)
         acc = _dot_step(acc, x_ptr, rows, row_ok, ks, k_ok, stride_x, b, IEEE)
     return acc
 
