@@ -76,7 +76,7 @@ def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
 def test_triton_grouped_4bit_decodes_to_the_dequantised_bits_interpreted():
     """kernels.invariant_moe_4bit=fused through Triton's interpreter: the grouped product decoding 4-bit
     experts inside its K loop gives the bits of the dequantised slots' product (nf4 and fp4, with and
-    without double quantisation, a slot with no rows)."""
+    without double quantisation, float32 and bfloat16, a slot with no rows)."""
     pytest.importorskip("bitsandbytes")
     out = run_interpreted(INTERPRETER_LOOPS + textwrap.dedent("""
         import torch
@@ -85,17 +85,16 @@ def test_triton_grouped_4bit_decodes_to_the_dequantised_bits_interpreted():
         torch.manual_seed(0)
         cfg = dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=2)
         ids, counts = torch.tensor([2, 0, 3]), torch.tensor([7, 0, 13])
-        for quant_type in ("nf4", "fp4"):
-            for double_quant in (False, True):
-                s = Bnb4Settings(block_size=64, quant_type=quant_type, double_quant=double_quant,
-                                 compute_dtype=torch.float32)
-                w = PackedExpertWeight.pack(torch.randn(4, 48, 192), s, torch.device("cpu"))
-                x = torch.randn(20, 192)
-                fused = tm.grouped_4bit(x, w, ids, counts, 64, cfg)
-                plain = tm.grouped(x, w.dequantize(ids), counts, 64, cfg)
-                print(torch.equal(fused, plain))
+        cases = [(q, dq, torch.float32) for q in ("nf4", "fp4") for dq in (False, True)] + [("nf4", True, torch.bfloat16)]
+        for quant_type, double_quant, dtype in cases:
+            s = Bnb4Settings(block_size=64, quant_type=quant_type, double_quant=double_quant, compute_dtype=dtype)
+            w = PackedExpertWeight.pack(torch.randn(4, 48, 192, dtype=dtype), s, torch.device("cpu"))
+            x = torch.randn(20, 192, dtype=dtype)
+            fused = tm.grouped_4bit(x, w, ids, counts, 64, cfg)
+            plain = tm.grouped(x, w.dequantize(ids), counts, 64, cfg)
+            print(fused.dtype == dtype and torch.equal(fused, plain))
     """))
-    assert out.split() == ["True"] * 4
+    assert out.split() == ["True"] * 5
 
 
 # Triton's interpreter converts a loop bound held in a tensor with int(), which numpy 2 refuses for the
