@@ -288,9 +288,9 @@ class KernelsConfig:
     # kernels instead of decoded inside them (H200, one 26B-A4B bnb4 layer: fused 1,086 vs slots 1,575
     # us at 128 rows, 1,886 vs 1,678 at 512)
     moe_fused_max_entries: int = 2048
-    # how torch's path (prefill-sized steps) dequantises 4-bit experts: bnb (a gather, the scales decoded
-    # by torch, bitsandbytes' op) or triton (the slot kernel in one pass: 340 vs 658 us for 26B-A4B's
-    # 128 gate_up matrices on the H200, bit for bit; not yet timed through the engine)
+    # how torch's path (prefill-sized steps) and the invariant experts dequantise 4-bit experts: bnb (a
+    # gather, the scales decoded by torch, bitsandbytes' op) or triton (the slot kernel in one pass: 340
+    # vs 658 us for 26B-A4B's 128 gate_up matrices on the H200, bit for bit; not yet timed through the engine)
     moe_dequant: str = "bnb"
     # engine.batch_invariant (model/invariant/): each sets a row's summation order, so each is part of the
     # result (any value is batch-invariant): the K elements a product sums before adding the next chunk,
@@ -302,9 +302,9 @@ class KernelsConfig:
     # speed only (the bits are the same either way): an invariant product of fewer output tiles than this
     # runs a program per tile and K chunk, then sums the chunks in order (small row counts' parallelism)
     invariant_split_below_tiles: int = 264
-    # speed only (the same bits): an invariant step's 4-bit experts dequantised into slots before the
-    # product (dequant), or decoded inside the product's K loop (fused: no [experts x out x in] copy a
-    # layer and step; not yet timed on the H200)
+    # an invariant step's 4-bit experts dequantised into slots before the product (dequant, bitsandbytes'
+    # op), or decoded inside the product's K loop as the slot kernel decodes them (fused: no [experts x
+    # out x in] copy a layer and step; not yet timed on the H200). Invariant either way
     invariant_moe_4bit: str = "dequant"
     # task.trainer_forward=engine: vocabulary columns of one slice of the trainer's head (whole lane steps);
     # 0: as many as keep a [rows x slice] float32 block within 512 MiB (memory against launches)

@@ -29,8 +29,9 @@ def grouped_linear(rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, k_
 
 
 def grouped_linear_4bit(rows: torch.Tensor, w, ids: torch.Tensor, counts: torch.Tensor, k_chunk: int) -> torch.Tensor:
-    """grouped_linear(rows, w.dequantize(ids), counts) bit for bit, the 4-bit weights decoded inside the
-    product on a GPU (kernels.invariant_moe_4bit=fused: no [slots, out, K] copy a layer and step)."""
+    """grouped_linear(rows, the slot kernel's dequantisation of w's experts ids, counts) bit for bit, the
+    4-bit weights decoded inside the product on a GPU (kernels.invariant_moe_4bit=fused: no [slots, out,
+    K] copy a layer and step); the CPU dequantises as the dequant path does."""
     if not rows.is_cuda:
         return grouped_linear(rows, w.dequantize(ids), counts, k_chunk)
     from flexgemma.model.invariant import triton_matmul
@@ -46,9 +47,19 @@ class InvariantExperts:
     def __init__(self, kernels=None):
         self.k_chunk = kernels.invariant_k_chunk if kernels is not None else K_CHUNK
         self.fused_4bit = kernels is not None and kernels.invariant_moe_4bit == "fused"
+        self.slot_kernel = kernels is not None and kernels.moe_dequant == "triton"  # else bitsandbytes' op
 
     def takes(self, *args) -> bool:
         return True
+
+    def _dequantize(self, w, experts: torch.Tensor) -> torch.Tensor:
+        """[S, out, in] weights of 4-bit experts `experts`: the slot kernel's (kernels.moe_dequant=triton, a
+        GPU) or bitsandbytes' op (the fused path decodes as the slot kernel does)."""
+        if self.slot_kernel and experts.is_cuda:
+            from flexgemma.model.moe_kernel import dequantize_slots
+
+            return dequantize_slots(w, experts.to(torch.int32), w.dtype)
+        return w.dequantize(experts)
 
     def __call__(self, x, top_k_index, top_k_weights, gate_up, down, act) -> torch.Tensor:
         t, k = top_k_index.shape
@@ -61,10 +72,10 @@ class InvariantExperts:
             slot = torch.empty(n_exp, dtype=torch.long, device=flat.device)
             slot[experts] = torch.arange(experts.numel(), device=flat.device)
             flat, groups = slot[flat], experts.numel()
-            if self.fused_4bit:  # decoded inside the product: the same bits as the dequantised slots
+            if self.fused_4bit:  # decoded inside the product
                 decoded_in = experts
             else:  # dequantised exactly, then the plain product
-                gate_up, down = gate_up.dequantize(experts), down.dequantize(experts)
+                gate_up, down = self._dequantize(gate_up, experts), self._dequantize(down, experts)
 
         def product(rows, w, counts):
             if decoded_in is not None:

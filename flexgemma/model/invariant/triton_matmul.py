@@ -208,7 +208,8 @@ def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kc: int, cfg
 
 def grouped_4bit(x: torch.Tensor, w, ids: torch.Tensor, counts: torch.Tensor, kc: int, cfg: dict) -> torch.Tensor:
     """x [M, K] rows grouped by slot (`counts` [S] rows each), slot s against 4-bit expert ids[s] of
-    `w` (a quant.PackedExpertWeight [E, N, K]) -> [M, N]: `grouped` over w.dequantize(ids), bit for bit."""
+    `w` (a quant.PackedExpertWeight [E, N, K]) -> [M, N]: `grouped` over moe_kernel.dequantize_slots(w, ids),
+    bit for bit."""
     from flexgemma.model.triton4bit import code4
 
     m, k = x.shape
