@@ -34,7 +34,7 @@ run() {  # name timeout command...
   if (( limit < 30 )); then echo "== $name skipped: ${left}s left"; return 0; fi
   timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - t0 ))s"
-  grep -E "passed|failed|^FAILED|Error:|tok/s|output tok|peak memory|status|^  [a-z/_.]+ *=|verdict|EQUAL|PARTS|forward\+backward|^trainer\.|^# profile|winner|faster|within noise|GRPO|parity|best|^decode |sum over|GPU per|  host " \
+  grep -E "passed|failed|^FAILED|Error:|tok/s|output tok|peak memory|status|^  [a-z/_.]+ *=|verdict|EQUAL|PARTS|bits equal| ms \\(median|forward\+backward|^trainer\.|^# profile|winner|faster|within noise|GRPO|parity|best|^decode |sum over|GPU per|  host " \
     "$WORK/$name.log" | grep -v DEBUG | tail -25
   pack
 }
@@ -97,8 +97,9 @@ run inv_e4b 570 bash -c 'sweep inv_e4b experiment=rl_batch_e4b engine.batch_inva
 run inv_26b 570 bash -c 'sweep inv_26b experiment=rl_batch_26b_a4b engine.batch_invariant=false,true'
 run inv_26b_bnb4 570 bash -c 'sweep inv_26b_bnb4 experiment=rl_batch_26b_a4b quant=bnb4 engine.batch_invariant=false,true'
 # the invariant mode's 4-bit experts dequantised into slots against decoded inside the product (same bits)
-run inv_26b_bnb4_fused 570 bash -c 'sweep inv_26b_bnb4_fused experiment=rl_batch_26b_a4b quant=bnb4 \
-  engine.batch_invariant=true kernels.invariant_moe_4bit=dequant,fused'
+run inv_26b_bnb4_fused 570 bash -c 'python3 experiments/bench_invariant_4bit.py --tokens 32; \
+  python3 experiments/bench_invariant_4bit.py --tokens 128; sweep inv_26b_bnb4_fused experiment=rl_batch_26b_a4b \
+  quant=bnb4 engine.batch_invariant=true kernels.invariant_moe_4bit=dequant,fused'
 run inv_31b 570 bash -c 'sweep inv_31b experiment=rl_batch_31b engine.batch_invariant=false,true'
 run speed_inv 240 bash -c 'job speed_inv experiment=speed_e2b engine.batch_invariant=true'
 
