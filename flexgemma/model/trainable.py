@@ -189,9 +189,10 @@ class PackedRows:
 
     def pages(self, page: int) -> tuple[torch.Tensor, torch.Tensor, int, RowTable]:
         """(each token's slot [T], the page table [sequences + 1, pages], slots in all, the queries'
-        RowTable) of the batch laid out as a paged pool: each sequence on pages of its own, page 0 left
-        empty, the table's last row listing no page. Built once per batch, read by every layer."""
-        if self._pages is None:
+        RowTable) of the batch laid out as a paged pool of `page`-slot pages (the engine's page size):
+        each sequence on pages of its own, page 0 left empty, the table's last row listing no page.
+        Built once per batch, read by every layer."""
+        if self._pages is None or self._pages[0] != page:
             device = self.positions.device
             counts = [-(-n // page) for n in self.lengths]
             table = torch.full((len(counts) + 1, max(counts + [1])), -1, dtype=torch.int32)
@@ -206,8 +207,8 @@ class PackedRows:
             table = table.to(device)
             rows = RowTable(table, q_row.to(device), self.positions.int(), self.window, False, max(self.lengths),
                             list(zip(self.starts, self.lengths)))
-            self._pages = (slot_of.to(device), table, nxt * page, rows)
-        return self._pages
+            self._pages = (page, (slot_of.to(device), table, nxt * page, rows))
+        return self._pages[1]
 
 
 class PackedKV:
@@ -529,8 +530,8 @@ class TrainableForward:
 
     engine_forward: the engine's GemmaForward, built with engine.batch_invariant (its products, attention,
     glue and experts are what this runs); lora: the engine's LoraAdapters (merged weights must be current:
-    the caller refreshes them after changing the factors). Layers are recomputed in the backward
-    (`checkpoint`): only each layer's input is kept."""
+    the caller refreshes them after changing the factors). checkpoint (task.gradient_checkpointing): each
+    layer recomputed in the backward, only its input kept; else every op's inputs are kept."""
 
     def __init__(self, engine_forward, lora=None, checkpoint: bool = True):
         from flexgemma.config import ConfigError
