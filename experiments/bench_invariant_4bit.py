@@ -1,6 +1,6 @@
 """kernels.invariant_moe_4bit on one 26B-A4B MoE projection (GPU): the routed 4-bit experts dequantised
 into slots then the invariant grouped product (dequant), against decoded inside the product (fused).
-Checks the bits agree, then times both (median of --rounds, CUDA events).
+Checks the bits agree, then times both (tasks.common.cuda_time_ms: medians of --rounds, CUDA events).
 
     python experiments/bench_invariant_4bit.py [--tokens 32] [--rounds 20]
 """
@@ -8,7 +8,6 @@ Checks the bits agree, then times both (median of --rounds, CUDA events).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
@@ -23,6 +22,7 @@ def main() -> None:
     from flexgemma.model.invariant.matmul import K_CHUNK, _tiles
     from flexgemma.model.moe_kernel import dequantize_slots
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+    from flexgemma.tasks.common import cuda_time_ms
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
@@ -43,16 +43,7 @@ def main() -> None:
 
     print(f"# {a.tokens} tokens x 8 choices over {ids.numel()} experts; bits equal: {torch.equal(dequant(), fused())}")
     for name, fn in (("dequant", dequant), ("fused", fused)):
-        times = []
-        for _ in range(a.rounds):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        print(f"{name:8s} {statistics.median(times):8.3f} ms (median of {a.rounds})", flush=True)
-
+        print(f"{name:8s} {cuda_time_ms(fn, iters=a.rounds):8.3f} ms (median of {a.rounds})", flush=True)
 
 if __name__ == "__main__":
     main()
