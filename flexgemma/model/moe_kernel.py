@@ -338,6 +338,15 @@ def dequantize_slots(w, ids: torch.Tensor, dtype: torch.dtype, nbytes: int = DEQ
     return out
 
 
+def dequantize_experts(w, experts: Optional[torch.Tensor], how: str) -> torch.Tensor:
+    """[S, R, C] weights of 4-bit experts `experts` ([S] ids; all when None) the way kernels.moe_dequant
+    names: bnb (bitsandbytes' op after torch decodes the scales) or triton (the slot kernel, one pass)."""
+    if how == "bnb":
+        return w.dequantize(experts)
+    ids = torch.arange(w.shape[0], device=w.packed.device) if experts is None else experts
+    return dequantize_slots(w, ids.to(torch.int32), w.dtype)
+
+
 def expert_slots(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For a step's routing: ids [S] of the experts with rows (ascending; -1 pads to the static
     S = min(E, entries)) and slots [E] (expert -> its position in ids, -1 when it has no rows)."""
@@ -506,7 +515,4 @@ class TritonExperts:
         """Torch's path (prefill-sized steps) over 4-bit experts: [S, R, C] weights of `experts` ([S]
         ids; all when None) the way kernels.moe_dequant names, bitsandbytes' weights bit for bit
         either way."""
-        if self.kernels.moe_dequant == "bnb":
-            return w.dequantize(experts)
-        ids = torch.arange(w.shape[0], device=w.packed.device) if experts is None else experts
-        return dequantize_slots(w, ids.to(torch.int32), w.dtype)
+        return dequantize_experts(w, experts, self.kernels.moe_dequant)

@@ -47,19 +47,19 @@ class InvariantExperts:
     def __init__(self, kernels=None):
         self.k_chunk = kernels.invariant_k_chunk if kernels is not None else K_CHUNK
         self.fused_4bit = kernels is not None and kernels.invariant_moe_4bit == "fused"
-        self.slot_kernel = kernels is not None and kernels.moe_dequant == "triton"  # else bitsandbytes' op
+        self.moe_dequant = kernels.moe_dequant if kernels is not None else "bnb"
 
     def takes(self, *args) -> bool:
         return True
 
     def _dequantize(self, w, experts: torch.Tensor) -> torch.Tensor:
-        """[S, out, in] weights of 4-bit experts `experts`: the slot kernel's (kernels.moe_dequant=triton, a
-        GPU) or bitsandbytes' op (the fused path decodes as the slot kernel does)."""
-        if self.slot_kernel and experts.is_cuda:
-            from flexgemma.model.moe_kernel import dequantize_slots
+        """[S, out, in] weights of 4-bit experts `experts` as kernels.moe_dequant names (the slot kernel
+        on a GPU only; the fused path decodes as the slot kernel does)."""
+        if not experts.is_cuda:
+            return w.dequantize(experts)
+        from flexgemma.model.moe_kernel import dequantize_experts
 
-            return dequantize_slots(w, experts.to(torch.int32), w.dtype)
-        return w.dequantize(experts)
+        return dequantize_experts(w, experts, self.moe_dequant)
 
     def __call__(self, x, top_k_index, top_k_weights, gate_up, down, act) -> torch.Tensor:
         t, k = top_k_index.shape
