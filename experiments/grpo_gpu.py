@@ -34,6 +34,9 @@ JOBS = {
                       "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=flexgemma"],
     "e2b_exact": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
                   "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=flexgemma", *EXACT],
+    "e2b_exact_keep": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
+                       "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=flexgemma", *EXACT,
+                       "task.gradient_checkpointing=false"],
     "e2b_trl": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
                 "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=trl"],
     "26b_bnb4_exact": ["+model=26b_a4b", "quant=bnb4", "lora=r16", "task.prompts_per_step=4",
@@ -49,6 +52,8 @@ SMOKE = ["device=cpu", "model.dtype=float32", "workload.num_prompts=8", "workloa
          "task.micro_batch=4", "task.reward.high=67"]
 SMOKE_JOBS = {"e2b_flexgemma": ["+model=tiny", "lora=r32", "task.generator=flexgemma", *SMOKE],
               "e2b_exact": ["+model=tiny", "lora=r32", "task.generator=flexgemma", *SMOKE, *EXACT],
+              "e2b_exact_keep": ["+model=tiny", "lora=r32", "task.generator=flexgemma", *SMOKE, *EXACT,
+                                 "task.gradient_checkpointing=false"],
               "e2b_trl": ["+model=tiny", "lora=r32", "task.generator=trl", *SMOKE],
               "26b_bnb4_exact": ["+model=tiny_moe", "quant=bnb4", "lora=r16", "task.generator=flexgemma", *SMOKE,
                                  "model.dtype=bfloat16", *EXACT],

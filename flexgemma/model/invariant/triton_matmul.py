@@ -206,6 +206,13 @@ def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kc: int, cfg
     return out
 
 
+def _stages_4bit(cfg: dict) -> dict:
+    """cfg with at most 2 pipeline stages: the K loop's per-weight code and scale loads, buffered 4 deep,
+    need 316 KiB of shared memory at 64 x 64 x 128 (the H200 has 227). Stages only overlap loads: the
+    dot steps, so the bits, stay the same."""
+    return dict(cfg, num_stages=min(cfg["num_stages"], 2))
+
+
 def grouped_4bit(x: torch.Tensor, w, ids: torch.Tensor, counts: torch.Tensor, kc: int, cfg: dict) -> torch.Tensor:
     """x [M, K] rows grouped by slot (`counts` [S] rows each), slot s against 4-bit expert ids[s] of
     `w` (a quant.PackedExpertWeight [E, N, K]) -> [M, N]: `grouped` over moe_kernel.dequantize_slots(w, ids),
@@ -224,5 +231,5 @@ def grouped_4bit(x: torch.Tensor, w, ids: torch.Tensor, counts: torch.Tensor, kc
             x, w.packed, absmax, code4(w.quant_type, x.device), w.nested_code if dq else absmax, nested,
             w.nested_offset if dq else absmax, ids, out, expert, first, end, m, counts.shape[0], n, k, x.stride(0),
             w.packed.stride(0), absmax.stride(0), nested.stride(0), triton.cdiv(k, kc), KC=kc, QBLOCK=w.block_size,
-            NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, enable_fp_fusion=False, **_meta(x, cfg))
+            NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, enable_fp_fusion=False, **_meta(x, _stages_4bit(cfg)))
     return out
