@@ -42,6 +42,14 @@ def main() -> None:
         return tm.grouped_4bit(x, w, ids, counts, K_CHUNK, cfg)
 
     print(f"# {a.tokens} tokens x 8 choices over {ids.numel()} experts; bits equal: {torch.equal(dequant(), fused())}")
+    # a row's bits must not depend on the tile table entry (decode takes 16-row tiles, prefill 64)
+    slots = dequantize_slots(w, ids.to(torch.int32), dt)
+    outs = {f"{path} BM={rows}": fn(_tiles(rows, dt)) for rows in (16, 64) for path, fn in
+            (("dequant", lambda c: tm.grouped(x, slots, counts, K_CHUNK, c)),
+             ("fused", lambda c: tm.grouped_4bit(x, w, ids, counts, K_CHUNK, c)))}
+    first = next(iter(outs))
+    for name, o in outs.items():
+        print(f"bits equal: {name} vs {first}: {torch.equal(o, outs[first])}")
     for name, fn in (("dequant", dequant), ("fused", fused)):
         print(f"{name:8s} {cuda_time_ms(fn, iters=a.rounds):8.3f} ms (median of {a.rounds})", flush=True)
 

@@ -398,6 +398,10 @@ class TaskConfig:
     # MoE models, trainer_forward=engine: the trainer routes each completion token to the experts the rollout
     # routed it to (R3, arXiv 2510.11370); grpo/router_flip_rate is logged either way
     routing_replay: bool = False
+    # the trainer's logprobs behind the IS ratio and the mismatch metrics: separate (a no-grad forward after
+    # each rollout, as TRL's vLLM path) or loss (the loss's own forward, one forward fewer a step: the same
+    # weights, since each rollout trains one optimizer step); null: loss with trainer_forward=engine
+    ratio_forward: Optional[str] = None
     # grpo checkpoints (<job dir>/trainer/checkpoint-<step>: adapter, optimizer, scheduler, RNG, trainer state)
     save_every: int = 0  # a checkpoint every N optimizer steps (0: none)
     keep_checkpoints: int = 2  # the newest N are kept
@@ -415,6 +419,13 @@ class TaskConfig:
             raise ConfigError(f"task.save_every={self.save_every} is invalid: 0 (no checkpoints) or N >= 1 steps")
         if self.gradient_checkpointing is None:
             self.gradient_checkpointing = self.trainer_forward == "engine"
+        if self.ratio_forward is None:
+            self.ratio_forward = "loss" if self.trainer_forward == "engine" else "separate"
+        if self.ratio_forward not in ("separate", "loss"):
+            raise ConfigError(f"task.ratio_forward={self.ratio_forward!r} is invalid: separate or loss")
+        if self.ratio_forward == "loss" and self.trainer_forward != "engine":
+            raise ConfigError("task.ratio_forward=loss reads the IS ratio off the engine forward's loss pass: add "
+                              "task.trainer_forward=engine engine.batch_invariant=true, or use task.ratio_forward=separate")
 
 
 @dataclass

@@ -174,6 +174,7 @@ METRICS: dict[str, str] = {
     "grpo/generator": "flexgemma (the engine generates) | trl (TRL's transformers generate)",
     "grpo/trainer_forward": "what computed the trainer's logprobs: transformers, or engine (the engine's kernels)",
     "grpo/gradient_checkpointing": "whether the trainer's backward recomputed its activations (task.gradient_checkpointing)",
+    "grpo/ratio_forward": "which trainer forward gave the IS ratio and mismatch metrics: separate (a no-grad pass) or loss (task.ratio_forward)",
     "grpo/ranks": "processes that trained (torchrun/accelerate world size): one engine and one shard of prompts each",
     "grpo/wall_s": "wall time of trainer.train() (s)",
     "grpo/shared_base_bytes": "bytes of the weights trainer and engine share (one copy: base, norms, embeddings, "

@@ -211,13 +211,22 @@ def make_trainer_class():
         """GRPOTrainer + the engine's importance-sampling correction and per-step mismatch/timing stats."""
 
         def __init__(self, *args, is_correction: bool = True, engine_forward=None, shared=None,
-                     routing_replay: bool = False, **kwargs):
+                     routing_replay: bool = False, ratio_forward: str = "separate", **kwargs):
             super().__init__(*args, **kwargs)
             self.is_correction = is_correction
             self.step_stats: dict[str, float] = {}
             # task.trainer_forward=engine: a model.trainable.TrainableForward (None: transformers' forward)
             self.engine_forward, self.shared, self.routing_replay = engine_forward, shared, routing_replay
             self._routed: Optional[list] = None  # (sequence, trainer routing) pairs while the IS forward runs
+            # task.ratio_forward=loss: the IS ratio from each micro-batch's loss forward (the weights a rollout
+            # trains with are the ones it sampled with only while each rollout makes one optimizer step)
+            self.ratio_in_loss = ratio_forward == "loss"
+            if self.ratio_in_loss and (engine_forward is None or self.num_iterations != 1
+                                       or self.args.steps_per_generation > self.args.gradient_accumulation_steps):
+                raise ValueError("ratio_forward='loss' needs the engine's forward and one optimizer step a rollout "
+                                 "(num_iterations=1, steps_per_generation <= gradient_accumulation_steps)")
+            self._loss_inputs: Optional[dict] = None  # the micro-batch whose loss forward runs now
+            self._step_parts: list = []  # (trainer logps, engine logps, mask) of this step's micro-batches
 
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                                compute_entropy=False, compute_aux_loss=False, **kwargs):
@@ -226,8 +235,51 @@ def make_trainer_class():
                     model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                     **kwargs)
             replay_of = self.rollout_func.routed_by_seq if self.routing_replay and self.rollout_func else None
-            return engine_logps(self.engine_forward, self.shared, input_ids, attention_mask, logits_to_keep,
-                                batch_size or input_ids.size(0), compute_entropy, replay_of, self._routed)
+            inputs = self._loss_inputs
+            if inputs is not None and self._routed is None and self.rollout_func is not None and self.rollout_func.moe:
+                self._routed = []
+            out = engine_logps(self.engine_forward, self.shared, input_ids, attention_mask, logits_to_keep,
+                               batch_size or input_ids.size(0), compute_entropy, replay_of, self._routed)
+            if inputs is not None and inputs.get("sampling_per_token_logps") is not None:
+                self._ratio_from_loss_forward(inputs, out[0].detach())
+            return out
+
+        def _ratio_from_loss_forward(self, inputs: dict, trainer_lp: torch.Tensor) -> None:
+            """ratio_forward=loss: this micro-batch's IS ratio from its loss forward, folded into the advantages
+            TRL reads after this forward; the step's mismatch statistics are taken over all its micro-batches."""
+            engine_lp, mask = inputs["sampling_per_token_logps"], inputs["completion_mask"]
+            self._step_parts.append((trainer_lp, engine_lp, mask))
+            if self.is_correction:
+                a = self.args
+                ratio, _ = mismatch_stats(trainer_lp, engine_lp, mask, a.vllm_importance_sampling_clip_min,
+                                          a.vllm_importance_sampling_clip_max)
+                adv = inputs["advantages"]
+                inputs["advantages"] = (adv.unsqueeze(1) if adv.dim() == 1 else adv) * ratio.to(adv.dtype)
+
+        def _compute_loss(self, model, inputs):
+            if not self.ratio_in_loss:
+                return super()._compute_loss(model, inputs)
+            self._loss_inputs = inputs
+            try:
+                return super()._compute_loss(model, inputs)
+            finally:
+                self._loss_inputs = None
+
+        def close_step_stats(self) -> dict:
+            """This step's statistics (ratio_forward=loss: the mismatch over every micro-batch's loss forward);
+            the next step starts empty."""
+            stats, self.step_stats = self.step_stats, {}
+            parts, self._step_parts = self._step_parts, []
+            if parts:
+                a = self.args
+                _, mism = mismatch_stats(*(torch.cat(p) for p in zip(*parts)), a.vllm_importance_sampling_clip_min,
+                                         a.vllm_importance_sampling_clip_max)
+                stats.update(mism)
+            if self.ratio_in_loss and self.rollout_func is not None and self.rollout_func.moe:
+                routed, self._routed = self._routed or [], None
+                stats["router_flip_rate"] = router_flip_rate([(self.rollout_func.routed_by_seq.get(seq), r)
+                                                              for seq, r in routed])
+            return stats
 
         def _trainer_logps_and_flips(self, ids, attn, keep: int):
             return trainer_logps_and_flips(self, ids, attn, keep)
@@ -244,7 +296,7 @@ def make_trainer_class():
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
             engine_lp = out.get("sampling_per_token_logps")
-            if engine_lp is None or self.use_vllm:
+            if engine_lp is None or self.use_vllm or self.ratio_in_loss:
                 return out
             ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
             attn = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
@@ -265,7 +317,7 @@ def make_trainer_class():
 def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=None, prompt_ids_of=None,
                  generator: str = "flexgemma", is_correction: bool = True, callbacks=None, rank: int = 0,
                  world_size: int = 1, trainer_forward: str = "transformers", routing_replay: bool = False,
-                 gradient_checkpointing: bool = True):
+                 gradient_checkpointing: bool = True, ratio_forward: str = "separate"):
     """A FlexGemmaGRPOTrainer training `engine`'s LoRA adapter (one model: see shared.SharedModel),
     generating through the engine (generator="flexgemma") or with TRL's transformers generate ("trl").
 
@@ -279,6 +331,8 @@ def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=Non
     experts the rollout routed it to (R3).
     gradient_checkpointing: trainer_forward="engine": recompute each layer in the backward (only each layer's
     input kept); transformers' forward takes TRL's args.gradient_checkpointing instead.
+    ratio_forward: "separate" (a no-grad forward after each rollout gives the IS ratio and mismatch metrics)
+    or "loss" (trainer_forward="engine": each micro-batch's loss forward gives them; one forward fewer).
     Returns (trainer, shared, rollout or None)."""
     from flexgemma.rl.shared import SharedModel
     from flexgemma.rl.tokenizer import tiny_tokenizer
@@ -305,6 +359,6 @@ def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=Non
         model=shared.peft_model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
         processing_class=tokenizer, rollout_func=rollout, callbacks=callbacks,
         is_correction=is_correction and rollout is not None, engine_forward=engine_forward, shared=shared,
-        routing_replay=routing_replay,
+        routing_replay=routing_replay, ratio_forward=ratio_forward,
     )
     return trainer, shared, rollout

@@ -206,7 +206,7 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
             _sync()
             step_s = time.perf_counter() - self.t0
             trainer = trainer_ref[0]
-            stats, rollout = trainer.step_stats, trainer.rollout_func
+            stats, rollout = trainer.close_step_stats(), trainer.rollout_func
             w = ranks.world()
             # one process: nothing to compare, and hashing a large adapter would only cost time
             digest = ranks.adapter_digest(trainer_ref[1].lora.slots) if w.size > 1 else ""
@@ -243,7 +243,6 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
             log.info("grpo step %d/%d: reward %.3f, step %.2f s (rollout %.2f s, refresh %.1f ms), |dlogp| %.2g",
                      state.global_step, state.max_steps, row["grpo/reward_mean"], step_s, rollout_s,
                      row["grpo/refresh_ms"], row["grpo/logprob_absdiff_mean"])
-            trainer_ref[0].step_stats = {}
 
     return StepLogger()
 
@@ -376,7 +375,7 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
         engine, grpo_args(cfg, recorder.dir, device, w.size), [reward], dataset, tokenizer, ids_of, generator,
         bool(t.is_correction), callbacks=[logger], rank=w.rank, world_size=w.size,
         trainer_forward=str(t.trainer_forward), routing_replay=bool(t.routing_replay),
-        gradient_checkpointing=bool(t.gradient_checkpointing))
+        gradient_checkpointing=bool(t.gradient_checkpointing), ratio_forward=str(t.ratio_forward))
     ref.extend([trainer, shared])
     trainer.remove_callback(PrinterCallback)  # TRL's per-step dict print; the rows go to metrics.jsonl
     resume = resume_point(t, recorder.dir / "trainer")
@@ -389,6 +388,7 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
                     for v in st.values() if torch.is_tensor(v))
     summary.update({"grpo/generator": generator, "grpo/trainer_forward": str(t.trainer_forward),
                     "grpo/gradient_checkpointing": bool(t.gradient_checkpointing),
+                    "grpo/ratio_forward": str(t.ratio_forward),
                     "grpo/wall_s": train_wall, "grpo/optimizer_state_bytes": opt_bytes, "grpo/ranks": w.size,
                     **{f"grpo/{k}": v for k, v in shared.base_bytes().items()}})
     # the engine ends with the trained adapter: what the saved directory reloads to

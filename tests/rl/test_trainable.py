@@ -240,18 +240,67 @@ def _rows(path):
     return [json.loads(line) for line in open(path / "metrics.jsonl")]
 
 
-@pytest.mark.parametrize("model, dtype", [("tiny", "float32"), ("tiny_moe", "bfloat16")])
-def test_grpo_trainer_and_rollout_agree_exactly(tmp_path, model, dtype):
+@pytest.mark.parametrize("model, dtype, ratio_forward", [("tiny", "float32", "loss"), ("tiny_moe", "bfloat16", "loss"),
+                                                          ("tiny_moe", "bfloat16", "separate")])
+def test_grpo_trainer_and_rollout_agree_exactly(tmp_path, model, dtype, ratio_forward):
     from flexgemma import compose
     from flexgemma.run import run_job
 
-    summary = run_job(compose([f"+model={model}", *EXACT, f"model.dtype={dtype}", "task.steps=3"]), tmp_path)
+    summary = run_job(compose([f"+model={model}", *EXACT, f"model.dtype={dtype}", "task.steps=3", "task.micro_batch=4",
+                               f"task.ratio_forward={ratio_forward}"]), tmp_path)
     assert summary["status"] == "ok" and summary["grpo/trainer_forward"] == "engine"
     assert summary["grpo/gradient_checkpointing"] is True  # null: on for the engine's forward
+    assert summary["grpo/ratio_forward"] == ratio_forward
     rows = _rows(tmp_path)
     assert len(rows) == 3
     for r in rows:  # every step, every token: the importance ratios are exactly 1
         assert r["grpo/logprob_absdiff_max"] == 0.0 and r["grpo/kl_k3"] == 0.0 and r["grpo/is_ratio_max"] == 1.0
+        if model == "tiny_moe":
+            assert r["grpo/router_flip_rate"] == 0.0
+
+
+def test_the_loss_forwards_ratio_trains_as_the_separate_forwards(tmp_path, monkeypatch):
+    """task.ratio_forward=loss reads the IS ratio off each micro-batch's loss forward. With the trainer's
+    logprobs moved off the rollout's by a fixed amount per token (so that the ratios are not all 1), it trains
+    the same adapter bit for bit and reports the same mismatch as a separate no-grad forward after each rollout."""
+    from safetensors.torch import load_file
+
+    from flexgemma import compose
+    from flexgemma.rl import rollout
+    from flexgemma.run import run_job
+
+    real = rollout.engine_logps
+
+    def moved(forward, shared, input_ids, attention_mask, keep, *args, **kwargs):
+        lps, ents, aux = real(forward, shared, input_ids, attention_mask, keep, *args, **kwargs)
+        return lps + 0.3 * torch.sin(input_ids[:, -keep:].to(lps.dtype)), ents, aux
+
+    monkeypatch.setattr(rollout, "engine_logps", moved)
+    out = {}
+    for mode in ("separate", "loss"):
+        d = tmp_path / mode
+        run_job(compose(["+model=tiny", *EXACT, "model.dtype=float32", "task.steps=2", "task.micro_batch=4",
+                         f"task.ratio_forward={mode}"]), d)
+        out[mode] = (load_file(str(next((d / "adapter").glob("*.safetensors")))), _rows(d))
+    (a, rows_a), (b, rows_b) = out["separate"], out["loss"]
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert len(rows_a) == len(rows_b) == 2
+    for ra, rb in zip(rows_a, rows_b):
+        assert ra["grpo/logprob_absdiff_max"] > 0.1 and ra["grpo/is_ratio_max"] > 1.1  # the ratios are not all 1
+        for k in ("grpo/logprob_absdiff_mean", "grpo/logprob_absdiff_max", "grpo/kl_k3", "grpo/is_ratio_max",
+                  "grpo/is_ratio_p99"):
+            assert ra[k] == rb[k], k
+
+
+def test_ratio_forward_loss_needs_the_engines_forward():
+    from flexgemma import ConfigError, compose
+
+    with pytest.raises(ConfigError, match="task.trainer_forward=engine"):
+        compose(["+model=tiny", "task=grpo", "task.ratio_forward=loss"])
+    with pytest.raises(ConfigError, match="separate or loss"):
+        compose(["+model=tiny", "task=grpo", "task.ratio_forward=both"])
+    assert compose(["+model=tiny", "task=grpo", *EXACT[-2:]]).task.ratio_forward == "loss"
+    assert compose(["+model=tiny", "task=grpo"]).task.ratio_forward == "separate"
 
 
 @pytest.mark.slow
