@@ -5,7 +5,7 @@
 #   bash experiments/gpu_suite.sh STAGE...
 #   SWEEP="experiment=rl_batch_31b kernels.prefill_full_blocks=true,false" bash experiments/gpu_suite.sh sweep
 #   MODEL=31b ROWS=64 CONTEXT=416 bash experiments/gpu_suite.sh decode_sweep
-# Stages (in this order): tests tests_kernels invariant_4bit bench_4bit invariant_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_26b_bnb4_fused inv_31b speed_inv ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_26b grpo_e2b grpo_e2b_exact grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_26b_exact grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode decode_sweep profile_round bench_kernels speed_old_new
+# Stages (in this order): tests tests_kernels invariant_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_26b grpo_e2b grpo_e2b_exact grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_26b_exact grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode decode_sweep profile_round bench_kernels speed_old_new
 # Each job's directory (summary.json, metrics.jsonl, config_resolved.yaml) and each sweep's report.md
 # go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into $OUT/results.tgz and a
 # digest is printed. Expects the wheels of
@@ -74,11 +74,6 @@ export L6
 run tests 420 bash -c gpu_tests
 run tests_kernels 300 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s tests/model/test_moe_kernel.py \
   tests/model/test_linear4bit.py tests/engine/test_sampling.py
-# the 4-bit invariant experts alone (kernels.invariant_moe_4bit=fused against dequant)
-run invariant_4bit 240 python3 -m pytest -q -p no:logging -m gpu --durations=0 tests/engine/test_invariant.py -k 4bit
-# the fused 4-bit grouped product against dequantise-then-product, both tile table entries (bits, then times)
-run bench_4bit 120 bash -c 'python3 experiments/bench_invariant_4bit.py --tokens 32 --rounds 5; \
-  python3 experiments/bench_invariant_4bit.py --tokens 512 --rounds 5'
 # batch invariance and the trainer through the engine's kernels (issues 34, 35): every model's shapes
 run invariant_tests 540 python3 -m pytest -q -p no:logging -m gpu --durations=0 tests/engine/test_invariant.py \
   tests/rl/test_trainable.py
@@ -102,9 +97,6 @@ run inv_e4b 570 bash -c 'sweep inv_e4b experiment=rl_batch_e4b engine.batch_inva
 run inv_26b 570 bash -c 'sweep inv_26b experiment=rl_batch_26b_a4b engine.batch_invariant=false,true'
 run inv_26b_bnb4 570 bash -c 'sweep inv_26b_bnb4 experiment=rl_batch_26b_a4b quant=bnb4 engine.batch_invariant=false,true'
 # the invariant mode's 4-bit experts dequantised into slots against decoded inside the product (same bits)
-run inv_26b_bnb4_fused 570 bash -c 'python3 experiments/bench_invariant_4bit.py --tokens 32; \
-  python3 experiments/bench_invariant_4bit.py --tokens 128; sweep inv_26b_bnb4_fused experiment=rl_batch_26b_a4b \
-  quant=bnb4 engine.batch_invariant=true kernels.invariant_moe_4bit=dequant,fused'
 run inv_31b 570 bash -c 'sweep inv_31b experiment=rl_batch_31b engine.batch_invariant=false,true'
 run speed_inv 240 bash -c 'job speed_inv experiment=speed_e2b engine.batch_invariant=true'
 

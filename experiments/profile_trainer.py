@@ -94,16 +94,24 @@ def profile(tf, shared, batch, weights) -> None:
     def self_device_us(e) -> float:
         return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
 
-    scopes = sorted((e for e in events if e.key.startswith("trainer.")), key=device_us, reverse=True)
-    kernels = sum(self_device_us(e) for e in events) / 1e6
+    # a record_function scope is two events under one key: the host range and its GPU annotation (whose
+    # own "self" device time is the range, not kernels): one row per scope, kept out of the kernel sums
+    scopes: dict[str, list] = {}
+    for e in events:
+        if e.key.startswith("trainer."):
+            row = scopes.setdefault(e.key, [0, 0.0, 0.0])
+            row[0] = max(row[0], e.count)
+            row[1] = max(row[1], device_us(e) / 1e6)
+            row[2] = max(row[2], e.cpu_time_total / 1e6)
+    kernel_events = [e for e in events if not e.key.startswith("trainer.") and self_device_us(e) > 0]
+    kernels = sum(self_device_us(e) for e in kernel_events) / 1e6
     print(f"# profile of one micro-batch ({len(batch[0])} sequences): wall {wall:.3f} s (profiled), GPU kernels "
           f"{kernels:.3f} s", flush=True)
     print(f"{'scope':34s} {'calls':>6s} {'GPU s':>8s} {'CPU s':>8s}")
-    for e in scopes:
-        print(f"{e.key:34s} {e.count:6d} {device_us(e) / 1e6:8.3f} {e.cpu_time_total / 1e6:8.3f}")
+    for key, (count, gpu_s, cpu_s) in sorted(scopes.items(), key=lambda kv: kv[1][1], reverse=True):
+        print(f"{key:34s} {count:6d} {gpu_s:8.3f} {cpu_s:8.3f}")
     print("# top kernels by GPU time")
-    tops = sorted((e for e in events if self_device_us(e) > 0), key=self_device_us, reverse=True)[:15]
-    for e in tops:
+    for e in sorted(kernel_events, key=self_device_us, reverse=True)[:15]:
         print(f"  {self_device_us(e) / 1e6:8.3f} s {e.count:6d}x  {e.key[:110]}")
 
 

@@ -302,10 +302,6 @@ class KernelsConfig:
     # speed only (the bits are the same either way): an invariant product of fewer output tiles than this
     # runs a program per tile and K chunk, then sums the chunks in order (small row counts' parallelism)
     invariant_split_below_tiles: int = 264
-    # an invariant step's 4-bit experts dequantised into slots before the product (dequant, bitsandbytes'
-    # op), or decoded inside the product's K loop as the slot kernel decodes them (fused: no [experts x
-    # out x in] copy a layer and step; not yet timed on the H200). Invariant either way
-    invariant_moe_4bit: str = "dequant"
     # task.trainer_forward=engine: vocabulary columns of one slice of the trainer's head (whole lane steps);
     # 0: as many as keep a [rows x slice] float32 block within 512 MiB (memory against launches)
     trainer_vocab_slice: int = 0
@@ -318,7 +314,6 @@ class KernelsConfig:
         _check_choice("kernels.linear4bit", self.linear4bit, ("auto", "bnb", "triton"))
         _check_choice("kernels.linear4bit_dequant", self.linear4bit_dequant, ("bnb", "triton"))
         _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
-        _check_choice("kernels.invariant_moe_4bit", self.invariant_moe_4bit, ("dequant", "fused"))
         for key in ("linear4bit_max_rows", "moe_sort_above", "moe_fused_max_entries", "invariant_split_below_tiles",
                     "trainer_vocab_slice"):
             if getattr(self, key) < 0:

@@ -73,33 +73,6 @@ def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
     assert out.split() == ["True", "True", "True", "True"]
 
 
-def test_triton_grouped_4bit_decodes_to_the_dequantised_bits_interpreted():
-    """kernels.invariant_moe_4bit=fused through Triton's interpreter: the grouped product decoding 4-bit
-    experts inside its K loop gives the bits of the product over the slot kernel's dequantised weights
-    (nf4 and fp4, with and without double quantisation, float32 and bfloat16, a slot with no rows), and
-    in float32 those of bitsandbytes' dequantise too (its CPU op rounds bfloat16 otherwise)."""
-    pytest.importorskip("bitsandbytes")
-    out = run_interpreted(INTERPRETER_LOOPS + textwrap.dedent("""
-        import torch
-        from flexgemma.model.invariant import triton_matmul as tm
-        from flexgemma.model.moe_kernel import dequantize_slots
-        from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
-        torch.manual_seed(0)
-        cfg = dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=2)
-        ids, counts = torch.tensor([2, 0, 3]), torch.tensor([7, 0, 13])
-        cases = [(q, dq, torch.float32) for q in ("nf4", "fp4") for dq in (False, True)] + [("nf4", True, torch.bfloat16)]
-        for quant_type, double_quant, dtype in cases:
-            s = Bnb4Settings(block_size=64, quant_type=quant_type, double_quant=double_quant, compute_dtype=dtype)
-            w = PackedExpertWeight.pack(torch.randn(4, 48, 192, dtype=dtype), s, torch.device("cpu"))
-            x = torch.randn(20, 192, dtype=dtype)
-            fused = tm.grouped_4bit(x, w, ids, counts, 64, cfg)
-            slots = tm.grouped(x, dequantize_slots(w, ids.int(), dtype), counts, 64, cfg)
-            bnb = tm.grouped(x, w.dequantize(ids), counts, 64, cfg)
-            print(fused.dtype == dtype and torch.equal(fused, slots), dtype == torch.bfloat16 or torch.equal(fused, bnb))
-    """))
-    assert out.split() == ["True"] * 10
-
-
 # Triton's interpreter converts a loop bound held in a tensor with int(), which numpy 2 refuses for the
 # one-element arrays the interpreter keeps scalars in; the kernels loop over runtime bounds
 INTERPRETER_LOOPS = """
@@ -356,18 +329,6 @@ def test_gpu_top_k_and_top_p_rows(model):
 def test_gpu_26b_a4b_4bit_and_lora(extra):
     pytest.importorskip("bitsandbytes") if "quant=bnb4" in extra else None
     check_alone_slot_and_score(invariant_gpu_engine("26b_a4b", *extra), prompts(33, seed=23, lo=20, hi=400))
-
-
-@pytest.mark.gpu
-def test_gpu_4bit_experts_decoded_in_the_product_give_the_same_bits():
-    """kernels.invariant_moe_4bit=fused: invariant, and the bits of the slots the slot kernel dequantises
-    (kernels.moe_dequant=triton), whose decode it repeats."""
-    pytest.importorskip("bitsandbytes")
-    ps = prompts(33, seed=29, lo=20, hi=400)
-    fused = check_alone_slot_and_score(invariant_gpu_engine("26b_a4b", "quant=bnb4", "kernels.invariant_moe_4bit=fused"),
-                                       ps)
-    slots = invariant_gpu_engine("26b_a4b", "quant=bnb4", "kernels.moe_dequant=triton").generate([ps[7]], [params(7)])
-    assert same(fused, slots[0])
 
 
 # -- routed experts (SamplingParams.return_routed_experts) ---------------------------------------

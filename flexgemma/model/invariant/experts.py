@@ -28,25 +28,11 @@ def grouped_linear(rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, k_
     return out
 
 
-def grouped_linear_4bit(rows: torch.Tensor, w, ids: torch.Tensor, counts: torch.Tensor, k_chunk: int) -> torch.Tensor:
-    """grouped_linear(rows, the slot kernel's dequantisation of w's experts ids, counts) bit for bit, the
-    4-bit weights decoded inside the product on a GPU (kernels.invariant_moe_4bit=fused: no [slots, out,
-    K] copy a layer and step); the CPU dequantises as the dequant path does."""
-    if not rows.is_cuda:
-        return grouped_linear(rows, w.dequantize(ids), counts, k_chunk)
-    from flexgemma.model.invariant import triton_matmul
-
-    per_expert = rows.shape[0] / max(1, ids.shape[0])
-    return triton_matmul.grouped_4bit(rows.contiguous(), w, ids, counts, k_chunk,
-                                      _tiles(16 if per_expert <= 16 else 64, rows.dtype))
-
-
 class InvariantExperts:
     """ops.experts_kernel under engine.batch_invariant: takes every step, bf16/fp32 or 4-bit experts."""
 
     def __init__(self, kernels=None):
         self.k_chunk = kernels.invariant_k_chunk if kernels is not None else K_CHUNK
-        self.fused_4bit = kernels is not None and kernels.invariant_moe_4bit == "fused"
         self.moe_dequant = kernels.moe_dequant if kernels is not None else "bnb"
 
     def takes(self, *args) -> bool:
@@ -54,7 +40,7 @@ class InvariantExperts:
 
     def _dequantize(self, w, experts: torch.Tensor) -> torch.Tensor:
         """[S, out, in] weights of 4-bit experts `experts` as kernels.moe_dequant names (the slot kernel
-        on a GPU only; the fused path decodes as the slot kernel does)."""
+        on a GPU only)."""
         if not experts.is_cuda:
             return w.dequantize(experts)
         from flexgemma.model.moe_kernel import dequantize_experts
@@ -65,26 +51,17 @@ class InvariantExperts:
         t, k = top_k_index.shape
         n_exp = gate_up.shape[0]
         flat = top_k_index.reshape(-1)
-        groups, decoded_in = n_exp, None  # decoded_in: the slots' expert ids when the product decodes 4-bit
+        groups = n_exp
         if not isinstance(gate_up, torch.Tensor):  # 4-bit: only the routed experts, each in a slot
             experts = routed_experts(torch.zeros(n_exp, dtype=torch.long, device=flat.device).scatter_add_(
                 0, flat, torch.ones_like(flat)), min(n_exp, t * k))
             slot = torch.empty(n_exp, dtype=torch.long, device=flat.device)
             slot[experts] = torch.arange(experts.numel(), device=flat.device)
             flat, groups = slot[flat], experts.numel()
-            if self.fused_4bit:  # decoded inside the product
-                decoded_in = experts
-            else:  # dequantised exactly, then the plain product
-                gate_up, down = self._dequantize(gate_up, experts), self._dequantize(down, experts)
-
-        def product(rows, w, counts):
-            if decoded_in is not None:
-                return grouped_linear_4bit(rows, w, decoded_in, counts, self.k_chunk)
-            return grouped_linear(rows, w, counts, self.k_chunk)
-
+            gate_up, down = self._dequantize(gate_up, experts), self._dequantize(down, experts)
         order = torch.argsort(flat, stable=True)
         counts = torch.zeros(groups, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-        h = product(x[order // k], gate_up, counts)
+        h = grouped_linear(x[order // k], gate_up, counts, self.k_chunk)
         g, u = h.chunk(2, dim=-1)
-        h = product(act(g) * u, down, counts)
+        h = grouped_linear(act(g) * u, down, counts, self.k_chunk)
         return sum_per_token(h, order, top_k_weights, x)

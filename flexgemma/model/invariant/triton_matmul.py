@@ -9,7 +9,6 @@ import torch
 import triton
 import triton.language as tl
 
-from flexgemma.model.moe_kernel import _block_scales
 
 
 @triton.jit
@@ -131,48 +130,6 @@ def _grouped_fold(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_first_ptr, tile_e
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
-def _chunk_product_4bit(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, rows, cols,
-                        row_ok, col_ok, k_start, K, stride_x, stride_ae, stride_ne, KC: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QBLOCK: tl.constexpr,
-                        NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, IEEE: tl.constexpr):
-    """`_chunk_product` against 4-bit expert widx (w_ptr: its packed bytes), each weight decoded in the
-    K loop as the slot dequantisation decodes it (code x its block's float32 scale, rounded once to x's
-    dtype, the high nibble first): the same operands, so the same bits, without the [N, K] copy."""
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, KC, BK):
-        ks = k_start + k0 + tl.arange(0, BK)
-        k_ok = ks < K
-        ok = col_ok[:, None] & k_ok[None, :]
-        idx = cols[:, None] * K + ks[None, :]  # the weight's place in the expert's [N * K]
-        byte = tl.load(w_ptr + idx // 2, mask=ok, other=0).to(tl.int32)
-        nibble = tl.where(idx % 2 == 0, byte >> 4, byte & 15)
-        scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, idx // QBLOCK, ok, stride_ae,
-                              stride_ne, NESTED, DOUBLE_QUANT)
-        # places past the matrix read code[0] x a scale, not 0: zero them as the slots' loads do
-        b = tl.where(ok, tl.load(code_ptr + nibble) * scale, 0.0).to(x_ptr.dtype.element_ty)
-        acc = _dot_step(acc, x_ptr, rows, row_ok, ks, k_ok, stride_x, b, IEEE)
-    return acc
-
-
-@triton.jit(do_not_specialize=["M"])
-def _grouped_fold_4bit(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, ids_ptr, out_ptr,
-                       tile_expert_ptr, tile_first_ptr, tile_end_ptr, M, E, N, K, stride_x, stride_we, stride_ae,
-                       stride_ne, CHUNKS, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, IEEE: tl.constexpr):
-    """`_grouped_fold` with group s computing against 4-bit expert ids[s], decoded in the K loop."""
-    e, rows, cols, row_ok, col_ok = _group_tile(tile_expert_ptr, tile_first_ptr, tile_end_ptr, E, N, BM, BN)
-    widx = tl.maximum(tl.load(ids_ptr + e), 0).to(tl.int64)
-    total = tl.zeros((BM, BN), dtype=tl.float32)
-    for c in range(0, CHUNKS):
-        total = total + _chunk_product_4bit(x_ptr, w_ptr + widx * stride_we, absmax_ptr, code_ptr, ncode_ptr,
-                                            nabsmax_ptr, noffset_ptr, widx, rows, cols, row_ok, col_ok, c * KC, K,
-                                            stride_x, stride_ae, stride_ne, KC, BM, BN, BK, QBLOCK, NESTED,
-                                            DOUBLE_QUANT, IEEE)
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], total.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
-
-
 def _schedule(counts: torch.Tensor, m: int, bm: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tile schedule of rows grouped by `counts` [E], on the device with a grid of fixed size
     (CUDA-graph safe): (programs, each one's group, first row, the group's end)."""
@@ -203,33 +160,4 @@ def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kc: int, cfg
     if m:
         _grouped_fold[(slots, triton.cdiv(n, cfg["BN"]))](x, w, out, expert, first, end, m, e, n, k,
                                                           x.stride(0), triton.cdiv(k, kc), KC=kc, **_meta(x, cfg))
-    return out
-
-
-def _stages_4bit(cfg: dict) -> dict:
-    """cfg with at most 2 pipeline stages: the K loop's per-weight code and scale loads, buffered 4 deep,
-    need 316 KiB of shared memory at 64 x 64 x 128 (the H200 has 227). Stages only overlap loads: the
-    dot steps, so the bits, stay the same."""
-    return dict(cfg, num_stages=min(cfg["num_stages"], 2))
-
-
-def grouped_4bit(x: torch.Tensor, w, ids: torch.Tensor, counts: torch.Tensor, kc: int, cfg: dict) -> torch.Tensor:
-    """x [M, K] rows grouped by slot (`counts` [S] rows each), slot s against 4-bit expert ids[s] of
-    `w` (a quant.PackedExpertWeight [E, N, K]) -> [M, N]: `grouped` over moe_kernel.dequantize_slots(w, ids),
-    bit for bit."""
-    from flexgemma.model.triton4bit import code4
-
-    m, k = x.shape
-    n = w.shape[1]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    slots, expert, first, end = _schedule(counts, m, cfg["BM"])
-    dq = bool(w.double_quant)
-    absmax = w.absmax
-    nested = w.nested_absmax if dq else absmax  # placeholders when not double-quantised (never read)
-    if m:
-        _grouped_fold_4bit[(slots, triton.cdiv(n, cfg["BN"]))](
-            x, w.packed, absmax, code4(w.quant_type, x.device), w.nested_code if dq else absmax, nested,
-            w.nested_offset if dq else absmax, ids, out, expert, first, end, m, counts.shape[0], n, k, x.stride(0),
-            w.packed.stride(0), absmax.stride(0), nested.stride(0), triton.cdiv(k, kc), KC=kc, QBLOCK=w.block_size,
-            NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, enable_fp_fusion=False, **_meta(x, _stages_4bit(cfg)))
     return out
