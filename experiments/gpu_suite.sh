@@ -5,7 +5,7 @@
 #   bash experiments/gpu_suite.sh STAGE...
 #   SWEEP="experiment=rl_batch_31b kernels.prefill_full_blocks=true,false" bash experiments/gpu_suite.sh sweep
 #   MODEL=31b ROWS=64 CONTEXT=416 bash experiments/gpu_suite.sh decode_sweep
-# Stages (in this order): tests tests_kernels invariant_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_26b grpo_e2b grpo_e2b_exact grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_26b_exact grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode decode_sweep profile_round bench_kernels speed_old_new
+# Stages (in this order): tests tests_kernels invariant_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_26b grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_26b_exact grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode decode_sweep profile_round bench_kernels speed_old_new
 # Each job's directory (summary.json, metrics.jsonl, config_resolved.yaml) and each sweep's report.md
 # go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into $OUT/results.tgz and a
 # digest is printed. Expects the wheels of
@@ -34,7 +34,7 @@ run() {  # name timeout command...
   if (( limit < 30 )); then echo "== $name skipped: ${left}s left"; return 0; fi
   timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - t0 ))s"
-  grep -E "passed|failed|^FAILED|Error:|tok/s|output tok|peak memory|status|^  [a-z/_.]+ *=|verdict|EQUAL|PARTS|bits equal| ms \\(median|forward\+backward|^trainer\.|^# profile|winner|faster|within noise|GRPO|parity|best|^decode |sum over|GPU per|  host " \
+  grep -E "passed|failed|^FAILED|Error:|tok/s|output tok|peak memory|status|^  [a-z/_.]+ *=|verdict|EQUAL|PARTS|bits equal| ms \\(median|forward\+backward|^trainer\.|^# profile|winner|faster|within noise|GRPO| ok$|parity|best|^decode |sum over|GPU per|  host " \
     "$WORK/$name.log" | grep -v DEBUG | tail -25
   pack
 }
@@ -135,6 +135,7 @@ run profile_trainer_26b 400 python3 experiments/profile_trainer.py +model=26b_a4
   --prompts 4 --micro 8 --rounds 2
 run grpo_e2b 300 bash -c 'grpo_job e2b_flexgemma 12'
 run grpo_e2b_exact 300 bash -c 'grpo_job e2b_exact 10'
+run grpo_e2b_exact_separate 300 bash -c 'grpo_job e2b_exact_separate 10'
 run grpo_e2b_exact_keep 300 bash -c 'grpo_job e2b_exact_keep 10'
 run grpo_e2b_exact_keep8 300 bash -c 'grpo_job e2b_exact_keep8 10'
 run grpo_26b_exact 450 bash -c 'grpo_job 26b_bnb4_exact 5'
