@@ -12,7 +12,8 @@ truncated ratio exp(trainer - engine) only when `use_vllm=True`; here the same f
 every rollout, the ratio (token level, clipped to [clip_min, clip_max] of the GRPO config) is folded
 into the per-token advantages (TRL accepts advantages of shape (B, T); every loss type but vespo is
 linear in the advantage, so scaling it is the same as TRL's scaling of the per-token loss), and the
-mismatch statistics are kept for the metrics.
+mismatch statistics are kept for the metrics. With the engine's forward the ratio comes by default from
+each micro-batch's loss forward instead (ratio_forward="loss"): the same weights, one forward fewer.
 """
 
 from __future__ import annotations
