@@ -204,113 +204,118 @@ def trainer_logps_and_flips(trainer, ids, attn, keep: int):
     return trainer_lp, flips
 
 
+class EngineGRPOMixin:
+    """What FlexGemmaGRPOTrainer adds to TRL's GRPOTrainer (a mixin placed before it, so that super() is
+    GRPOTrainer): the engine's importance-sampling correction and per-step mismatch/timing stats."""
+
+    def __init__(self, *args, is_correction: bool = True, engine_forward=None, shared=None,
+                 routing_replay: bool = False, ratio_forward: str = "separate", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.is_correction = is_correction
+        self.step_stats: dict[str, float] = {}
+        # task.trainer_forward=engine: a model.trainable.TrainableForward (None: transformers' forward)
+        self.engine_forward, self.shared, self.routing_replay = engine_forward, shared, routing_replay
+        self._routed: Optional[list] = None  # (sequence, trainer routing) pairs while the IS forward runs
+        # task.ratio_forward=loss: the IS ratio from each micro-batch's loss forward (the weights a rollout
+        # trains with are the ones it sampled with only while each rollout makes one optimizer step)
+        self.ratio_in_loss = ratio_forward == "loss"
+        if self.ratio_in_loss and (engine_forward is None or self.num_iterations != 1
+                                   or self.args.steps_per_generation > self.args.gradient_accumulation_steps):
+            raise ValueError("ratio_forward='loss' needs the engine's forward and one optimizer step a rollout "
+                             "(num_iterations=1, steps_per_generation <= gradient_accumulation_steps)")
+        self._loss_inputs: Optional[dict] = None  # the micro-batch whose loss forward runs now
+        self._step_parts: list = []  # (trainer logps, engine logps, mask) of this step's micro-batches
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **kwargs):
+        if self.engine_forward is None or kwargs.get("pixel_values") is not None:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **kwargs)
+        replay_of = self.rollout_func.routed_by_seq if self.routing_replay and self.rollout_func else None
+        inputs = self._loss_inputs
+        if inputs is not None and self._routed is None and self.rollout_func is not None and self.rollout_func.moe:
+            self._routed = []
+        out = engine_logps(self.engine_forward, self.shared, input_ids, attention_mask, logits_to_keep,
+                           batch_size or input_ids.size(0), compute_entropy, replay_of, self._routed)
+        if inputs is not None and inputs.get("sampling_per_token_logps") is not None:
+            self._ratio_from_loss_forward(inputs, out[0].detach())
+        return out
+
+    def _ratio_from_loss_forward(self, inputs: dict, trainer_lp: torch.Tensor) -> None:
+        """ratio_forward=loss: this micro-batch's IS ratio from its loss forward, folded into the advantages
+        TRL reads after this forward; the step's mismatch statistics are taken over all its micro-batches."""
+        engine_lp, mask = inputs["sampling_per_token_logps"], inputs["completion_mask"]
+        self._step_parts.append((trainer_lp, engine_lp, mask))
+        if self.is_correction:
+            a = self.args
+            ratio, _ = mismatch_stats(trainer_lp, engine_lp, mask, a.vllm_importance_sampling_clip_min,
+                                      a.vllm_importance_sampling_clip_max)
+            adv = inputs["advantages"]
+            inputs["advantages"] = (adv.unsqueeze(1) if adv.dim() == 1 else adv) * ratio.to(adv.dtype)
+
+    def _compute_loss(self, model, inputs):
+        if not self.ratio_in_loss:
+            return super()._compute_loss(model, inputs)
+        self._loss_inputs = inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._loss_inputs = None
+
+    def close_step_stats(self) -> dict:
+        """This step's statistics (ratio_forward=loss: the mismatch over every micro-batch's loss forward);
+        the next step starts empty."""
+        stats, self.step_stats = self.step_stats, {}
+        parts, self._step_parts = self._step_parts, []
+        if parts:
+            a = self.args
+            _, mism = mismatch_stats(*(torch.cat(p) for p in zip(*parts)), a.vllm_importance_sampling_clip_min,
+                                     a.vllm_importance_sampling_clip_max)
+            stats.update(mism)
+        if self.ratio_in_loss and self.rollout_func is not None and self.rollout_func.moe:
+            routed, self._routed = self._routed or [], None
+            stats["router_flip_rate"] = router_flip_rate([(self.rollout_func.routed_by_seq.get(seq), r)
+                                                          for seq, r in routed])
+        return stats
+
+    def _trainer_logps_and_flips(self, ids, attn, keep: int):
+        return trainer_logps_and_flips(self, ids, attn, keep)
+
+    def _generate(self, prompts):
+        _sync()
+        t0 = time.perf_counter()
+        out = super()._generate(prompts)
+        _sync()
+        self.step_stats["rollout_s"] = time.perf_counter() - t0
+        self.step_stats["rollout_tokens"] = float(sum(len(c) for c in out[1]))
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        engine_lp = out.get("sampling_per_token_logps")
+        if engine_lp is None or self.use_vllm or self.ratio_in_loss:
+            return out
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+        attn = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+        trainer_lp, flips = self._trainer_logps_and_flips(ids, attn, out["completion_ids"].size(1))
+        a = self.args
+        ratio, stats = mismatch_stats(trainer_lp, engine_lp, out["completion_mask"],
+                                      a.vllm_importance_sampling_clip_min, a.vllm_importance_sampling_clip_max)
+        self.step_stats.update(stats, router_flip_rate=flips)
+        if self.is_correction:
+            adv = out["advantages"]
+            out["advantages"] = (adv.unsqueeze(1) if adv.dim() == 1 else adv) * ratio.to(adv.dtype)
+            out["old_per_token_logps"] = trainer_lp  # the PPO ratio is the trainer's own, as on TRL's vLLM path
+        return out
+
+
 def make_trainer_class():
     """FlexGemmaGRPOTrainer (built on first use: TRL is an optional extra)."""
     from trl import GRPOTrainer
 
-    class FlexGemmaGRPOTrainer(GRPOTrainer):
+    class FlexGemmaGRPOTrainer(EngineGRPOMixin, GRPOTrainer):
         """GRPOTrainer + the engine's importance-sampling correction and per-step mismatch/timing stats."""
-
-        def __init__(self, *args, is_correction: bool = True, engine_forward=None, shared=None,
-                     routing_replay: bool = False, ratio_forward: str = "separate", **kwargs):
-            super().__init__(*args, **kwargs)
-            self.is_correction = is_correction
-            self.step_stats: dict[str, float] = {}
-            # task.trainer_forward=engine: a model.trainable.TrainableForward (None: transformers' forward)
-            self.engine_forward, self.shared, self.routing_replay = engine_forward, shared, routing_replay
-            self._routed: Optional[list] = None  # (sequence, trainer routing) pairs while the IS forward runs
-            # task.ratio_forward=loss: the IS ratio from each micro-batch's loss forward (the weights a rollout
-            # trains with are the ones it sampled with only while each rollout makes one optimizer step)
-            self.ratio_in_loss = ratio_forward == "loss"
-            if self.ratio_in_loss and (engine_forward is None or self.num_iterations != 1
-                                       or self.args.steps_per_generation > self.args.gradient_accumulation_steps):
-                raise ValueError("ratio_forward='loss' needs the engine's forward and one optimizer step a rollout "
-                                 "(num_iterations=1, steps_per_generation <= gradient_accumulation_steps)")
-            self._loss_inputs: Optional[dict] = None  # the micro-batch whose loss forward runs now
-            self._step_parts: list = []  # (trainer logps, engine logps, mask) of this step's micro-batches
-
-        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                               compute_entropy=False, compute_aux_loss=False, **kwargs):
-            if self.engine_forward is None or kwargs.get("pixel_values") is not None:
-                return super()._get_per_token_logps_and_entropies(
-                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                    **kwargs)
-            replay_of = self.rollout_func.routed_by_seq if self.routing_replay and self.rollout_func else None
-            inputs = self._loss_inputs
-            if inputs is not None and self._routed is None and self.rollout_func is not None and self.rollout_func.moe:
-                self._routed = []
-            out = engine_logps(self.engine_forward, self.shared, input_ids, attention_mask, logits_to_keep,
-                               batch_size or input_ids.size(0), compute_entropy, replay_of, self._routed)
-            if inputs is not None and inputs.get("sampling_per_token_logps") is not None:
-                self._ratio_from_loss_forward(inputs, out[0].detach())
-            return out
-
-        def _ratio_from_loss_forward(self, inputs: dict, trainer_lp: torch.Tensor) -> None:
-            """ratio_forward=loss: this micro-batch's IS ratio from its loss forward, folded into the advantages
-            TRL reads after this forward; the step's mismatch statistics are taken over all its micro-batches."""
-            engine_lp, mask = inputs["sampling_per_token_logps"], inputs["completion_mask"]
-            self._step_parts.append((trainer_lp, engine_lp, mask))
-            if self.is_correction:
-                a = self.args
-                ratio, _ = mismatch_stats(trainer_lp, engine_lp, mask, a.vllm_importance_sampling_clip_min,
-                                          a.vllm_importance_sampling_clip_max)
-                adv = inputs["advantages"]
-                inputs["advantages"] = (adv.unsqueeze(1) if adv.dim() == 1 else adv) * ratio.to(adv.dtype)
-
-        def _compute_loss(self, model, inputs):
-            if not self.ratio_in_loss:
-                return super()._compute_loss(model, inputs)
-            self._loss_inputs = inputs
-            try:
-                return super()._compute_loss(model, inputs)
-            finally:
-                self._loss_inputs = None
-
-        def close_step_stats(self) -> dict:
-            """This step's statistics (ratio_forward=loss: the mismatch over every micro-batch's loss forward);
-            the next step starts empty."""
-            stats, self.step_stats = self.step_stats, {}
-            parts, self._step_parts = self._step_parts, []
-            if parts:
-                a = self.args
-                _, mism = mismatch_stats(*(torch.cat(p) for p in zip(*parts)), a.vllm_importance_sampling_clip_min,
-                                         a.vllm_importance_sampling_clip_max)
-                stats.update(mism)
-            if self.ratio_in_loss and self.rollout_func is not None and self.rollout_func.moe:
-                routed, self._routed = self._routed or [], None
-                stats["router_flip_rate"] = router_flip_rate([(self.rollout_func.routed_by_seq.get(seq), r)
-                                                              for seq, r in routed])
-            return stats
-
-        def _trainer_logps_and_flips(self, ids, attn, keep: int):
-            return trainer_logps_and_flips(self, ids, attn, keep)
-
-        def _generate(self, prompts):
-            _sync()
-            t0 = time.perf_counter()
-            out = super()._generate(prompts)
-            _sync()
-            self.step_stats["rollout_s"] = time.perf_counter() - t0
-            self.step_stats["rollout_tokens"] = float(sum(len(c) for c in out[1]))
-            return out
-
-        def _generate_and_score_completions(self, inputs):
-            out = super()._generate_and_score_completions(inputs)
-            engine_lp = out.get("sampling_per_token_logps")
-            if engine_lp is None or self.use_vllm or self.ratio_in_loss:
-                return out
-            ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
-            attn = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-            trainer_lp, flips = self._trainer_logps_and_flips(ids, attn, out["completion_ids"].size(1))
-            a = self.args
-            ratio, stats = mismatch_stats(trainer_lp, engine_lp, out["completion_mask"],
-                                          a.vllm_importance_sampling_clip_min, a.vllm_importance_sampling_clip_max)
-            self.step_stats.update(stats, router_flip_rate=flips)
-            if self.is_correction:
-                adv = out["advantages"]
-                out["advantages"] = (adv.unsqueeze(1) if adv.dim() == 1 else adv) * ratio.to(adv.dtype)
-                out["old_per_token_logps"] = trainer_lp  # the PPO ratio is the trainer's own, as on TRL's vLLM path
-            return out
 
     return FlexGemmaGRPOTrainer
 

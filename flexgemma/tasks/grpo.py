@@ -387,8 +387,7 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
     opt_bytes = sum(v.numel() * v.element_size() for st in trainer.optimizer.state.values()
                     for v in st.values() if torch.is_tensor(v))
     summary.update({"grpo/generator": generator, "grpo/trainer_forward": str(t.trainer_forward),
-                    "grpo/gradient_checkpointing": bool(t.gradient_checkpointing),
-                    "grpo/ratio_forward": str(t.ratio_forward),
+                    "grpo/gradient_checkpointing": bool(t.gradient_checkpointing), "grpo/ratio_forward": str(t.ratio_forward),
                     "grpo/wall_s": train_wall, "grpo/optimizer_state_bytes": opt_bytes, "grpo/ranks": w.size,
                     **{f"grpo/{k}": v for k, v in shared.base_bytes().items()}})
     # the engine ends with the trained adapter: what the saved directory reloads to
