@@ -29,46 +29,43 @@ COMMON = ["task=grpo", "logger=none", "workload.num_prompts=64", "workload.min_p
           "workload.max_prompt_len=128", "task.learning_rate=1e-5", "task.temperature=1.0", *REWARD]
 # the trainer's logprobs through the engine's kernels, the rollout batch-invariant: exact IS ratios
 EXACT = ["engine.batch_invariant=true", "task.trainer_forward=engine"]
+# the trainer's backward through fused (compiled) glue and model-dtype attention maths (kernels.trainer_*)
+FAST = ["kernels.trainer_glue_backward=compiled", "kernels.trainer_backward_dtype=model_dtype"]
+KEEP = ["task.gradient_checkpointing=false"]
+E2B = ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8", "task.max_new_tokens=256",
+       "task.micro_batch=16"]
+B26 = ["+model=26b_a4b", "quant=bnb4", "lora=r16", "task.prompts_per_step=4", "task.num_generations=8",
+       "task.max_new_tokens=256", "task.micro_batch=8", "task.generator=flexgemma"]
 JOBS = {
-    "e2b_flexgemma": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
-                      "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=flexgemma"],
-    "e2b_exact": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
-                  "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=flexgemma", *EXACT],
-    "e2b_exact_separate": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
-                           "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=flexgemma", *EXACT,
-                           "task.ratio_forward=separate"],
-    "e2b_exact_keep": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
-                       "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=flexgemma", *EXACT,
-                       "task.gradient_checkpointing=false"],
-    "e2b_exact_keep8": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
-                        "task.max_new_tokens=256", "task.micro_batch=8", "task.generator=flexgemma", *EXACT,
-                        "task.gradient_checkpointing=false"],
-    "e2b_trl": ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8",
-                "task.max_new_tokens=256", "task.micro_batch=16", "task.generator=trl"],
-    "26b_bnb4_exact": ["+model=26b_a4b", "quant=bnb4", "lora=r16", "task.prompts_per_step=4",
-                       "task.num_generations=8", "task.max_new_tokens=256", "task.generator=flexgemma",
-                       "task.micro_batch=8", *EXACT],
-    "26b_bnb4_flexgemma": ["+model=26b_a4b", "quant=bnb4", "lora=r16", "task.prompts_per_step=4",
-                           "task.num_generations=8", "task.max_new_tokens=256", "task.generator=flexgemma",
-                           "task.micro_batch=8", "task.gradient_checkpointing=true"],
+    "e2b_flexgemma": [*E2B, "task.generator=flexgemma"],
+    "e2b_exact": [*E2B, "task.generator=flexgemma", *EXACT],
+    "e2b_exact_separate": [*E2B, "task.generator=flexgemma", *EXACT, "task.ratio_forward=separate"],
+    "e2b_exact_keep": [*E2B, "task.generator=flexgemma", *EXACT, *KEEP],
+    "e2b_exact_keep8": [*E2B, "task.generator=flexgemma", *EXACT, *KEEP, "task.micro_batch=8"],
+    "e2b_exact_fast": [*E2B, "task.generator=flexgemma", *EXACT, *FAST],
+    "e2b_exact_keep_fast": [*E2B, "task.generator=flexgemma", *EXACT, *KEEP, *FAST],
+    "e2b_trl": [*E2B, "task.generator=trl"],
+    "26b_bnb4_exact": [*B26, *EXACT],
+    "26b_bnb4_exact_fast": [*B26, *EXACT, *FAST],
+    "26b_bnb4_flexgemma": [*B26, "task.gradient_checkpointing=true"],
 }
-# --smoke: the same three jobs on the CPU test models (a script that crashes on the H200 wastes device time)
+# --smoke: the same jobs on the CPU test models (a script that crashes on the H200 wastes device time)
 SMOKE = ["device=cpu", "model.dtype=float32", "workload.num_prompts=8", "workload.min_prompt_len=8",
          "workload.max_prompt_len=16", "task.prompts_per_step=2", "task.num_generations=4", "task.max_new_tokens=4",
          "task.micro_batch=4", "task.reward.high=67"]
-SMOKE_JOBS = {"e2b_flexgemma": ["+model=tiny", "lora=r32", "task.generator=flexgemma", *SMOKE],
-              "e2b_exact": ["+model=tiny", "lora=r32", "task.generator=flexgemma", *SMOKE, *EXACT],
-              "e2b_exact_separate": ["+model=tiny", "lora=r32", "task.generator=flexgemma", *SMOKE, *EXACT,
-                                     "task.ratio_forward=separate"],
-              "e2b_exact_keep": ["+model=tiny", "lora=r32", "task.generator=flexgemma", *SMOKE, *EXACT,
-                                 "task.gradient_checkpointing=false"],
-              "e2b_exact_keep8": ["+model=tiny", "lora=r32", "task.generator=flexgemma", *SMOKE, *EXACT,
-                                  "task.gradient_checkpointing=false", "task.micro_batch=2"],
-              "e2b_trl": ["+model=tiny", "lora=r32", "task.generator=trl", *SMOKE],
-              "26b_bnb4_exact": ["+model=tiny_moe", "quant=bnb4", "lora=r16", "task.generator=flexgemma", *SMOKE,
-                                 "model.dtype=bfloat16", *EXACT],
-              "26b_bnb4_flexgemma": ["+model=tiny_moe", "quant=bnb4", "lora=r16", "task.generator=flexgemma",
-                                     "task.gradient_checkpointing=true", *SMOKE]}
+TINY = ["+model=tiny", "lora=r32", *SMOKE]
+TINY_MOE = ["+model=tiny_moe", "quant=bnb4", "lora=r16", "task.generator=flexgemma", *SMOKE]
+SMOKE_JOBS = {"e2b_flexgemma": [*TINY, "task.generator=flexgemma"],
+              "e2b_exact": [*TINY, "task.generator=flexgemma", *EXACT],
+              "e2b_exact_separate": [*TINY, "task.generator=flexgemma", *EXACT, "task.ratio_forward=separate"],
+              "e2b_exact_keep": [*TINY, "task.generator=flexgemma", *EXACT, *KEEP],
+              "e2b_exact_keep8": [*TINY, "task.generator=flexgemma", *EXACT, *KEEP, "task.micro_batch=2"],
+              "e2b_exact_fast": [*TINY, "task.generator=flexgemma", *EXACT, *FAST],
+              "e2b_exact_keep_fast": [*TINY, "task.generator=flexgemma", *EXACT, *KEEP, *FAST],
+              "e2b_trl": [*TINY, "task.generator=trl"],
+              "26b_bnb4_exact": [*TINY_MOE, "model.dtype=bfloat16", *EXACT],
+              "26b_bnb4_exact_fast": [*TINY_MOE, "model.dtype=bfloat16", *EXACT, *FAST],
+              "26b_bnb4_flexgemma": [*TINY_MOE, "task.gradient_checkpointing=true"]}
 COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_median"),
            ("rollout s", "grpo/rollout_s_median"), ("train s", "grpo/train_s_median"),
            ("refresh ms", "grpo/refresh_ms_median"), ("rollout share", "grpo/rollout_share"),

@@ -4,13 +4,16 @@ Rebuilds one task=grpo step's training work (experiments/exact_gap.py's rollout:
 completions of --new tokens) and times the trainer's forward + backward over its micro-batches, no
 optimizer, side by side in one process:
 
-  engine       the engine's forward (model/trainable.py), layers recomputed in the backward (the default)
-  engine_keep  the same with task.gradient_checkpointing=false (each op's inputs kept)
-  transformers transformers' Gemma-4 over peft's live adapters, full-vocabulary logits (the default trainer)
+  engine            the engine's forward (model/trainable.py), layers recomputed in the backward (the default)
+  engine_keep       the same with task.gradient_checkpointing=false (each op's inputs kept)
+  engine_glue       engine with kernels.trainer_glue_backward=compiled (the glue's backward fused)
+  engine_bf16       engine with kernels.trainer_backward_dtype=model_dtype (attention and experts backward in bf16)
+  engine_fast       engine with both; engine_keep_fast: engine_keep with both
+  transformers      transformers' Gemma-4 over peft's live adapters, full-vocabulary logits (the default trainer)
 
-Medians of --rounds, peak memory of each; then one micro-batch of `engine` under torch.profiler: GPU
-time per trainer op (the record_function scopes trainer.engine.* / trainer.backward.*: the engine's
-kernels in the forward, the references' maths in the backward) and the top kernels.
+Medians of --rounds, peak memory of each; then one micro-batch of each --profile variant under
+torch.profiler: GPU time per trainer op (the record_function scopes trainer.engine.* / trainer.backward.*:
+the engine's kernels in the forward, the references' maths in the backward) and the top kernels.
 
     python experiments/profile_trainer.py +model=e2b lora=r32 device=cuda --micro 16
     python experiments/profile_trainer.py +model=26b_a4b quant=bnb4 lora=r16 device=cuda --prompts 4 --micro 8
@@ -70,11 +73,11 @@ def timed(name: str, step, rounds: int, params) -> None:
         for p in params:
             p.grad = None
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-    print(f"{name:13s} forward+backward {statistics.median(times[1:]):.3f} s (median of {rounds}; rounds "
+    print(f"{name:17s} forward+backward {statistics.median(times[1:]):.3f} s (median of {rounds}; rounds "
           f"{', '.join(f'{t:.3f}' for t in times[1:])}), peak {peak:.2f} GiB", flush=True)
 
 
-def profile(tf, shared, batch, weights) -> None:
+def profile(name: str, tf, shared, batch, weights) -> None:
     """One micro-batch of the engine's forward under torch.profiler: time per trainer scope, top kernels."""
     from torch.profiler import ProfilerActivity
 
@@ -105,7 +108,7 @@ def profile(tf, shared, batch, weights) -> None:
             row[2] = max(row[2], e.cpu_time_total / 1e6)
     kernel_events = [e for e in events if not e.key.startswith("trainer.") and self_device_us(e) > 0]
     kernels = sum(self_device_us(e) for e in kernel_events) / 1e6
-    print(f"# profile of one micro-batch ({len(batch[0])} sequences): wall {wall:.3f} s (profiled), GPU kernels "
+    print(f"# profile of {name}, one micro-batch ({len(batch[0])} sequences): wall {wall:.3f} s (profiled), GPU kernels "
           f"{kernels:.3f} s", flush=True)
     print(f"{'scope':34s} {'calls':>6s} {'GPU s':>8s} {'CPU s':>8s}")
     for key, (count, gpu_s, cpu_s) in sorted(scopes.items(), key=lambda kv: kv[1][1], reverse=True):
@@ -115,12 +118,24 @@ def profile(tf, shared, batch, weights) -> None:
         print(f"  {self_device_us(e) / 1e6:8.3f} s {e.count:6d}x  {e.key[:110]}")
 
 
+# variant -> (layers recomputed in the backward, the kernels.trainer_* keys it sets)
+FAST = {"trainer_glue_backward": "compiled", "trainer_backward_dtype": "model_dtype"}
+VARIANTS = {"engine": (True, {}), "engine_keep": (False, {}),
+            "engine_glue": (True, {"trainer_glue_backward": "compiled"}),
+            "engine_bf16": (True, {"trainer_backward_dtype": "model_dtype"}),
+            "engine_fast": (True, FAST), "engine_keep_fast": (False, FAST)}
+
+
 def main() -> None:
     ap = grpo_step_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--skip", default="", help="comma-separated variants to leave out (engine_keep, transformers, profile)")
+    ap.add_argument("--skip", default="", help="comma-separated variants to leave out (engine_keep, engine_glue, "
+                                               "engine_bf16, engine_fast, engine_keep_fast, transformers)")
+    ap.add_argument("--profile", default="engine,engine_fast", help="variants to profile (comma-separated; none: '')")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
+
+    import dataclasses
 
     from flexgemma.model.trainable import TrainableForward
 
@@ -136,16 +151,17 @@ def main() -> None:
     params = list(shared.lora.slots.values())
     for p in params:
         p.requires_grad_(True)
-    tf = TrainableForward(eng.runner.forward, eng.lora, checkpoint=True)
-    timed("engine", lambda: engine_step(tf, shared, batches, weights), a.rounds, params)
-    if "engine_keep" not in skip:
-        keep = TrainableForward(eng.runner.forward, eng.lora, checkpoint=False)
-        timed("engine_keep", lambda: engine_step(keep, shared, batches, weights), a.rounds, params)
-        del keep
-    if "profile" not in skip:
-        profile(tf, shared, batches[0], weights[0])
-        for p in params:
-            p.grad = None
+    for name, (checkpoint, keys) in VARIANTS.items():
+        if name in skip:
+            continue
+        kernels = dataclasses.replace(eng.runner.forward.kernels, **keys)
+        tf = TrainableForward(eng.runner.forward, eng.lora, checkpoint=checkpoint, kernels=kernels)
+        timed(name, lambda: engine_step(tf, shared, batches, weights), a.rounds, params)
+        if name in a.profile.split(","):
+            profile(name, tf, shared, batches[0], weights[0])
+            for p in params:
+                p.grad = None
+        del tf
     if "transformers" not in skip:
         shared.engine_forward = False
         shared.trainer_view()  # pristine weights, peft's adapters live: what task.trainer_forward=transformers runs

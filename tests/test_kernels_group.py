@@ -19,7 +19,8 @@ CPU = torch.device("cpu")
 OTHER = {"fuse_projections": False, "fused_kv_write": True, "prefill_full_blocks": False, "linear4bit_max_rows": 32,
          "linear4bit_dequant": "bnb", "moe_sort_above": 0, "moe_fused_max_entries": 16, "moe_dequant": "triton",
          "invariant_k_chunk": 256, "invariant_split_tokens": 512, "invariant_block_n": 32,
-         "invariant_split_below_tiles": 0, "trainer_vocab_slice": 4096}
+         "invariant_split_below_tiles": 0, "trainer_vocab_slice": 4096, "trainer_glue_backward": "compiled",
+         "trainer_backward_dtype": "model_dtype"}
 
 
 def config_keys() -> set[str]:
@@ -82,6 +83,9 @@ def test_a_moved_key_names_where_it_lives_now(old, new):
     ("kernels.moe_dequant=gather", "kernels.moe_dequant='gather' is invalid: choose one of bnb, triton"),
     ("kernels.linear4bit_max_rows=-1", "kernels.linear4bit_max_rows=-1 is invalid: at least 0"),
     ("kernels.moe_sort_above=-8", "kernels.moe_sort_above=-8 is invalid: at least 0"),
+    ("kernels.trainer_glue_backward=jit", "kernels.trainer_glue_backward='jit' is invalid: choose one of eager, compiled"),
+    ("kernels.trainer_backward_dtype=bf16",
+     "kernels.trainer_backward_dtype='bf16' is invalid: choose one of float32, model_dtype"),
 ])
 def test_a_bad_kernels_value_names_the_key_and_what_it_accepts(override, needle):
     with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace(".", r"\.")):

@@ -83,6 +83,21 @@ def same_layout_copy(a: torch.Tensor) -> torch.Tensor:
     return out.copy_(a)
 
 
+def glue_references(how: str) -> dict[str, Callable]:
+    """The maths the backward differentiates for each row-wise glue function (glue.ROW_ARGS), as
+    kernels.trainer_glue_backward says: glue's own functions op by op (eager), or the same functions
+    through torch.compile (compiled: AOTAutograd fuses each one's recomputed forward and its backward
+    into a few kernels, where eager launches one a torch op). Compiled with a counter of their own,
+    so the engine's compiled glue (what the forward calls) is never compiled again."""
+    fns = {name: getattr(glue, name) for name in glue.ROW_ARGS}
+    if how == "eager":
+        return fns
+    from flexgemma.compiled import CompileCounter, compile_fn
+
+    counter = CompileCounter()
+    return {name: compile_fn(fn, counter) for name, fn in fns.items()}
+
+
 def as_the_engine_calls(fn: Callable, row_args: tuple[int, ...]) -> Callable:
     """The engine's compiled glue function `fn`, called as the engine calls it: in inference mode, its
     per-row arguments inference tensors laid out as the engine's (copies), on the CPU on one thread.
@@ -241,13 +256,13 @@ def _staged(k: torch.Tensor, rows: PackedRows, page: int) -> torch.Tensor:
 _REFERENCE_SCORES = 1 << 28  # float32 scores of one batched attention reference call (1 GiB)
 
 
-def _attention_reference(q, k, v, rows: PackedRows):
-    """Softmax attention of each sequence in float32 (causal, sliding where the layer slides), GQA, the
-    sequences padded into batches (one call a batch, not one a sequence). A valid query's causal mask
-    never reaches its sequence's padding; a padded query's output is dropped, so its gradient is zero."""
-    outs = []
+def _attention_reference(q, k, v, rows: PackedRows, dtype: Optional[torch.dtype] = torch.float32):
+    """Softmax attention of each sequence in `dtype` (None: q's; causal, sliding where the layer slides),
+    GQA, the sequences padded into batches (one call a batch, not one a sequence). A valid query's causal
+    mask never reaches its sequence's padding; a padded query's output is dropped, so its gradient is zero."""
+    outs, dtype = [], dtype or q.dtype
     for at, valid in rows.batches(q.shape[1]):
-        qs, ks, vs = (t.float()[at].transpose(1, 2) for t in (q, k, v))  # [B, heads, n, D]
+        qs, ks, vs = (t.to(dtype)[at].transpose(1, 2) for t in (q, k, v))  # [B, heads, n, D]
         pos = torch.arange(at.shape[1], device=q.device)
         allowed = pos[None, :] <= pos[:, None]
         if rows.window is not None:
@@ -265,8 +280,8 @@ class PackedAttention:
     backend = "invariant"
     decode_rows = None
 
-    def __init__(self, engine_kernels):
-        self.engine = engine_kernels
+    def __init__(self, engine_kernels, backward_dtype: Optional[torch.dtype] = torch.float32):
+        self.engine, self.backward_dtype = engine_kernels, backward_dtype
 
     def padded_rows(self, b: int) -> int:
         return b
@@ -279,7 +294,8 @@ class PackedAttention:
             return paged_attention(q, _staged(k, rows, page), _staged(v, rows, page), table_rows, page,
                                    self.engine.options)
 
-        return exact(engine_attention, lambda q, k, v: _attention_reference(q, k, v, rows), "attention")(q, k, v)
+        return exact(engine_attention, lambda q, k, v: _attention_reference(q, k, v, rows, self.backward_dtype),
+                     "attention")(q, k, v)
 
     decode = prefill
 
@@ -363,20 +379,21 @@ def _merged_or_dense(modules, lora, linear):
 
 
 # -- routed experts ----------------------------------------------------------------------------------
-def _expert_matrix(w: torch.Tensor, e: int, at: int, factors) -> torch.Tensor:
-    """Expert e's [out, in] matrix in float32 (w[at]: stored, or its dequantised copy), plus its merged
-    adapters (s B_e A_e, differentiable) when the experts carry LoRA."""
-    base = w[at].float()
+def _expert_product(x: torch.Tensor, w: torch.Tensor, e: int, at: int, factors, dtype: torch.dtype) -> torch.Tensor:
+    """x @ (W_e + sum s B_e A_e).T in `dtype`, W_e = w[at] (stored, or its dequantised copy); the experts'
+    adapters in their low-rank form (x A_e.T B_e.T: no [out, in] matrix per adapter), differentiable."""
+    y = x @ w[at].to(dtype).t()
     for lhs, rhs, scale in factors:
-        base = base + scale * (lhs[e].float() @ rhs[e].float())
-    return base
+        y = y + scale * ((x @ rhs[e].to(dtype).t()) @ lhs[e].to(dtype).t())
+    return y
 
 
-def _experts_reference(x, top_k_index, top_k_weights, gate_up, down, act, gate_up_factors, down_factors):
-    """Each expert on the rows routed to it, in float32 (the backward's maths). The (token, slot) pairs
-    are sorted by expert once and 4-bit experts dequantised in one call: one host sync a layer, where a
-    per-expert nonzero() or index copy would wait for the GPU once an expert."""
-    k = top_k_index.shape[1]
+def _experts_reference(x, top_k_index, top_k_weights, gate_up, down, act, gate_up_factors, down_factors,
+                       dtype: Optional[torch.dtype] = torch.float32):
+    """Each expert on the rows routed to it, in `dtype` (None: x's; the backward's maths). The (token, slot)
+    pairs are sorted by expert once and 4-bit experts dequantised in one call: one host sync a layer, where
+    a per-expert nonzero() or index copy would wait for the GPU once an expert."""
+    k, dtype = top_k_index.shape[1], dtype or x.dtype
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # an expert's pairs in (token, slot) order
     counts = torch.bincount(flat).tolist()
@@ -393,10 +410,10 @@ def _experts_reference(x, top_k_index, top_k_weights, gate_up, down, act, gate_u
         if not n:
             continue
         tok, slot = pairs // k, pairs % k
-        h = x[tok].float() @ _expert_matrix(gate_up, e, at[e], gate_up_factors).t()
+        h = _expert_product(x[tok].to(dtype), gate_up, e, at[e], gate_up_factors, dtype)
         g, u = h.chunk(2, dim=-1)
-        y = (act(g) * u) @ _expert_matrix(down, e, at[e], down_factors).t()
-        out = out.index_add(0, tok, y * top_k_weights[tok, slot, None].float())
+        y = _expert_product(act(g) * u, down, e, at[e], down_factors, dtype)
+        out = out.index_add(0, tok, y.float() * top_k_weights[tok, slot, None].float())
     return out.to(x.dtype)
 
 
@@ -404,8 +421,8 @@ class TrainableExperts:
     """ops.experts_kernel of the trainer's forward: the engine's experts kernel for the values, the
     reference's gradients for the rows, the router weights and the experts' merged LoRA factors."""
 
-    def __init__(self, engine_kernel, lora):
-        self.engine = engine_kernel
+    def __init__(self, engine_kernel, lora, backward_dtype: Optional[torch.dtype] = torch.float32):
+        self.engine, self.backward_dtype = engine_kernel, backward_dtype
         # id(merged expert tensor) -> (its pristine copy, [(peft layer, adapter)]): the reference differentiates
         # pristine + s B A, the merged tensor's own maths
         self.factors: dict[int, tuple] = {}
@@ -439,7 +456,8 @@ class TrainableExperts:
         def reference(x, w, *tensors):
             pairs = [(tensors[2 * i], tensors[2 * i + 1]) for i in range(len(tensors) // 2)]
             with_scale = [(lhs, rhs, f[2]) for (lhs, rhs), f in zip(pairs, gu + dn)]
-            return _experts_reference(x, top_k_index, w, gu_base, dn_base, act, with_scale[:n_gu], with_scale[n_gu:])
+            return _experts_reference(x, top_k_index, w, gu_base, dn_base, act, with_scale[:n_gu], with_scale[n_gu:],
+                                      self.backward_dtype)
 
         return exact(engine, reference, "experts")(x, top_k_weights, *flat)
 
@@ -533,11 +551,12 @@ class TrainableForward:
     the caller refreshes them after changing the factors). checkpoint (task.gradient_checkpointing): each
     layer recomputed in the backward, only its input kept; else every op's inputs are kept."""
 
-    def __init__(self, engine_forward, lora=None, checkpoint: bool = True):
+    def __init__(self, engine_forward, lora=None, checkpoint: bool = True, kernels=None):
         from flexgemma.config import ConfigError
         from flexgemma.model.forward import GemmaForward
 
         f = engine_forward
+        kernels = kernels or f.kernels  # the engine's; another Kernels changes only the trainer_* keys' backward
         if f.invariant is None:
             raise ConfigError("task.trainer_forward=engine runs the engine's batch-invariant kernels: set "
                               "engine.batch_invariant=true (or task.trainer_forward=transformers)")
@@ -546,12 +565,14 @@ class TrainableForward:
                               "attn.fused_kv_write=false")
         self.engine, self.lora = f, lora
         linear = trainable_linear(f.invariant)
-        ops = SimpleNamespace(**{name: exact(as_the_engine_calls(getattr(f.ops, name), rows), getattr(glue, name))
+        refs = glue_references(kernels.trainer_glue_backward)
+        backward_dtype = None if kernels.trainer_backward_dtype == "model_dtype" else torch.float32
+        ops = SimpleNamespace(**{name: exact(as_the_engine_calls(getattr(f.ops, name), rows), refs[name], name)
                                  for name, rows in glue.ROW_ARGS.items()})
-        ops.experts_kernel = TrainableExperts(f.ops.experts_kernel, lora)
+        ops.experts_kernel = TrainableExperts(f.ops.experts_kernel, lora, backward_dtype)
         max_len = next(iter(f.rope.values()))[0].shape[0]
         self.forward = GemmaForward(f.model, f.spec, PackedKV(f.pools.block_size), f.attn_cfg, max_len,
-                                    PackedAttention(f.attention), ops, lora, f.kernels, invariant=linear,
+                                    PackedAttention(f.attention, backward_dtype), ops, lora, f.kernels, invariant=linear,
                                     project=projection_factory(f, lora, linear))
         self.forward.checkpoint_layers = checkpoint
         self.windows = {s.layer_type: s.window for s in f.spec.layers}

@@ -141,6 +141,83 @@ def test_gradient_checkpointing_changes_no_gradient(model):
     assert all(torch.equal(got[True][1][k], got[False][1][k]) for k in got[True][1])
 
 
+def _lora_grads(eng, seqs, firsts, outs, **keys):
+    """(the logprobs, each LoRA factor's gradient, graphs compiled meanwhile) of the trainer's forward with
+    the kernels.trainer_* keys `keys`."""
+    import dataclasses
+
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    tf = TrainableForward(eng.runner.forward, eng.lora, kernels=dataclasses.replace(eng.runner.forward.kernels, **keys))
+    lps, _ = tf.token_logprobs(seqs, firsts)
+    sum((lp * (1 + i)).sum() for i, lp in enumerate(lps)).backward()
+    grads = {k: p.grad.clone() for k, p in eng.lora.slots.items()}
+    for p in eng.lora.slots.values():
+        p.grad = None
+    return [lp.tolist() for lp in lps], grads, counters["stats"]["unique_graphs"] - graphs
+
+
+def _relative_errors(got: dict, want: dict) -> float:
+    return max(((got[k] - want[k]).abs().max() / (want[k].abs().max() + 1e-12)).item() for k in want)
+
+
+def _fast_backward_check(eng, fast_keys: dict, tolerance: float):
+    """The logprobs of the trainer's forward with and without the kernels.trainer_* keys `fast_keys` are
+    the engine's bits; the LoRA gradients with them within `tolerance` of the eager float32 references'
+    (relative to each factor's largest); returns (the gradients without, with)."""
+    ps, outs = rollout(eng, n=4, new=8)
+    seqs, firsts = [p + o.token_ids for p, o in zip(ps, outs)], [len(p) for p in ps]
+    for p in eng.lora.slots.values():
+        p.requires_grad_(True)
+    lps, base, graphs = _lora_grads(eng, seqs, firsts, outs)
+    assert lps == [o.logprobs for o in outs] and graphs == 0
+    lps, fast, graphs = _lora_grads(eng, seqs, firsts, outs, **fast_keys)
+    assert lps == [o.logprobs for o in outs]
+    assert (graphs > 0) == (fast_keys.get("trainer_glue_backward") == "compiled")  # the glue's backward compiled
+    assert _relative_errors(fast, base) <= tolerance, fast_keys
+    return base, fast
+
+
+@pytest.mark.slow
+def test_the_compiled_glue_backward_gives_the_references_gradients():
+    """kernels.trainer_glue_backward=compiled differentiates the glue's own functions through torch.compile:
+    in float32 the LoRA gradients are the eager references' up to the order of the sums. The model's dtype
+    for the attention's and experts' backward is float32 here: the same gradients bit for bit."""
+    eng = make_engine(INV, "lora=r16", "model.dtype=float32", "lora.init_std_b=0.05", model="tiny")
+    _fast_backward_check(eng, {"trainer_glue_backward": "compiled"}, 1e-4)
+    base, same = _fast_backward_check(eng, {"trainer_backward_dtype": "model_dtype"}, 0.0)
+    assert all(torch.equal(base[k], same[k]) for k in base)
+
+
+def test_the_bf16_backward_maths_move_the_gradients_by_rounding_only():
+    """kernels.trainer_backward_dtype=model_dtype on a bf16 MoE model with expert LoRA: the attention and the
+    routed experts (adapters in their low-rank form) differentiated in bf16; the logprobs are the engine's
+    bits and the gradients within bf16 rounding of the float32 references' (and not equal to them)."""
+    eng = make_engine(INV, "lora=r16", "model.dtype=bfloat16", "lora.init_std_b=0.05", model="tiny_moe")
+    base, low = _fast_backward_check(eng, {"trainer_backward_dtype": "model_dtype"}, 0.1)
+    assert any(not torch.equal(low[k], base[k]) for k in base)
+
+
+def test_the_attention_reference_computes_in_the_dtype_it_is_given(monkeypatch):
+    import torch.nn.functional as F
+
+    import flexgemma.model.trainable as T
+
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def recorded(q, *args, **kwargs):
+        seen.append(q.dtype)
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(T.F, "scaled_dot_product_attention", recorded)
+    rows = T.PackedRows([0, 5], [5, 4], torch.cat([torch.arange(5), torch.arange(4)]), None)
+    q, k, v = (torch.randn(9, h, 8, dtype=torch.bfloat16) for h in (4, 2, 2))
+    f32, own = T._attention_reference(q, k, v, rows), T._attention_reference(q, k, v, rows, None)
+    assert seen == [torch.float32, torch.bfloat16] and f32.dtype == own.dtype == torch.bfloat16
+    assert (f32.float() - own.float()).abs().max() < 0.05
+
+
 @pytest.mark.parametrize("window", [None, 4])
 def test_the_attention_reference_batches_sequences_as_it_would_run_them_alone(monkeypatch, window):
     """The backward's attention maths over sequences padded into batches equals it sequence by sequence
