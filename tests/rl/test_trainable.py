@@ -265,6 +265,21 @@ def test_gpu_trainer_logprobs_are_the_engines_bit_for_bit(model, extra):
     check_bitwise(eng, n=16, seed=2, new=160, lo=64, hi=129)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("model, extra", [("e2b", ["lora=r32"]), ("26b_a4b", ["quant=bnb4", "lora=r16"])],
+                         ids=["e2b_r32", "26b_bnb4_r16"])
+def test_gpu_fast_backward_keys_keep_the_logprobs_and_the_gradients(model, extra):
+    """Both kernels.trainer_* backward keys at the real shapes (E2B's 512-wide full-attention heads, 26B-A4B's
+    4-bit experts with LoRA): the engine's logprobs, gradients within bf16 rounding of the float32 eager ones."""
+    from conftest import GPU_SHAPES
+    from flexgemma import build_engine, compose
+
+    eng = build_engine(compose([f"+model={model}", INV, "device=cuda", "engine.max_batch_size=16",
+                                "engine.max_model_len=1024", "cudagraph.buckets=[2,16]", "lora.init_std_b=0.05",
+                                *GPU_SHAPES[model], *extra]))
+    _fast_backward_check(eng, {"trainer_glue_backward": "compiled", "trainer_backward_dtype": "model_dtype"}, 0.1)
+
+
 def _reference_grads(shared, seqs, firsts, weights):
     """transformers' forward (peft's adapters live over the pristine weights), one sequence at a time."""
     model = shared.peft_model
