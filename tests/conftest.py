@@ -39,12 +39,34 @@ GPU_SHAPES = {
 }
 
 
+# The interpreter's tl.dot is np.matmul, and OpenBLAS may sum a row's products in an order that depends on
+# where the row sits in the block (its Haswell kernels do: a row moved by one gives other bits), which a
+# GPU's MMA does not; the invariance tests move a query's rows about a tile. Here each output element
+# sums its K products in order, wherever its row is (operands as the interpreter converts them).
+INTERPRETER_DOT = """
+import numpy as _np
+import triton.runtime.interpreter as _interp
+_matmul_dot = _interp.InterpreterBuilder.create_dot
+def _row_invariant_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+        return _matmul_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+    acc = d.data.dtype
+    products = a.data.astype(acc)[..., :, :, None] * b.data.astype(acc)[..., None, :, :]
+    total = _np.zeros(products.shape[:-3] + products.shape[-3:-2] + products.shape[-1:], dtype=acc)
+    for k in range(products.shape[-2]):
+        total += products[..., k, :]
+    return _interp.TensorHandle(total + d.data, d.dtype.scalar)
+_interp.InterpreterBuilder.create_dot = _row_invariant_dot
+"""
+
+
 def run_interpreted(code: str) -> str:
     """`code` in a fresh Python with TRITON_INTERPRET=1 (the variable must be set before Triton
-    loads): Triton kernels on the CPU. Returns its stdout; a failure shows its stderr."""
+    loads): Triton kernels on the CPU, their dot products row-invariant (INTERPRETER_DOT). Returns its
+    stdout; a failure shows its stderr."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                       timeout=900)
+    r = subprocess.run([sys.executable, "-c", INTERPRETER_DOT + textwrap.dedent(code)], capture_output=True,
+                       text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
