@@ -388,12 +388,46 @@ def _expert_product(x: torch.Tensor, w: torch.Tensor, e: int, at: int, factors, 
     return y
 
 
-def _experts_reference(x, top_k_index, top_k_weights, gate_up, down, act, gate_up_factors, down_factors,
-                       dtype: Optional[torch.dtype] = torch.float32):
-    """Each expert on the rows routed to it, in `dtype` (None: x's; the backward's maths). The (token, slot)
-    pairs are sorted by expert once and 4-bit experts dequantised in one call: one host sync a layer, where
-    a per-expert nonzero() or index copy would wait for the GPU once an expert."""
-    k, dtype = top_k_index.shape[1], dtype or x.dtype
+def _grouped_product(rows: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, factors, ids) -> torch.Tensor:
+    """rows grouped by expert (`ends`: each group's cumulative end) times their experts' W (w [G, out, in],
+    group g's) plus each adapter's low-rank term (factors' [E, ...] tensors indexed by `ids`, the groups'
+    expert ids; None: group g is expert g): moe._expert_mm, one grouped GEMM where torch has one."""
+    from flexgemma.model.moe import _expert_mm
+
+    y = _expert_mm(rows, w.to(rows.dtype), ends)
+    for lhs, rhs, scale in factors:
+        lhs, rhs = (t if ids is None else t[ids] for t in (lhs, rhs))
+        y = y + scale * _expert_mm(_expert_mm(rows, rhs.to(rows.dtype), ends), lhs.to(rows.dtype), ends)
+    return y
+
+
+def _experts_grouped_reference(x, top_k_index, top_k_weights, gate_up, down, act, gate_up_factors, down_factors):
+    """_experts_reference in x's dtype as two grouped products (the pairs sorted by expert; 4-bit experts:
+    the routed ones dequantised, as the loop does), not a product per expert: on a GPU in bf16,
+    torch._grouped_mm and its backward (an MoE layer's 128 experts in one GEMM, where the loop launches
+    a few kernels an expert); elsewhere moe._expert_mm runs expert by expert."""
+    k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tok, slot = order // k, order % k
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])
+    ids = None
+    if not torch.is_tensor(gate_up):  # 4-bit: the routed experts only, once (one host sync a layer)
+        ids = counts.nonzero()[:, 0]
+        gate_up, down, counts = gate_up.dequantize(ids), down.dequantize(ids), counts[ids]
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    h = _grouped_product(x[tok], gate_up, ends, gate_up_factors, ids)
+    g, u = h.chunk(2, dim=-1)
+    y = _grouped_product(act(g) * u, down, ends, down_factors, ids)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return out.index_add(0, tok, y.float() * top_k_weights[tok, slot, None].float()).to(x.dtype)
+
+
+def _experts_reference(x, top_k_index, top_k_weights, gate_up, down, act, gate_up_factors, down_factors):
+    """Each expert on the rows routed to it, in float32 (the backward's maths). The (token, slot) pairs are
+    sorted by expert once and 4-bit experts dequantised in one call: one host sync a layer, where a
+    per-expert nonzero() or index copy would wait for the GPU once an expert."""
+    k, dtype = top_k_index.shape[1], torch.float32
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # an expert's pairs in (token, slot) order
     counts = torch.bincount(flat).tolist()
@@ -456,8 +490,10 @@ class TrainableExperts:
         def reference(x, w, *tensors):
             pairs = [(tensors[2 * i], tensors[2 * i + 1]) for i in range(len(tensors) // 2)]
             with_scale = [(lhs, rhs, f[2]) for (lhs, rhs), f in zip(pairs, gu + dn)]
-            return _experts_reference(x, top_k_index, w, gu_base, dn_base, act, with_scale[:n_gu], with_scale[n_gu:],
-                                      self.backward_dtype)
+            if self.backward_dtype is None:  # kernels.trainer_backward_dtype=model_dtype
+                return _experts_grouped_reference(x, top_k_index, w, gu_base, dn_base, act, with_scale[:n_gu],
+                                                  with_scale[n_gu:])
+            return _experts_reference(x, top_k_index, w, gu_base, dn_base, act, with_scale[:n_gu], with_scale[n_gu:])
 
         return exact(engine, reference, "experts")(x, top_k_weights, *flat)
 

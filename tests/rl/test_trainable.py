@@ -190,13 +190,53 @@ def test_the_compiled_glue_backward_gives_the_references_gradients():
     assert all(torch.equal(base[k], same[k]) for k in base)
 
 
-def test_the_bf16_backward_maths_move_the_gradients_by_rounding_only():
-    """kernels.trainer_backward_dtype=model_dtype on a bf16 MoE model with expert LoRA: the attention and the
-    routed experts (adapters in their low-rank form) differentiated in bf16; the logprobs are the engine's
-    bits and the gradients within bf16 rounding of the float32 references' (and not equal to them)."""
-    eng = make_engine(INV, "lora=r16", "model.dtype=bfloat16", "lora.init_std_b=0.05", model="tiny_moe")
+@pytest.mark.parametrize("extra", [[], ["quant=bnb4"]], ids=["bf16", "bnb4"])
+def test_the_bf16_backward_maths_move_the_gradients_by_rounding_only(extra):
+    """kernels.trainer_backward_dtype=model_dtype on a bf16 MoE model with LoRA (bf16 experts: theirs too): the
+    attention and the routed experts (grouped, adapters in their low-rank form) differentiated in bf16; the
+    logprobs are the engine's bits and the gradients within bf16 rounding of the float32 references' (and
+    not equal to them)."""
+    if extra:
+        pytest.importorskip("bitsandbytes")
+    eng = make_engine(INV, "lora=r16", "model.dtype=bfloat16", "lora.init_std_b=0.05", *extra, model="tiny_moe")
     base, low = _fast_backward_check(eng, {"trainer_backward_dtype": "model_dtype"}, 0.1)
     assert any(not torch.equal(low[k], base[k]) for k in base)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "4bit"])
+def test_the_grouped_experts_reference_is_the_loops_maths(packed):
+    """The model_dtype experts' backward maths (pairs sorted once, a grouped product a projection, 4-bit
+    experts: the routed ones dequantised and their adapters' factors picked by id) equal the float32 loop's,
+    values and gradients, in float32."""
+    import flexgemma.model.trainable as T
+
+    g = torch.Generator().manual_seed(3)
+    e, h, i, t, k, r = 6, 16, 8, 11, 2, 4
+    x = torch.randn(t, h, generator=g, requires_grad=True)
+    routable = torch.tensor([0, 1, 3, 4, 5])  # expert 2: never routed (the 4-bit groups skip it)
+    top = torch.stack([routable[torch.randperm(5, generator=g)[:k]] for _ in range(t)])
+    weights = torch.rand(t, k, generator=g, requires_grad=True)
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    factors = [torch.randn(*shape, generator=g, requires_grad=True)
+               for shape in ((e, 2 * i, r), (e, r, h), (e, h, r), (e, r, i))]
+    gu, dn = [(factors[0], factors[1], 0.5)], [(factors[2], factors[3], 2.0)]
+
+    class Packed:  # a 4-bit experts weight's interface: its shape, the chosen experts' matrices
+        def __init__(self, w):
+            self.w, self.shape = w, w.shape
+
+        def dequantize(self, ids):
+            return self.w[ids]
+
+    wu, wd = (Packed(gate_up), Packed(down)) if packed else (gate_up, down)
+    act = torch.nn.functional.gelu
+    got = T._experts_grouped_reference(x, top, weights, wu, wd, act, gu, dn)
+    want = T._experts_reference(x, top, weights, wu, wd, act, gu, dn)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    up = torch.randn(t, h, generator=g)
+    for a, b in zip(torch.autograd.grad(got, [x, weights, *factors], up),
+                    torch.autograd.grad(want, [x, weights, *factors], up)):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_the_attention_reference_computes_in_the_dtype_it_is_given(monkeypatch):
