@@ -32,45 +32,44 @@ EXACT = ["engine.batch_invariant=true", "task.trainer_forward=engine"]
 # the trainer's backward through fused (compiled) glue and model-dtype attention maths (kernels.trainer_*)
 FAST = ["kernels.trainer_glue_backward=compiled", "kernels.trainer_backward_dtype=model_dtype"]
 KEEP = ["task.gradient_checkpointing=false"]
+GEN = "task.generator=flexgemma"
+
+
+def e2b_jobs(base: list[str], half_micro: str) -> dict[str, list[str]]:
+    """The E2B jobs over `base` (the model and its step; `half_micro`: half its micro-batch)."""
+    return {
+        "e2b_flexgemma": [*base, GEN],
+        "e2b_exact": [*base, GEN, *EXACT],
+        "e2b_exact_separate": [*base, GEN, *EXACT, "task.ratio_forward=separate"],
+        "e2b_exact_keep": [*base, GEN, *EXACT, *KEEP],
+        "e2b_exact_keep8": [*base, GEN, *EXACT, *KEEP, half_micro],
+        "e2b_exact_fast": [*base, GEN, *EXACT, *FAST],
+        "e2b_exact_keep_fast": [*base, GEN, *EXACT, *KEEP, *FAST],
+        # the whole step as one micro-batch (task.micro_batch null): the trainer's fixed cost a micro-batch once
+        "e2b_exact_mb64": [*base, GEN, *EXACT, "task.micro_batch=null"],
+        "e2b_exact_fast_mb64": [*base, GEN, *EXACT, *FAST, "task.micro_batch=null"],
+        "e2b_trl": [*base, "task.generator=trl"],
+    }
+
+
+def moe_jobs(base: list[str], exact_extra: list[str]) -> dict[str, list[str]]:
+    """The 26B-A4B bnb4 jobs over `base` (`exact_extra`: what the exact ones add)."""
+    return {"26b_bnb4_exact": [*base, *exact_extra, *EXACT],
+            "26b_bnb4_exact_fast": [*base, *exact_extra, *EXACT, *FAST],
+            "26b_bnb4_flexgemma": [*base, "task.gradient_checkpointing=true"]}
+
+
 E2B = ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8", "task.max_new_tokens=256",
        "task.micro_batch=16"]
 B26 = ["+model=26b_a4b", "quant=bnb4", "lora=r16", "task.prompts_per_step=4", "task.num_generations=8",
-       "task.max_new_tokens=256", "task.micro_batch=8", "task.generator=flexgemma"]
-JOBS = {
-    "e2b_flexgemma": [*E2B, "task.generator=flexgemma"],
-    "e2b_exact": [*E2B, "task.generator=flexgemma", *EXACT],
-    "e2b_exact_separate": [*E2B, "task.generator=flexgemma", *EXACT, "task.ratio_forward=separate"],
-    "e2b_exact_keep": [*E2B, "task.generator=flexgemma", *EXACT, *KEEP],
-    "e2b_exact_keep8": [*E2B, "task.generator=flexgemma", *EXACT, *KEEP, "task.micro_batch=8"],
-    "e2b_exact_fast": [*E2B, "task.generator=flexgemma", *EXACT, *FAST],
-    "e2b_exact_keep_fast": [*E2B, "task.generator=flexgemma", *EXACT, *KEEP, *FAST],
-    # the whole step as one micro-batch (task.micro_batch null): the trainer's fixed cost a micro-batch once
-    "e2b_exact_mb64": [*E2B, "task.generator=flexgemma", *EXACT, "task.micro_batch=null"],
-    "e2b_exact_fast_mb64": [*E2B, "task.generator=flexgemma", *EXACT, *FAST, "task.micro_batch=null"],
-    "e2b_trl": [*E2B, "task.generator=trl"],
-    "26b_bnb4_exact": [*B26, *EXACT],
-    "26b_bnb4_exact_fast": [*B26, *EXACT, *FAST],
-    "26b_bnb4_flexgemma": [*B26, "task.gradient_checkpointing=true"],
-}
+       "task.max_new_tokens=256", "task.micro_batch=8", GEN]
+JOBS = {**e2b_jobs(E2B, "task.micro_batch=8"), **moe_jobs(B26, [])}
 # --smoke: the same jobs on the CPU test models (a script that crashes on the H200 wastes device time)
 SMOKE = ["device=cpu", "model.dtype=float32", "workload.num_prompts=8", "workload.min_prompt_len=8",
          "workload.max_prompt_len=16", "task.prompts_per_step=2", "task.num_generations=4", "task.max_new_tokens=4",
          "task.micro_batch=4", "task.reward.high=67"]
-TINY = ["+model=tiny", "lora=r32", *SMOKE]
-TINY_MOE = ["+model=tiny_moe", "quant=bnb4", "lora=r16", "task.generator=flexgemma", *SMOKE]
-SMOKE_JOBS = {"e2b_flexgemma": [*TINY, "task.generator=flexgemma"],
-              "e2b_exact": [*TINY, "task.generator=flexgemma", *EXACT],
-              "e2b_exact_separate": [*TINY, "task.generator=flexgemma", *EXACT, "task.ratio_forward=separate"],
-              "e2b_exact_keep": [*TINY, "task.generator=flexgemma", *EXACT, *KEEP],
-              "e2b_exact_keep8": [*TINY, "task.generator=flexgemma", *EXACT, *KEEP, "task.micro_batch=2"],
-              "e2b_exact_fast": [*TINY, "task.generator=flexgemma", *EXACT, *FAST],
-              "e2b_exact_keep_fast": [*TINY, "task.generator=flexgemma", *EXACT, *KEEP, *FAST],
-              "e2b_exact_mb64": [*TINY, "task.generator=flexgemma", *EXACT, "task.micro_batch=null"],
-              "e2b_exact_fast_mb64": [*TINY, "task.generator=flexgemma", *EXACT, *FAST, "task.micro_batch=null"],
-              "e2b_trl": [*TINY, "task.generator=trl"],
-              "26b_bnb4_exact": [*TINY_MOE, "model.dtype=bfloat16", *EXACT],
-              "26b_bnb4_exact_fast": [*TINY_MOE, "model.dtype=bfloat16", *EXACT, *FAST],
-              "26b_bnb4_flexgemma": [*TINY_MOE, "task.gradient_checkpointing=true"]}
+SMOKE_JOBS = {**e2b_jobs(["+model=tiny", "lora=r32", *SMOKE], "task.micro_batch=2"),
+              **moe_jobs(["+model=tiny_moe", "quant=bnb4", "lora=r16", GEN, *SMOKE], ["model.dtype=bfloat16"])}
 COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_median"),
            ("rollout s", "grpo/rollout_s_median"), ("train s", "grpo/train_s_median"),
            ("refresh ms", "grpo/refresh_ms_median"), ("rollout share", "grpo/rollout_share"),
