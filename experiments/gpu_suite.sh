@@ -136,7 +136,7 @@ run profile_trainer_e2b 300 python3 experiments/profile_trainer.py +model=e2b lo
 run profile_trainer_e2b_mb64 240 python3 experiments/profile_trainer.py +model=e2b lora=r32 device=cuda --micro 64 \
   --skip engine_keep,engine_glue,engine_bf16,engine_keep_fast,transformers --profile engine_fast
 run profile_trainer_26b 400 python3 experiments/profile_trainer.py +model=26b_a4b quant=bnb4 lora=r16 device=cuda \
-  --prompts 4 --micro 8 --rounds 2
+  --prompts 4 --micro 8 --rounds 2 --skip engine_keep,engine_glue,engine_bf16,engine_keep_fast
 run grpo_e2b 300 bash -c 'grpo_job e2b_flexgemma 12'
 run grpo_e2b_exact 300 bash -c 'grpo_job e2b_exact 10'
 run grpo_e2b_exact_separate 300 bash -c 'grpo_job e2b_exact_separate 10'
