@@ -379,12 +379,12 @@ def _merged_or_dense(modules, lora, linear):
 
 
 # -- routed experts ----------------------------------------------------------------------------------
-def _expert_product(x: torch.Tensor, w: torch.Tensor, e: int, at: int, factors, dtype: torch.dtype) -> torch.Tensor:
-    """x @ (W_e + sum s B_e A_e).T in `dtype`, W_e = w[at] (stored, or its dequantised copy); the experts'
+def _expert_product(x: torch.Tensor, w: torch.Tensor, e: int, at: int, factors) -> torch.Tensor:
+    """x @ (W_e + sum s B_e A_e).T in x's dtype, W_e = w[at] (stored, or its dequantised copy); the experts'
     adapters in their low-rank form (x A_e.T B_e.T: no [out, in] matrix per adapter), differentiable."""
-    y = x @ w[at].to(dtype).t()
+    y = x @ w[at].to(x.dtype).t()
     for lhs, rhs, scale in factors:
-        y = y + scale * ((x @ rhs[e].to(dtype).t()) @ lhs[e].to(dtype).t())
+        y = y + scale * ((x @ rhs[e].to(x.dtype).t()) @ lhs[e].to(x.dtype).t())
     return y
 
 
@@ -427,7 +427,7 @@ def _experts_reference(x, top_k_index, top_k_weights, gate_up, down, act, gate_u
     """Each expert on the rows routed to it, in float32 (the backward's maths). The (token, slot) pairs are
     sorted by expert once and 4-bit experts dequantised in one call: one host sync a layer, where a
     per-expert nonzero() or index copy would wait for the GPU once an expert."""
-    k, dtype = top_k_index.shape[1], torch.float32
+    k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # an expert's pairs in (token, slot) order
     counts = torch.bincount(flat).tolist()
@@ -444,10 +444,10 @@ def _experts_reference(x, top_k_index, top_k_weights, gate_up, down, act, gate_u
         if not n:
             continue
         tok, slot = pairs // k, pairs % k
-        h = _expert_product(x[tok].to(dtype), gate_up, e, at[e], gate_up_factors, dtype)
+        h = _expert_product(x[tok].float(), gate_up, e, at[e], gate_up_factors)
         g, u = h.chunk(2, dim=-1)
-        y = _expert_product(act(g) * u, down, e, at[e], down_factors, dtype)
-        out = out.index_add(0, tok, y.float() * top_k_weights[tok, slot, None].float())
+        y = _expert_product(act(g) * u, down, e, at[e], down_factors)
+        out = out.index_add(0, tok, y * top_k_weights[tok, slot, None].float())
     return out.to(x.dtype)
 
 
