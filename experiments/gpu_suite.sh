@@ -5,7 +5,7 @@
 #   bash experiments/gpu_suite.sh STAGE...
 #   SWEEP="experiment=rl_batch_31b kernels.prefill_full_blocks=true,false" bash experiments/gpu_suite.sh sweep
 #   MODEL=31b ROWS=64 CONTEXT=416 bash experiments/gpu_suite.sh decode_sweep
-# Stages (in this order): tests tests_kernels invariant_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_fast grpo_e2b_exact_keep_fast grpo_e2b_exact_mb64 grpo_e2b_exact_fast_mb64 grpo_26b_exact grpo_26b_exact_fast grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode decode_sweep profile_round bench_kernels speed_old_new
+# Stages (in this order): tests tests_kernels invariant_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_fast grpo_e2b_exact_keep_fast grpo_e2b_exact_mb64 grpo_e2b_exact_fast_mb64 grpo_26b_exact grpo_26b_exact_fast grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode decode_sweep profile_round bench_kernels speed_old_new
 # Each job's directory (summary.json, metrics.jsonl, config_resolved.yaml) and each sweep's report.md
 # go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into $OUT/results.tgz and a
 # digest is printed. Expects the wheels of
@@ -99,6 +99,11 @@ run inv_26b_bnb4 570 bash -c 'sweep inv_26b_bnb4 experiment=rl_batch_26b_a4b qua
 # the invariant mode's 4-bit experts dequantised into slots against decoded inside the product (same bits)
 run inv_31b 570 bash -c 'sweep inv_31b experiment=rl_batch_31b engine.batch_invariant=false,true'
 run speed_inv 240 bash -c 'job speed_inv experiment=speed_e2b engine.batch_invariant=true'
+# the invariant kernels' chunk loops flattened by Triton (kernels.invariant_flatten; same bits) against not
+run ab_inv_flatten_e2b 570 bash -c 'sweep ab_inv_flatten_e2b experiment=rl_batch_e2b engine.batch_invariant=true \
+  kernels.invariant_flatten=false,true'
+run ab_inv_flatten_26b_bnb4 570 bash -c 'sweep ab_inv_flatten_26b_bnb4 experiment=rl_batch_26b_a4b quant=bnb4 \
+  engine.batch_invariant=true kernels.invariant_flatten=false,true'
 
 # A/B of the kernels keys RESULTS.md measured, the default first, in one call (same machine)
 run ab_31b_full_blocks 570 bash -c 'sweep ab_31b_full_blocks experiment=rl_batch_31b kernels.prefill_full_blocks=true,false'

@@ -302,6 +302,11 @@ class KernelsConfig:
     # speed only (the bits are the same either way): an invariant product of fewer output tiles than this
     # runs a program per tile and K chunk, then sums the chunks in order (small row counts' parallelism)
     invariant_split_below_tiles: int = 264
+    # speed only (the same arithmetic): the invariant kernels' loops over K chunks (products) and KV chunks
+    # (prefill attention) as tl.range(flatten=True), which asks Triton to fuse the chunk loop and the tile
+    # loop inside it into one loop that its pipeliner overlaps across chunks (a chunk of 512 is 4-8 steps
+    # of 64-128: each chunk's loads otherwise start cold)
+    invariant_flatten: bool = False
     # task.trainer_forward=engine: vocabulary columns of one slice of the trainer's head (whole lane steps);
     # 0: as many as keep a [rows x slice] float32 block within 512 MiB (memory against launches)
     trainer_vocab_slice: int = 0

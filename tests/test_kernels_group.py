@@ -19,7 +19,7 @@ CPU = torch.device("cpu")
 OTHER = {"fuse_projections": False, "fused_kv_write": True, "prefill_full_blocks": False, "linear4bit_max_rows": 32,
          "linear4bit_dequant": "bnb", "moe_sort_above": 0, "moe_fused_max_entries": 16, "moe_dequant": "triton",
          "invariant_k_chunk": 256, "invariant_split_tokens": 512, "invariant_block_n": 32,
-         "invariant_split_below_tiles": 0, "trainer_vocab_slice": 4096, "trainer_glue_backward": "compiled",
+         "invariant_split_below_tiles": 0, "invariant_flatten": True, "trainer_vocab_slice": 4096, "trainer_glue_backward": "compiled",
          "trainer_backward_dtype": "model_dtype"}
 
 
@@ -69,6 +69,17 @@ def test_the_engine_reads_its_choices_from_the_config():
     assert runner.masks.full_blocks is False and all(a.fused_kv_write for a in runner.forward.attn)
     assert runner.kernels.prefill_full_blocks is False and runner.forward.attention.kernels is runner.kernels
     assert runner.forward.ops.experts_kernel is None and engine.info["moe_kernel"] == "grouped_mm"
+
+
+def test_the_invariant_engine_hands_its_keys_to_each_kernel():
+    """engine.batch_invariant: the products, the routed experts and the attention read the invariant_* keys."""
+    engine = build_engine(compose(["+model=tiny_moe", "device=cpu", "engine.batch_invariant=true",
+                                   "kernels.invariant_flatten=true", "kernels.invariant_k_chunk=256",
+                                   "kernels.invariant_split_tokens=128"]))
+    forward = engine.runner.forward
+    assert forward.invariant.keywords == {"k_chunk": 256, "split_below_tiles": 264, "flatten": True}
+    assert forward.ops.experts_kernel.flatten is True and forward.ops.experts_kernel.k_chunk == 256
+    assert forward.attention.options.flatten is True and forward.attention.options.split_tokens == 128
 
 
 @pytest.mark.parametrize("old, new", sorted(MOVED_KEYS.items()))

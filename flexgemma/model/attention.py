@@ -169,7 +169,8 @@ class InvariantAttentionKernels:
         from flexgemma.model.invariant.attention import InvariantAttentionOptions
 
         self.page_size = page_size
-        self.options = InvariantAttentionOptions(kernels.invariant_split_tokens, kernels.invariant_block_n)
+        self.options = InvariantAttentionOptions(kernels.invariant_split_tokens, kernels.invariant_block_n,
+                                                 kernels.invariant_flatten)
 
     def padded_rows(self, b: int) -> int:
         return b

@@ -54,7 +54,8 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(dtype):
 
 def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
     """The GPU kernels through Triton's interpreter (float32): a program adding its K chunks in order and
-    the chunks computed apart then summed in order give the same bits, at any row count."""
+    the chunks computed apart then summed in order give the same bits, at any row count, with the chunk loop
+    flattened or not (kernels.invariant_flatten: the GPU test checks that compiled)."""
     out = run_interpreted(INTERPRETER_LOOPS + textwrap.dedent("""
         import torch
         from flexgemma.model.invariant import triton_matmul as tm
@@ -67,10 +68,14 @@ def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
         tm.split_then_sum(x, w, b, 3, 512, cfg)
         tm.fold(x[5:6], w, c, 512, cfg)
         counts = torch.tensor([3, 0, 30, 7])
-        g = tm.grouped(x, torch.randn(4, 70, 1100), counts, 512, cfg)
+        we = torch.randn(4, 70, 1100)
+        g = tm.grouped(x, we, counts, 512, cfg)
         print(torch.equal(a, b), torch.equal(a[5], c[0]), (a - x @ w.t()).abs().max().item() < 1e-3, g.shape[0] == 40)
+        d = torch.empty(40, 70)
+        tm.fold(x, w, d, 512, cfg, flatten=True)
+        print(torch.equal(a, d), torch.equal(g, tm.grouped(x, we, counts, 512, cfg, flatten=True)))
     """))
-    assert out.split() == ["True", "True", "True", "True"]
+    assert out.split() == ["True"] * 6
 
 
 # Triton's interpreter converts a loop bound held in a tensor with int(), which numpy 2 refuses for the
@@ -109,8 +114,9 @@ for win in (None, 24):
     tiles = dict(rows.tiles)
     again = ta.paged_attention(q, k, v, rows, 16, 32, 16)
     print(torch.equal(again, pre), len(tiles) == 1 and all(a is b for a, b in zip(tiles.values(), rows.tiles.values())))
+    print(torch.equal(ta.paged_attention(q, k, v, rows, 16, 32, 16, flatten=True), pre))
 """)
-    assert out.split() == ["True"] * 10
+    assert out.split() == ["True"] * 12
 
 
 def test_triton_logprobs_whole_and_streamed_agree_interpreted():
@@ -316,6 +322,16 @@ def test_gpu_alone_slot_chunked_and_scored(model):
     alone = check_alone_slot_and_score(eng, ps)
     chunked = invariant_gpu_engine(model, "engine.max_prefill_tokens=64", "cudagraph.enabled=false")
     assert same(alone, chunked.generate([ps[7]], [params(7)])[0]), "prefill chunks of 64, eager decode"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["e2b", "26b_a4b"])
+def test_gpu_flattened_chunk_loops_give_the_same_bits(model):
+    """kernels.invariant_flatten=true compiles (Triton fuses the chunk loops) and changes no bit: alone, at a
+    slot, scored, and equal to the unflattened engine's tokens and logprobs."""
+    ps = prompts(33, seed=19, lo=20, hi=700)
+    flat = check_alone_slot_and_score(invariant_gpu_engine(model, "kernels.invariant_flatten=true"), ps)
+    assert same(flat, invariant_gpu_engine(model).generate([ps[7]], [params(7)])[0]), "flattened vs not"
 
 
 @pytest.mark.gpu

@@ -49,10 +49,12 @@ class RowTable:
 class InvariantAttentionOptions:
     """Options that fix a query's summation order (so they are part of its result) and kernel tiles.
     split_tokens: the fixed chunk of positions a decode program takes and prefill folds in; block_n:
-    positions of one tile (a divisor of the page size). The row tile (block_m) and warps only set speed."""
+    positions of one tile (a divisor of the page size). The row tile (block_m) and warps only set speed;
+    flatten (kernels.invariant_flatten): prefill's loop over chunks flattened by Triton, the same bits."""
 
     split_tokens: int = 256
     block_n: int = 64
+    flatten: bool = False
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: RowTable, page_size: int,
@@ -65,7 +67,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if q.is_cuda:
         from flexgemma.model.invariant import triton_attention
 
-        return triton_attention.paged_attention(q, k_pool, v_pool, rows, page_size, opts.split_tokens, block_n)
+        return triton_attention.paged_attention(q, k_pool, v_pool, rows, page_size, opts.split_tokens, block_n,
+                                                opts.flatten)
     t = q.shape[0]
     n = padded_row_count(t)  # whole vector steps in every elementwise loop (rows.py)
     padded = RowTable(rows.table, pad_rows(rows.q_row[:t], n), pad_rows(rows.q_pos[:t], n), rows.window, rows.decode,

@@ -10,15 +10,17 @@ from flexgemma.model.invariant.matmul import K_CHUNK, _tiles, linear
 from flexgemma.model.moe import routed_experts, sum_per_token
 
 
-def grouped_linear(rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, k_chunk: int = K_CHUNK) -> torch.Tensor:
-    """rows [N, K] grouped by expert (counts [E], in expert order), w [E, out, K] -> [N, out]."""
+def grouped_linear(rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, k_chunk: int = K_CHUNK,
+                   flatten: bool = False) -> torch.Tensor:
+    """rows [N, K] grouped by expert (counts [E], in expert order), w [E, out, K] -> [N, out]; flatten: as
+    `linear`'s."""
     if rows.is_cuda:
         from flexgemma.model.invariant import triton_matmul
 
         # few rows an expert (decode): 16-row tiles; many (prefill): 64 (speed only, not a row's bits)
         per_expert = rows.shape[0] / max(1, w.shape[0])
         return triton_matmul.grouped(rows.contiguous(), w, counts, k_chunk, _tiles(16 if per_expert <= 16 else 64,
-                                                                                 rows.dtype))
+                                                                                 rows.dtype), flatten)
     out = rows.new_empty(rows.shape[0], w.shape[1])
     start = 0
     for e, n in enumerate(counts.tolist()):
@@ -33,6 +35,7 @@ class InvariantExperts:
 
     def __init__(self, kernels=None):
         self.k_chunk = kernels.invariant_k_chunk if kernels is not None else K_CHUNK
+        self.flatten = kernels.invariant_flatten if kernels is not None else False
         self.moe_dequant = kernels.moe_dequant if kernels is not None else "bnb"
 
     def takes(self, *args) -> bool:
@@ -61,7 +64,7 @@ class InvariantExperts:
             gate_up, down = self._dequantize(gate_up, experts), self._dequantize(down, experts)
         order = torch.argsort(flat, stable=True)
         counts = torch.zeros(groups, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-        h = grouped_linear(x[order // k], gate_up, counts, self.k_chunk)
+        h = grouped_linear(x[order // k], gate_up, counts, self.k_chunk, self.flatten)
         g, u = h.chunk(2, dim=-1)
-        h = grouped_linear(act(g) * u, down, counts, self.k_chunk)
+        h = grouped_linear(act(g) * u, down, counts, self.k_chunk, self.flatten)
         return sum_per_token(h, order, top_k_weights, x)

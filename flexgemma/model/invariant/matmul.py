@@ -27,13 +27,14 @@ SPLIT_BELOW_TILES = 264
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
-           split_below_tiles: int = SPLIT_BELOW_TILES) -> torch.Tensor:
+           split_below_tiles: int = SPLIT_BELOW_TILES, flatten: bool = False) -> torch.Tensor:
     """x [..., K] @ w [N, K].T -> [..., N] in x's dtype, each row independent of the others; k_chunk
     (kernels.invariant_k_chunk): the K elements summed before the next chunk is added (GPU);
-    split_below_tiles (kernels.invariant_split_below_tiles): which of two kernels, the same bits."""
+    split_below_tiles (kernels.invariant_split_below_tiles): which of two kernels, the same bits;
+    flatten (kernels.invariant_flatten): the fold kernel's chunk loop flattened by Triton, the same bits."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    out = _linear_gpu(x2, w, k_chunk, split_below_tiles) if x2.is_cuda else _linear_cpu(x2, w)
+    out = _linear_gpu(x2, w, k_chunk, split_below_tiles, flatten) if x2.is_cuda else _linear_cpu(x2, w)
     return out.reshape(*lead, w.shape[0])
 
 
@@ -61,7 +62,7 @@ def _tiles(m: int, dtype: torch.dtype) -> dict:
     return next(t for most, t in table if most is None or m <= most)
 
 
-def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int, split_below_tiles: int) -> torch.Tensor:
+def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int, split_below_tiles: int, flatten: bool) -> torch.Tensor:
     from flexgemma.model.invariant import triton_matmul as tm
 
     if w.stride(-1) != 1:
@@ -79,5 +80,5 @@ def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int, split_below_tile
     if chunks > 1 and tiles < split_below_tiles:
         tm.split_then_sum(x, w, out, chunks, k_chunk, cfg)
     else:
-        tm.fold(x, w, out, k_chunk, cfg)
+        tm.fold(x, w, out, k_chunk, cfg, flatten)
     return out

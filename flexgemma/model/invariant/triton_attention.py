@@ -82,7 +82,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr, ta
                       tile_start_ptr, tile_len_ptr, table_width, stride_qt, stride_kh, window, max_chunks, scale,
                       H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, S: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, D: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      IEEE: tl.constexpr, FLATTEN: tl.constexpr):
     """Program (tile, kv head[, chunk]): rows m = (query m // G of the tile, head kv_head * G + m % G)."""
     ti = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -117,7 +117,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr, ta
         m = tl.full((BM,), NEG_INF, tl.float32)
         l = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, D), tl.float32)
-        for c_start in range(t_lo // S * S, t_hi + 1, S):
+        for c_start in tl.range(t_lo // S * S, t_hi + 1, S, flatten=FLATTEN):
             mc, lc, accc = _chunk(q, k_ptr, v_ptr, table_ptr, seq_row, table_width, c_start, t_lo, t_hi, pos, lo,
                                   row_ok, scale, P, S, BM, BN, D, IEEE)
             m, l, acc = _fold(m, l, acc, mc, lc, accc)
@@ -180,7 +180,8 @@ def row_tiles(rows, per_tile: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return rows.tiles[per_tile]
 
 
-def paged_attention(q, k_pool, v_pool, rows, page_size: int, split: int, block_n: int) -> torch.Tensor:
+def paged_attention(q, k_pool, v_pool, rows, page_size: int, split: int, block_n: int,
+                    flatten: bool = False) -> torch.Tensor:
     t, h, d = q.shape
     hkv = k_pool.shape[1]
     g = h // hkv
@@ -192,7 +193,7 @@ def paged_attention(q, k_pool, v_pool, rows, page_size: int, split: int, block_n
         raise ValueError(f"attention split of {split} positions is not a multiple of the tile ({cfg['BN']})")
     chunks = -(-rows.max_len // split)
     meta = dict(H=h, G=g, P=page_size, S=split, BM=bm, BN=cfg["BN"], D=d, HAS_WINDOW=rows.window is not None,
-                IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], enable_fp_fusion=False)
+                IEEE=q.dtype == torch.float32, FLATTEN=flatten, num_warps=cfg["num_warps"], enable_fp_fusion=False)
     window = rows.window or 0
     table = rows.table
     if rows.decode:

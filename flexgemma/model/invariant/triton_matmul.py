@@ -38,15 +38,16 @@ def _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_start, K, stride_
 @triton.jit(do_not_specialize=["M"])
 def _mm_fold(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, CHUNKS,
              KC: tl.constexpr, BM: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    """Program (tile): the output tile's K chunks one after another, each added to the total in order."""
+             BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr):
+    """Program (tile): the output tile's K chunks one after another, each added to the total in order
+    (FLATTEN: the chunk loop and its K steps fused into one loop by Triton, the same operations)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     rows = (pid % num_m) * BM + tl.arange(0, BM)
     cols = (pid // num_m) * BN + tl.arange(0, BN)
     row_ok, col_ok = rows < M, cols < N
     total = tl.zeros((BM, BN), dtype=tl.float32)
-    for c in range(0, CHUNKS):
+    for c in tl.range(0, CHUNKS, flatten=FLATTEN):
         total = total + _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, c * KC, K, stride_x, KC, BM, BN, BK,
                                        IEEE)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], total.to(out_ptr.dtype.element_ty),
@@ -86,9 +87,9 @@ def _launch_args(x, w, cfg):
     return m, n, k, triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), meta
 
 
-def fold(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kc: int, cfg: dict) -> None:
+def fold(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kc: int, cfg: dict, flatten: bool = False) -> None:
     m, n, k, tiles, meta = _launch_args(x, w, cfg)
-    _mm_fold[(tiles,)](x, w, out, m, n, k, x.stride(0), triton.cdiv(k, kc), KC=kc, **meta)
+    _mm_fold[(tiles,)](x, w, out, m, n, k, x.stride(0), triton.cdiv(k, kc), KC=kc, FLATTEN=flatten, **meta)
 
 
 def split_then_sum(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, kc: int, cfg: dict) -> None:
@@ -117,13 +118,13 @@ def _group_tile(tile_expert_ptr, tile_first_ptr, tile_end_ptr, E, N, BM: tl.cons
 @triton.jit(do_not_specialize=["M"])
 def _grouped_fold(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_first_ptr, tile_end_ptr, M, E, N,
                   K, stride_x, CHUNKS, KC: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                  BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr):
     """Program (row tile, feature tile): rows [first, end) of one expert's group against that expert's
     [N, K] matrix, K chunks added in order as in `_mm_fold` (a row's bits do not depend on its group)."""
     e, rows, cols, row_ok, col_ok = _group_tile(tile_expert_ptr, tile_first_ptr, tile_end_ptr, E, N, BM, BN)
     w_e = w_ptr + e.to(tl.int64) * N * K
     total = tl.zeros((BM, BN), dtype=tl.float32)
-    for c in range(0, CHUNKS):
+    for c in tl.range(0, CHUNKS, flatten=FLATTEN):
         total = total + _chunk_product(x_ptr, w_e, rows, cols, row_ok, col_ok, c * KC, K, stride_x, KC, BM, BN, BK,
                                        IEEE)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], total.to(out_ptr.dtype.element_ty),
@@ -151,7 +152,8 @@ def _meta(x: torch.Tensor, cfg: dict) -> dict:
                 num_stages=cfg["num_stages"])
 
 
-def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kc: int, cfg: dict) -> torch.Tensor:
+def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kc: int, cfg: dict,
+            flatten: bool = False) -> torch.Tensor:
     """x [M, K] rows grouped by expert (`counts` [E] rows each, in expert order), w [E, N, K] -> [M, N]."""
     m, k = x.shape
     e, n = w.shape[0], w.shape[1]
@@ -159,5 +161,6 @@ def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kc: int, cfg
     slots, expert, first, end = _schedule(counts, m, cfg["BM"])
     if m:
         _grouped_fold[(slots, triton.cdiv(n, cfg["BN"]))](x, w, out, expert, first, end, m, e, n, k,
-                                                          x.stride(0), triton.cdiv(k, kc), KC=kc, **_meta(x, cfg))
+                                                          x.stride(0), triton.cdiv(k, kc), KC=kc, FLATTEN=flatten,
+                                                          **_meta(x, cfg))
     return out
