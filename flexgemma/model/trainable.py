@@ -585,14 +585,16 @@ class TrainableForward:
     engine_forward: the engine's GemmaForward, built with engine.batch_invariant (its products, attention,
     glue and experts are what this runs); lora: the engine's LoraAdapters (merged weights must be current:
     the caller refreshes them after changing the factors). checkpoint (task.gradient_checkpointing): each
-    layer recomputed in the backward, only its input kept; else every op's inputs are kept."""
+    layer recomputed in the backward, only its input kept; else every op's inputs are kept. kernels: a
+    Kernels whose trainer_glue_backward / trainer_backward_dtype pick the backward's maths (default: the
+    engine's own; the forward always runs the engine's kernels as built)."""
 
     def __init__(self, engine_forward, lora=None, checkpoint: bool = True, kernels=None):
         from flexgemma.config import ConfigError
         from flexgemma.model.forward import GemmaForward
 
         f = engine_forward
-        kernels = kernels or f.kernels  # the engine's; another Kernels changes only the trainer_* keys' backward
+        kernels = kernels or f.kernels
         if f.invariant is None:
             raise ConfigError("task.trainer_forward=engine runs the engine's batch-invariant kernels: set "
                               "engine.batch_invariant=true (or task.trainer_forward=transformers)")
