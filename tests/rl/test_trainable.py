@@ -141,7 +141,7 @@ def test_gradient_checkpointing_changes_no_gradient(model):
     assert all(torch.equal(got[True][1][k], got[False][1][k]) for k in got[True][1])
 
 
-def _lora_grads(eng, seqs, firsts, outs, **keys):
+def _lora_grads(eng, seqs, firsts, **keys):
     """(the logprobs, each LoRA factor's gradient, graphs compiled meanwhile) of the trainer's forward with
     the kernels.trainer_* keys `keys`."""
     import dataclasses
@@ -170,9 +170,9 @@ def _fast_backward_check(eng, fast_keys: dict, tolerance: float):
     seqs, firsts = [p + o.token_ids for p, o in zip(ps, outs)], [len(p) for p in ps]
     for p in eng.lora.slots.values():
         p.requires_grad_(True)
-    lps, base, graphs = _lora_grads(eng, seqs, firsts, outs)
+    lps, base, graphs = _lora_grads(eng, seqs, firsts)
     assert lps == [o.logprobs for o in outs] and graphs == 0
-    lps, fast, graphs = _lora_grads(eng, seqs, firsts, outs, **fast_keys)
+    lps, fast, graphs = _lora_grads(eng, seqs, firsts, **fast_keys)
     assert lps == [o.logprobs for o in outs]
     assert (graphs > 0) == (fast_keys.get("trainer_glue_backward") == "compiled")  # the glue's backward compiled
     assert _relative_errors(fast, base) <= tolerance, fast_keys
