@@ -52,7 +52,7 @@ def _row_invariant_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return _matmul_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
     acc = d.data.dtype
     products = a.data.astype(acc)[..., :, :, None] * b.data.astype(acc)[..., None, :, :]
-    total = _np.zeros(products.shape[:-3] + products.shape[-3:-2] + products.shape[-1:], dtype=acc)
+    total = _np.zeros_like(products[..., 0, :])
     for k in range(products.shape[-2]):
         total += products[..., k, :]
     return _interp.TensorHandle(total + d.data, d.dtype.scalar)
