@@ -312,11 +312,12 @@ class KernelsConfig:
     trainer_vocab_slice: int = 0
     # task.trainer_forward=engine, how the backward differentiates the glue's maths (norms, RoPE, gelu*up,
     # residual adds): eager (torch's ops one by one, each its own kernel) or compiled (the same functions
-    # through torch.compile: each op's recomputed forward and its backward fused into a few kernels)
-    trainer_glue_backward: str = "eager"
+    # through torch.compile: each op's recomputed forward and its backward fused into a few kernels);
+    # auto: compiled on a GPU, eager on the CPU (as engine.compile)
+    trainer_glue_backward: str = "auto"
     # task.trainer_forward=engine, the dtype of the backward's attention and routed-expert maths: float32, or
     # model_dtype (bf16 models: bf16 products with float32 accumulation, as transformers' trainer computes them)
-    trainer_backward_dtype: str = "float32"
+    trainer_backward_dtype: str = "model_dtype"
 
     def __post_init__(self):
         _check_choice("kernels.moe", self.moe, ("auto", "grouped_mm", "triton"))
@@ -326,7 +327,7 @@ class KernelsConfig:
         _check_choice("kernels.linear4bit", self.linear4bit, ("auto", "bnb", "triton"))
         _check_choice("kernels.linear4bit_dequant", self.linear4bit_dequant, ("bnb", "triton"))
         _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
-        _check_choice("kernels.trainer_glue_backward", self.trainer_glue_backward, ("eager", "compiled"))
+        _check_choice("kernels.trainer_glue_backward", self.trainer_glue_backward, ("auto", "eager", "compiled"))
         _check_choice("kernels.trainer_backward_dtype", self.trainer_backward_dtype, ("float32", "model_dtype"))
         for key in ("linear4bit_max_rows", "moe_sort_above", "moe_fused_max_entries", "invariant_split_below_tiles",
                     "trainer_vocab_slice"):

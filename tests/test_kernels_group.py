@@ -94,7 +94,7 @@ def test_a_moved_key_names_where_it_lives_now(old, new):
     ("kernels.moe_dequant=gather", "kernels.moe_dequant='gather' is invalid: choose one of bnb, triton"),
     ("kernels.linear4bit_max_rows=-1", "kernels.linear4bit_max_rows=-1 is invalid: at least 0"),
     ("kernels.moe_sort_above=-8", "kernels.moe_sort_above=-8 is invalid: at least 0"),
-    ("kernels.trainer_glue_backward=jit", "kernels.trainer_glue_backward='jit' is invalid: choose one of eager, compiled"),
+    ("kernels.trainer_glue_backward=jit", "kernels.trainer_glue_backward='jit' is invalid: choose one of auto, eager, compiled"),
     ("kernels.trainer_backward_dtype=bf16",
      "kernels.trainer_backward_dtype='bf16' is invalid: choose one of float32, model_dtype"),
 ])

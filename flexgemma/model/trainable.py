@@ -83,14 +83,14 @@ def same_layout_copy(a: torch.Tensor) -> torch.Tensor:
     return out.copy_(a)
 
 
-def glue_references(how: str) -> dict[str, Callable]:
+def glue_references(how: str, device: torch.device) -> dict[str, Callable]:
     """The maths the backward differentiates for each row-wise glue function (glue.ROW_ARGS), as
     kernels.trainer_glue_backward says: glue's own functions op by op (eager), or the same functions
     through torch.compile (compiled: AOTAutograd fuses each one's recomputed forward and its backward
-    into a few kernels, where eager launches one a torch op). Compiled with a counter of their own,
-    so the engine's compiled glue (what the forward calls) is never compiled again."""
+    into a few kernels, where eager launches one a torch op; auto: compiled on a GPU). Compiled with a
+    counter of their own, so the engine's compiled glue (what the forward calls) is never compiled again."""
     fns = {name: getattr(glue, name) for name in glue.ROW_ARGS}
-    if how == "eager":
+    if how == "eager" or (how == "auto" and device.type == "cpu"):
         return fns
     from flexgemma.compiled import CompileCounter, compile_fn
 
@@ -603,7 +603,7 @@ class TrainableForward:
                               "attn.fused_kv_write=false")
         self.engine, self.lora = f, lora
         linear = trainable_linear(f.invariant)
-        refs = glue_references(kernels.trainer_glue_backward)
+        refs = glue_references(kernels.trainer_glue_backward, f.model.model.embed_tokens.weight.device)
         backward_dtype = None if kernels.trainer_backward_dtype == "model_dtype" else torch.float32
         ops = SimpleNamespace(**{name: exact(as_the_engine_calls(getattr(f.ops, name), rows), refs[name], name)
                                  for name, rows in glue.ROW_ARGS.items()})

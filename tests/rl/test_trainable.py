@@ -51,19 +51,19 @@ def test_trainer_logprobs_bitwise_unmerged_and_4bit(model, extra):
 @pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
 def test_the_trainer_runs_the_glue_the_engine_compiled(model):
     """With the glue compiled (engine.compile=true, a GPU's default), the trainer's forward and backward
-    compile nothing: torch.compile guards on grad and inference mode, and a glue function compiled again
-    for the trainer may reduce a row with other tiles (on the H200: the exact GRPO jobs 0.34 nats apart)."""
-    from torch._dynamo.utils import counters
-
+    compile none of the engine's functions again: torch.compile guards on grad and inference mode, and a
+    glue function compiled again for the trainer may reduce a row with other tiles (on the H200: the exact
+    GRPO jobs 0.34 nats apart). The backward's compiled references (kernels.trainer_glue_backward=compiled,
+    the default) count on a counter of their own."""
     eng = make_engine(INV, "lora=r16", "engine.compile=true", model=model)
     ps, outs = rollout(eng)
     for p in eng.lora.slots.values():
         p.requires_grad_(True)
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = eng.compile_counter.count
     tf = TrainableForward(eng.runner.forward, eng.lora)
     lps, _ = tf.token_logprobs([p + o.token_ids for p, o in zip(ps, outs)], [len(p) for p in ps])
     torch.stack([lp.sum() for lp in lps]).sum().backward()  # the checkpointed layers run again
-    assert counters["stats"]["unique_graphs"] == graphs, "the trainer compiled glue of its own"
+    assert graphs > 0 and eng.compile_counter.count == graphs, "the trainer compiled the engine's glue again"
     assert [lp.tolist() for lp in lps] == [o.logprobs for o in outs]
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in eng.lora.slots.values())
 
@@ -141,6 +141,10 @@ def test_gradient_checkpointing_changes_no_gradient(model):
     assert all(torch.equal(got[True][1][k], got[False][1][k]) for k in got[True][1])
 
 
+# the backward's references: the glue's functions op by op, the attention and experts in float32
+REFERENCE_BACKWARD = {"trainer_glue_backward": "eager", "trainer_backward_dtype": "float32"}
+
+
 def _lora_grads(eng, seqs, firsts, **keys):
     """(the logprobs, each LoRA factor's gradient, graphs compiled meanwhile) of the trainer's forward with
     the kernels.trainer_* keys `keys`."""
@@ -170,13 +174,29 @@ def _fast_backward_check(eng, fast_keys: dict, tolerance: float):
     seqs, firsts = [p + o.token_ids for p, o in zip(ps, outs)], [len(p) for p in ps]
     for p in eng.lora.slots.values():
         p.requires_grad_(True)
-    lps, base, graphs = _lora_grads(eng, seqs, firsts)
+    lps, base, graphs = _lora_grads(eng, seqs, firsts, **REFERENCE_BACKWARD)
     assert lps == [o.logprobs for o in outs] and graphs == 0
-    lps, fast, graphs = _lora_grads(eng, seqs, firsts, **fast_keys)
+    lps, fast, graphs = _lora_grads(eng, seqs, firsts, **{**REFERENCE_BACKWARD, **fast_keys})
     assert lps == [o.logprobs for o in outs]
     assert (graphs > 0) == (fast_keys.get("trainer_glue_backward") == "compiled")  # the glue's backward compiled
     assert _relative_errors(fast, base) <= tolerance, fast_keys
     return base, fast
+
+
+def test_the_glue_backward_is_compiled_on_a_gpu_and_eager_on_the_cpu_by_default():
+    """kernels.trainer_glue_backward=auto (the default) picks as engine.compile does: torch.compile's
+    wrappers on a GPU (nothing compiles until a call), glue's own functions on the CPU; eager and
+    compiled hold on either device."""
+    from flexgemma.config import KernelsConfig
+    from flexgemma.model import glue
+    from flexgemma.model.trainable import glue_references
+
+    assert KernelsConfig().trainer_glue_backward == "auto"
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    own = {name: getattr(glue, name) for name in glue.ROW_ARGS}
+    assert glue_references("auto", cpu) == own and glue_references("eager", gpu) == own
+    for refs in (glue_references("auto", gpu), glue_references("compiled", cpu)):
+        assert refs.keys() == own.keys() and all(refs[k] is not own[k] for k in own)
 
 
 @pytest.mark.slow
