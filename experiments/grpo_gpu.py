@@ -29,10 +29,12 @@ COMMON = ["task=grpo", "logger=none", "workload.num_prompts=64", "workload.min_p
           "workload.max_prompt_len=128", "task.learning_rate=1e-5", "task.temperature=1.0", *REWARD]
 # the trainer's logprobs through the engine's kernels, the rollout batch-invariant: exact IS ratios
 EXACT = ["engine.batch_invariant=true", "task.trainer_forward=engine"]
-# the trainer's backward through fused (compiled) glue and model-dtype attention maths (kernels.trainer_*)
-FAST = ["kernels.trainer_glue_backward=compiled", "kernels.trainer_backward_dtype=model_dtype"]
+# the trainer's backward through its references (the glue op by op, attention and experts in float32;
+# the kernels.trainer_* defaults before call27): the A/B of those keys' defaults
+REFERENCE = ["kernels.trainer_glue_backward=eager", "kernels.trainer_backward_dtype=float32"]
 KEEP = ["task.gradient_checkpointing=false"]
 GEN = "task.generator=flexgemma"
+ONE_MICRO = "task.micro_batch=null"  # the whole step as one micro-batch (task=grpo's default)
 
 
 def e2b_jobs(base: list[str], half_micro: str) -> dict[str, list[str]]:
@@ -40,14 +42,13 @@ def e2b_jobs(base: list[str], half_micro: str) -> dict[str, list[str]]:
     return {
         "e2b_flexgemma": [*base, GEN],
         "e2b_exact": [*base, GEN, *EXACT],
+        "e2b_exact_reference": [*base, GEN, *EXACT, *REFERENCE],
         "e2b_exact_separate": [*base, GEN, *EXACT, "task.ratio_forward=separate"],
         "e2b_exact_keep": [*base, GEN, *EXACT, *KEEP],
         "e2b_exact_keep8": [*base, GEN, *EXACT, *KEEP, half_micro],
-        "e2b_exact_fast": [*base, GEN, *EXACT, *FAST],
-        "e2b_exact_keep_fast": [*base, GEN, *EXACT, *KEEP, *FAST],
-        # the whole step as one micro-batch (task.micro_batch null): the trainer's fixed cost a micro-batch once
-        "e2b_exact_mb64": [*base, GEN, *EXACT, "task.micro_batch=null"],
-        "e2b_exact_fast_mb64": [*base, GEN, *EXACT, *FAST, "task.micro_batch=null"],
+        # the whole step as one micro-batch: the trainer's fixed cost a micro-batch paid once
+        "e2b_exact_mb64": [*base, GEN, *EXACT, ONE_MICRO],
+        "e2b_exact_reference_mb64": [*base, GEN, *EXACT, *REFERENCE, ONE_MICRO],
         "e2b_trl": [*base, "task.generator=trl"],
     }
 
@@ -55,7 +56,8 @@ def e2b_jobs(base: list[str], half_micro: str) -> dict[str, list[str]]:
 def moe_jobs(base: list[str], exact_extra: list[str]) -> dict[str, list[str]]:
     """The 26B-A4B bnb4 jobs over `base` (`exact_extra`: what the exact ones add)."""
     return {"26b_bnb4_exact": [*base, *exact_extra, *EXACT],
-            "26b_bnb4_exact_fast": [*base, *exact_extra, *EXACT, *FAST],
+            "26b_bnb4_exact_reference": [*base, *exact_extra, *EXACT, *REFERENCE],
+            "26b_bnb4_exact_mb32": [*base, *exact_extra, *EXACT, ONE_MICRO],
             "26b_bnb4_flexgemma": [*base, "task.gradient_checkpointing=true"]}
 
 

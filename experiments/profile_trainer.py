@@ -4,11 +4,13 @@ Rebuilds one task=grpo step's training work (experiments/exact_gap.py's rollout:
 completions of --new tokens) and times the trainer's forward + backward over its micro-batches, no
 optimizer, side by side in one process:
 
-  engine            the engine's forward (model/trainable.py), layers recomputed in the backward (the default)
+  engine            the engine's forward (model/trainable.py), layers recomputed in the backward, the kernels
+                    config's trainer_* keys as given (the defaults: glue backward compiled on a GPU, bf16 maths)
   engine_keep       the same with task.gradient_checkpointing=false (each op's inputs kept)
-  engine_glue       engine with kernels.trainer_glue_backward=compiled (the glue's backward fused)
-  engine_bf16       engine with kernels.trainer_backward_dtype=model_dtype (attention and experts backward in bf16)
-  engine_fast       engine with both; engine_keep_fast: engine_keep with both
+  engine_reference  engine with the backward's references: kernels.trainer_glue_backward=eager and
+                    kernels.trainer_backward_dtype=float32 (the glue op by op, attention and experts in float32)
+  engine_eager_glue engine with kernels.trainer_glue_backward=eager alone
+  engine_float32    engine with kernels.trainer_backward_dtype=float32 alone
   transformers      transformers' Gemma-4 over peft's live adapters, full-vocabulary logits (the default trainer)
 
 Medians of --rounds, peak memory of each; then one micro-batch of each --profile variant under
@@ -118,20 +120,20 @@ def profile(name: str, tf, shared, batch, weights) -> None:
         print(f"  {self_device_us(e) / 1e6:8.3f} s {e.count:6d}x  {e.key[:110]}")
 
 
-# variant -> (layers recomputed in the backward, the kernels.trainer_* keys it sets)
-FAST = {"trainer_glue_backward": "compiled", "trainer_backward_dtype": "model_dtype"}
-VARIANTS = {"engine": (True, {}), "engine_keep": (False, {}),
-            "engine_glue": (True, {"trainer_glue_backward": "compiled"}),
-            "engine_bf16": (True, {"trainer_backward_dtype": "model_dtype"}),
-            "engine_fast": (True, FAST), "engine_keep_fast": (False, FAST)}
+# variant -> (layers recomputed in the backward, the kernels.trainer_* keys it sets over the config's)
+REFERENCE = {"trainer_glue_backward": "eager", "trainer_backward_dtype": "float32"}
+VARIANTS = {"engine": (True, {}), "engine_keep": (False, {}), "engine_reference": (True, REFERENCE),
+            "engine_eager_glue": (True, {"trainer_glue_backward": "eager"}),
+            "engine_float32": (True, {"trainer_backward_dtype": "float32"})}
 
 
 def main() -> None:
     ap = grpo_step_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--skip", default="", help="comma-separated variants to leave out (engine_keep, engine_glue, "
-                                               "engine_bf16, engine_fast, engine_keep_fast, transformers)")
-    ap.add_argument("--profile", default="engine,engine_fast", help="variants to profile (comma-separated; none: '')")
+    ap.add_argument("--skip", default="", help="comma-separated variants to leave out (engine_keep, engine_reference, "
+                                               "engine_eager_glue, engine_float32, transformers)")
+    ap.add_argument("--profile", default="engine,engine_reference",
+                    help="variants to profile (comma-separated; none: '')")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
 
