@@ -1,5 +1,6 @@
 """GRPO on the H200: E2B bf16 + LoRA r32 (generator flexgemma vs trl, side by side) and 26B-A4B
-quant=bnb4 + LoRA r16, each a `python -m flexgemma ... task=grpo` job; prints the step-time table.
+quant=bnb4 + LoRA r16, each a job of the presets `experiment=grpo_e2b` / `grpo_26b_a4b` with the
+overrides that make the A/B (trainer forward, micro-batch, backward references); prints the step-time table.
 
     python experiments/grpo_gpu.py [--steps 12] [--out results/grpo] [--only e2b_flexgemma,...]
     python experiments/grpo_gpu.py --collect DIR [DIR ...]   # the table of finished job dirs, no run
@@ -23,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-# the vocabulary's first eighth (Gemma-4: 262,144 ids)
-REWARD = ["task.reward.low=3", "task.reward.high=32771"]
-COMMON = ["task=grpo", "logger=none", "workload.num_prompts=64", "workload.min_prompt_len=64",
-          "workload.max_prompt_len=128", "task.learning_rate=1e-5", "task.temperature=1.0", *REWARD]
+COMMON = ["logger=none"]
 # the trainer's logprobs through the engine's kernels, the rollout batch-invariant: exact IS ratios
+# (experiment=grpo_e2b's own setting; the smoke jobs and grpo_26b_a4b need it said)
 EXACT = ["engine.batch_invariant=true", "task.trainer_forward=engine"]
+# the usual GRPO: the engine rolls out in its default mode, the trainer runs transformers' forward
+INEXACT = ["engine.batch_invariant=false", "task.trainer_forward=transformers"]
 # the trainer's backward through its references (the glue op by op, attention and experts in float32;
 # the kernels.trainer_* defaults before call27): the A/B of those keys' defaults
 REFERENCE = ["kernels.trainer_glue_backward=eager", "kernels.trainer_backward_dtype=float32"]
@@ -40,7 +41,7 @@ ONE_MICRO = "task.micro_batch=null"  # the whole step as one micro-batch (task=g
 def e2b_jobs(base: list[str], half_micro: str) -> dict[str, list[str]]:
     """The E2B jobs over `base` (the model and its step; `half_micro`: half its micro-batch)."""
     return {
-        "e2b_flexgemma": [*base, GEN],
+        "e2b_flexgemma": [*base, GEN, *INEXACT],
         "e2b_exact": [*base, GEN, *EXACT],
         "e2b_exact_reference": [*base, GEN, *EXACT, *REFERENCE],
         "e2b_exact_separate": [*base, GEN, *EXACT, "task.ratio_forward=separate"],
@@ -49,7 +50,7 @@ def e2b_jobs(base: list[str], half_micro: str) -> dict[str, list[str]]:
         # the whole step as one micro-batch: the trainer's fixed cost a micro-batch paid once
         "e2b_exact_mb64": [*base, GEN, *EXACT, ONE_MICRO],
         "e2b_exact_reference_mb64": [*base, GEN, *EXACT, *REFERENCE, ONE_MICRO],
-        "e2b_trl": [*base, "task.generator=trl"],
+        "e2b_trl": [*base, "task.generator=trl", *INEXACT],
     }
 
 
@@ -58,18 +59,19 @@ def moe_jobs(base: list[str], exact_extra: list[str]) -> dict[str, list[str]]:
     return {"26b_bnb4_exact": [*base, *exact_extra, *EXACT],
             "26b_bnb4_exact_reference": [*base, *exact_extra, *EXACT, *REFERENCE],
             "26b_bnb4_exact_mb32": [*base, *exact_extra, *EXACT, ONE_MICRO],
-            "26b_bnb4_flexgemma": [*base, "task.gradient_checkpointing=true"]}
+            "26b_bnb4_flexgemma": [*base, *INEXACT, "task.gradient_checkpointing=true"]}
 
 
-E2B = ["+model=e2b", "lora=r32", "task.prompts_per_step=8", "task.num_generations=8", "task.max_new_tokens=256",
-       "task.micro_batch=16"]
-B26 = ["+model=26b_a4b", "quant=bnb4", "lora=r16", "task.prompts_per_step=4", "task.num_generations=8",
-       "task.max_new_tokens=256", "task.micro_batch=8", GEN]
+# the presets (conf/experiment/grpo_e2b.yaml, grpo_26b_a4b.yaml): E2B in micro-batches of 16 as the first
+# jobs ran (the preset trains the step as one), 26B-A4B as its preset
+E2B = ["experiment=grpo_e2b", "task.micro_batch=16"]
+B26 = ["experiment=grpo_26b_a4b", GEN]
 JOBS = {**e2b_jobs(E2B, "task.micro_batch=8"), **moe_jobs(B26, [])}
-# --smoke: the same jobs on the CPU test models (a script that crashes on the H200 wastes device time)
-SMOKE = ["device=cpu", "model.dtype=float32", "workload.num_prompts=8", "workload.min_prompt_len=8",
+# --smoke: the same jobs on the CPU test models (a script that crashes on the H200 wastes device time); the
+# presets are written for the real models, so these spell the task out
+SMOKE = ["task=grpo", "device=cpu", "model.dtype=float32", "workload.num_prompts=8", "workload.min_prompt_len=8",
          "workload.max_prompt_len=16", "task.prompts_per_step=2", "task.num_generations=4", "task.max_new_tokens=4",
-         "task.micro_batch=4", "task.reward.high=67"]
+         "task.micro_batch=4", "task.reward.high=67", "task.learning_rate=1e-5"]
 SMOKE_JOBS = {**e2b_jobs(["+model=tiny", "lora=r32", *SMOKE], "task.micro_batch=2"),
               **moe_jobs(["+model=tiny_moe", "quant=bnb4", "lora=r16", GEN, *SMOKE], ["model.dtype=bfloat16"])}
 COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_median"),
@@ -85,7 +87,6 @@ COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_media
 
 def run(name: str, overrides: list[str], out: Path, steps: int) -> dict:
     job_dir = out / name
-    # the job's own overrides last: they win over COMMON (the smoke jobs' smaller settings)
     cmd = [sys.executable, "-m", "flexgemma", *COMMON, *overrides, f"task.steps={steps}", f"hydra.run.dir={job_dir}"]
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
