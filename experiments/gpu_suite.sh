@@ -5,7 +5,7 @@
 #   bash experiments/gpu_suite.sh STAGE...
 #   SWEEP="experiment=rl_batch_31b kernels.prefill_full_blocks=true,false" bash experiments/gpu_suite.sh sweep
 #   MODEL=31b ROWS=64 CONTEXT=416 bash experiments/gpu_suite.sh decode_sweep
-# Stages (in this order): tests tests_kernels invariant_tests trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode decode_sweep profile_round bench_kernels speed_old_new
+# Stages (in this order): tests tests_kernels invariant_tests trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_e2b_exact_mb64_torch_recompute grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode decode_sweep profile_round bench_kernels speed_old_new
 # Each job's directory (summary.json, metrics.jsonl, config_resolved.yaml) and each sweep's report.md
 # go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into $OUT/results.tgz and a
 # digest is printed. Expects the wheels of
@@ -140,9 +140,9 @@ run exact_gap_26b 400 python3 experiments/exact_gap.py +model=26b_a4b quant=bnb4
 run profile_trainer_e2b 300 python3 experiments/profile_trainer.py +model=e2b lora=r32 device=cuda --micro 16
 # the same step as one micro-batch of 64: what a micro-batch costs beside its tokens
 run profile_trainer_e2b_mb64 240 python3 experiments/profile_trainer.py +model=e2b lora=r32 device=cuda --micro 64 \
-  --skip engine_keep,engine_eager_glue,engine_float32,transformers --profile engine
+  --skip engine_keep,engine_eager_glue,engine_float32,transformers --profile engine,engine_torch_recompute
 run profile_trainer_26b 400 python3 experiments/profile_trainer.py +model=26b_a4b quant=bnb4 lora=r16 device=cuda \
-  --prompts 4 --micro 8 --rounds 2 --skip engine_keep,engine_eager_glue,engine_float32
+  --prompts 4 --micro 8 --rounds 2 --skip engine_keep,engine_eager_glue,engine_float32,engine_torch_recompute
 run grpo_e2b 300 bash -c 'grpo_job e2b_flexgemma 12'
 run grpo_e2b_exact 300 bash -c 'grpo_job e2b_exact 10'
 run grpo_e2b_exact_separate 300 bash -c 'grpo_job e2b_exact_separate 10'
@@ -151,6 +151,7 @@ run grpo_e2b_exact_keep8 300 bash -c 'grpo_job e2b_exact_keep8 10'
 run grpo_e2b_exact_reference 300 bash -c 'grpo_job e2b_exact_reference 10'
 run grpo_e2b_exact_mb64 300 bash -c 'grpo_job e2b_exact_mb64 10'
 run grpo_e2b_exact_reference_mb64 300 bash -c 'grpo_job e2b_exact_reference_mb64 10'
+run grpo_e2b_exact_mb64_torch_recompute 300 bash -c 'grpo_job e2b_exact_mb64_torch_recompute 10'
 run grpo_26b_exact 450 bash -c 'grpo_job 26b_bnb4_exact 5'
 run grpo_26b_exact_reference 450 bash -c 'grpo_job 26b_bnb4_exact_reference 5'
 run grpo_26b_exact_mb32 450 bash -c 'grpo_job 26b_bnb4_exact_mb32 5'

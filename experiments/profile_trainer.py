@@ -11,6 +11,8 @@ optimizer, side by side in one process:
                     kernels.trainer_backward_dtype=float32 (the glue op by op, attention and experts in float32)
   engine_eager_glue engine with kernels.trainer_glue_backward=eager alone
   engine_float32    engine with kernels.trainer_backward_dtype=float32 alone
+  engine_torch_recompute  engine with kernels.trainer_recompute=reference (dense layers recomputed by torch's
+                    products and the references' maths in the backward)
   transformers      transformers' Gemma-4 over peft's live adapters, full-vocabulary logits (the default trainer)
 
 Medians of --rounds, peak memory of each; then one micro-batch of each --profile variant under
@@ -124,14 +126,15 @@ def profile(name: str, tf, shared, batch, weights) -> None:
 REFERENCE = {"trainer_glue_backward": "eager", "trainer_backward_dtype": "float32"}
 VARIANTS = {"engine": (True, {}), "engine_keep": (False, {}), "engine_reference": (True, REFERENCE),
             "engine_eager_glue": (True, {"trainer_glue_backward": "eager"}),
-            "engine_float32": (True, {"trainer_backward_dtype": "float32"})}
+            "engine_float32": (True, {"trainer_backward_dtype": "float32"}),
+            "engine_torch_recompute": (True, {"trainer_recompute": "reference"})}
 
 
 def main() -> None:
     ap = grpo_step_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip", default="", help="comma-separated variants to leave out (engine_keep, engine_reference, "
-                                               "engine_eager_glue, engine_float32, transformers)")
+                                               "engine_eager_glue, engine_float32, engine_torch_recompute, transformers)")
     ap.add_argument("--profile", default="engine,engine_reference",
                     help="variants to profile (comma-separated; none: '')")
     a = ap.parse_args()

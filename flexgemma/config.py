@@ -318,6 +318,12 @@ class KernelsConfig:
     # task.trainer_forward=engine, the dtype of the backward's attention and routed-expert maths: float32, or
     # model_dtype (bf16 models: bf16 products with float32 accumulation, as transformers' trainer computes them)
     trainer_backward_dtype: str = "model_dtype"
+    # task.trainer_forward=engine with checkpointed layers, what a layer's recomputation in the backward runs:
+    # engine (the engine's kernels again: the first forward's activations bit for bit) or reference (torch's
+    # products and the backward's reference maths; MoE layers stay on the engine's, whose router must pick
+    # the experts it picked): its values feed only the gradients, which move by rounding; the logprobs are
+    # the engine's either way
+    trainer_recompute: str = "engine"
 
     def __post_init__(self):
         _check_choice("kernels.moe", self.moe, ("auto", "grouped_mm", "triton"))
@@ -329,6 +335,7 @@ class KernelsConfig:
         _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
         _check_choice("kernels.trainer_glue_backward", self.trainer_glue_backward, ("auto", "eager", "compiled"))
         _check_choice("kernels.trainer_backward_dtype", self.trainer_backward_dtype, ("float32", "model_dtype"))
+        _check_choice("kernels.trainer_recompute", self.trainer_recompute, ("engine", "reference"))
         for key in ("linear4bit_max_rows", "moe_sort_above", "moe_fused_max_entries", "invariant_split_below_tiles",
                     "trainer_vocab_slice"):
             if getattr(self, key) < 0:

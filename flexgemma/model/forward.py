@@ -53,6 +53,9 @@ class GemmaForward(torch.nn.Module):
         if invariant is not None and not hf_model.model.embed_tokens.weight.is_cuda:
             kernels = dataclasses.replace(kernels, fused_kv_write=False)
         self.checkpoint_layers = False  # the trainer's forward recomputes each layer in the backward
+        # contexts(layer spec) -> torch.utils.checkpoint's context_fn pair for that layer (the trainer's:
+        # what a recomputation runs)
+        self.checkpoint_contexts: Optional[Callable] = None
         # MoE models: the last forward's routed experts, uint8 [rows whose head it returned, MoE layers, top-k]
         self.routing: Optional[torch.Tensor] = None
         self._routing: Optional[list] = None
@@ -137,7 +140,8 @@ class GemmaForward(torch.nn.Module):
         for s, w_next in zip(self.spec.layers, next_norm):
             args = (s, w_next, h, x, rope[s.layer_type], slots, masks[s.layer_type], decode, per_layer)
             if self.checkpoint_layers and torch.is_grad_enabled():
-                h, x = torch.utils.checkpoint.checkpoint(self.layer, *args, use_reentrant=False)
+                contexts = {"context_fn": functools.partial(self.checkpoint_contexts, s)} if self.checkpoint_contexts else {}
+                h, x = torch.utils.checkpoint.checkpoint(self.layer, *args, use_reentrant=False, **contexts)
             else:
                 h, x = self.layer(*args)
         return x

@@ -13,7 +13,7 @@ weights, 4-bit ones included.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable, Optional
@@ -135,6 +135,43 @@ class _Linear(torch.autograd.Function):
 def trainable_linear(linear: Callable) -> Callable:
     """`linear(x, w)` (the engine's product) with gradients for x and w."""
     return lambda x, w: _Linear.apply(x, w, linear)
+
+
+class Recompute:
+    """What a checkpointed layer's recomputation in the backward runs, as kernels.trainer_recompute says:
+    the engine's kernels again (engine: the first forward's activations bit for bit), or each op's
+    reference maths (reference: torch's products, the references' glue and attention). The recomputed
+    values feed only the gradients, so the logprobs stay the engine's either way. MoE layers recompute
+    with the engine's kernels: a router recomputed by other kernels could pick other experts, and the
+    backward's graph is the first forward's."""
+
+    def __init__(self, how: str):
+        self.by_reference, self.active = how == "reference", False
+
+    def pick(self, engine_fn: Callable, reference_fn: Callable) -> Callable:
+        """engine_fn, or reference_fn while a layer is recomputed by reference."""
+        if not self.by_reference:
+            return engine_fn
+        return lambda *args: reference_fn(*args) if self.active else engine_fn(*args)
+
+    def contexts(self, layer):
+        """torch.utils.checkpoint's context_fn for `layer` (its spec): (the first forward's context, the
+        recomputation's)."""
+        if not self.by_reference or layer.moe:
+            return nullcontext(), nullcontext()
+        return nullcontext(), self._recomputing()
+
+    @contextmanager
+    def _recomputing(self):
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+
+def _torch_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w.to(x.dtype))
 
 
 class _MergedLora(torch.autograd.Function):
@@ -280,8 +317,9 @@ class PackedAttention:
     backend = "invariant"
     decode_rows = None
 
-    def __init__(self, engine_kernels, backward_dtype: Optional[torch.dtype] = torch.float32):
-        self.engine, self.backward_dtype = engine_kernels, backward_dtype
+    def __init__(self, engine_kernels, backward_dtype: Optional[torch.dtype] = torch.float32,
+                 recompute: Optional[Recompute] = None):
+        self.engine, self.backward_dtype, self.recompute = engine_kernels, backward_dtype, recompute or Recompute("engine")
 
     def padded_rows(self, b: int) -> int:
         return b
@@ -294,8 +332,10 @@ class PackedAttention:
             return paged_attention(q, _staged(k, rows, page), _staged(v, rows, page), table_rows, page,
                                    self.engine.options)
 
-        return exact(engine_attention, lambda q, k, v: _attention_reference(q, k, v, rows, self.backward_dtype),
-                     "attention")(q, k, v)
+        def reference(q, k, v):
+            return _attention_reference(q, k, v, rows, self.backward_dtype)
+
+        return exact(self.recompute.pick(engine_attention, reference), reference, "attention")(q, k, v)
 
     decode = prefill
 
@@ -455,8 +495,9 @@ class TrainableExperts:
     """ops.experts_kernel of the trainer's forward: the engine's experts kernel for the values, the
     reference's gradients for the rows, the router weights and the experts' merged LoRA factors."""
 
-    def __init__(self, engine_kernel, lora, backward_dtype: Optional[torch.dtype] = torch.float32):
-        self.engine, self.backward_dtype = engine_kernel, backward_dtype
+    def __init__(self, engine_kernel, lora, backward_dtype: Optional[torch.dtype] = torch.float32,
+                 recompute: Optional[Recompute] = None):
+        self.engine, self.backward_dtype, self.recompute = engine_kernel, backward_dtype, recompute or Recompute("engine")
         # id(merged expert tensor) -> (its pristine copy, [(peft layer, adapter)]): the reference differentiates
         # pristine + s B A, the merged tensor's own maths
         self.factors: dict[int, tuple] = {}
@@ -495,7 +536,7 @@ class TrainableExperts:
                                                   with_scale[n_gu:])
             return _experts_reference(x, top_k_index, w, gu_base, dn_base, act, with_scale[:n_gu], with_scale[n_gu:])
 
-        return exact(engine, reference, "experts")(x, top_k_weights, *flat)
+        return exact(self.recompute.pick(engine, reference), reference, "experts")(x, top_k_weights, *flat)
 
 
 # -- log-probabilities a slice of the vocabulary at a time ------------------------------------------
@@ -602,17 +643,20 @@ class TrainableForward:
             raise ConfigError("task.trainer_forward=engine computes K and V as the unfused engine does: set "
                               "attn.fused_kv_write=false")
         self.engine, self.lora = f, lora
-        linear = trainable_linear(f.invariant)
+        recompute = Recompute(kernels.trainer_recompute)
+        linear = trainable_linear(recompute.pick(f.invariant, _torch_linear))
         refs = glue_references(kernels.trainer_glue_backward, f.model.model.embed_tokens.weight.device)
         backward_dtype = None if kernels.trainer_backward_dtype == "model_dtype" else torch.float32
-        ops = SimpleNamespace(**{name: exact(as_the_engine_calls(getattr(f.ops, name), rows), refs[name], name)
+        ops = SimpleNamespace(**{name: exact(recompute.pick(as_the_engine_calls(getattr(f.ops, name), rows), refs[name]),
+                                             refs[name], name)
                                  for name, rows in glue.ROW_ARGS.items()})
-        ops.experts_kernel = TrainableExperts(f.ops.experts_kernel, lora, backward_dtype)
+        ops.experts_kernel = TrainableExperts(f.ops.experts_kernel, lora, backward_dtype, recompute)
         max_len = next(iter(f.rope.values()))[0].shape[0]
         self.forward = GemmaForward(f.model, f.spec, PackedKV(f.pools.block_size), f.attn_cfg, max_len,
-                                    PackedAttention(f.attention, backward_dtype), ops, lora, f.kernels, invariant=linear,
-                                    project=projection_factory(f, lora, linear))
+                                    PackedAttention(f.attention, backward_dtype, recompute), ops, lora, f.kernels,
+                                    invariant=linear, project=projection_factory(f, lora, linear))
         self.forward.checkpoint_layers = checkpoint
+        self.forward.checkpoint_contexts = recompute.contexts
         self.windows = {s.layer_type: s.window for s in f.spec.layers}
 
     def token_logprobs(self, sequences: list[list[int]], first: list[int], entropy: bool = False,

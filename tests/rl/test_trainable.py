@@ -223,6 +223,74 @@ def test_the_bf16_backward_maths_move_the_gradients_by_rounding_only(extra):
     assert any(not torch.equal(low[k], base[k]) for k in base)
 
 
+@pytest.mark.parametrize("model, dtype, tolerance", [("tiny", "float32", 1e-4), ("tiny_moe", "bfloat16", 0.0)])
+def test_layers_recomputed_by_reference_keep_the_logprobs_and_move_the_gradients_by_rounding(model, dtype, tolerance):
+    """kernels.trainer_recompute=reference: a checkpointed dense layer's recomputation in the backward runs
+    torch's products and the references' maths instead of the engine's kernels (fewer of the engine's
+    product calls in the backward), the logprobs stay the engine's bits and the LoRA gradients within
+    rounding; MoE layers (all of tiny_moe's) recompute with the engine's kernels, so they route as their
+    first forward did and give the same gradients bit for bit."""
+    import dataclasses
+
+    eng = make_engine(INV, "lora=r16", f"model.dtype={dtype}", "lora.init_std_b=0.05", model=model)
+    _fast_backward_check(eng, {"trainer_recompute": "reference"}, tolerance)
+    ps, outs = rollout(eng, n=3, new=6)
+    seqs, firsts = [p + o.token_ids for p, o in zip(ps, outs)], [len(p) for p in ps]
+    calls = {"n": 0}
+    product = eng.runner.forward.invariant
+
+    def counted(x, w):
+        calls["n"] += 1
+        return product(x, w)
+
+    backward_calls = {}
+    for how in ("engine", "reference"):
+        kernels = dataclasses.replace(eng.runner.forward.kernels, **REFERENCE_BACKWARD, trainer_recompute=how)
+        eng.runner.forward.invariant = counted
+        try:
+            tf = TrainableForward(eng.runner.forward, eng.lora, kernels=kernels)
+        finally:
+            eng.runner.forward.invariant = product
+        lps, _ = tf.token_logprobs(seqs, firsts)
+        assert [lp.tolist() for lp in lps] == [o.logprobs for o in outs]
+        first_routing = list(tf.forward._routing or [])
+        calls["n"] = 0
+        torch.stack([lp.sum() for lp in lps]).sum().backward()
+        backward_calls[how] = calls["n"]
+        if first_routing:  # each MoE layer recomputed (last first) appended the experts it routed to
+            again = tf.forward._routing[len(first_routing):]
+            assert len(again) == len(first_routing)
+            assert all(torch.equal(a, b) for a, b in zip(again, reversed(first_routing)))
+    if model == "tiny":
+        assert backward_calls["reference"] < backward_calls["engine"], backward_calls
+    else:
+        assert backward_calls["reference"] == backward_calls["engine"], backward_calls
+
+
+def test_dense_layers_recompute_by_reference_and_moe_layers_by_the_engine():
+    """Recompute.contexts: with trainer_recompute=reference a dense layer's recomputation is marked active
+    (its ops pick their references) and the mark goes after; an MoE layer's never is (its router must pick
+    the experts it picked); with engine no layer's is."""
+    from types import SimpleNamespace
+
+    from flexgemma.model.trainable import Recompute
+
+    dense, moe = SimpleNamespace(moe=False), SimpleNamespace(moe=True)
+    r = Recompute("reference")
+    ops = r.pick(lambda: "engine", lambda: "reference")
+    first, again = r.contexts(dense)
+    with first:
+        assert ops() == "engine"
+    with again:
+        assert r.active and ops() == "reference"
+    assert not r.active and ops() == "engine"
+    with r.contexts(moe)[1]:
+        assert ops() == "engine"
+    engine = Recompute("engine")
+    with engine.contexts(dense)[1]:
+        assert engine.pick(lambda: "engine", lambda: "reference")() == "engine"
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "4bit"])
 def test_the_grouped_experts_reference_is_the_loops_maths(packed):
     """The model_dtype experts' backward maths (pairs sorted once, a grouped product a projection, 4-bit
@@ -329,15 +397,18 @@ def test_gpu_trainer_logprobs_are_the_engines_bit_for_bit(model, extra):
 @pytest.mark.parametrize("model, extra", [("e2b", ["lora=r32"]), ("26b_a4b", ["quant=bnb4", "lora=r16"])],
                          ids=["e2b_r32", "26b_bnb4_r16"])
 def test_gpu_fast_backward_keys_keep_the_logprobs_and_the_gradients(model, extra):
-    """Both kernels.trainer_* backward keys at the real shapes (E2B's 512-wide full-attention heads, 26B-A4B's
-    4-bit experts with LoRA): the engine's logprobs, gradients within bf16 rounding of the float32 eager ones."""
+    """The kernels.trainer_* backward keys at the real shapes (E2B's 512-wide full-attention heads, 26B-A4B's
+    4-bit experts with LoRA): the engine's logprobs, gradients within bf16 rounding of the float32 eager ones;
+    also with the dense layers recomputed by reference (trainer_recompute; 26B-A4B's layers are all MoE)."""
     from conftest import GPU_SHAPES
     from flexgemma import build_engine, compose
 
     eng = build_engine(compose([f"+model={model}", INV, "device=cuda", "engine.max_batch_size=16",
                                 "engine.max_model_len=1024", "cudagraph.buckets=[2,16]", "lora.init_std_b=0.05",
                                 *GPU_SHAPES[model], *extra]))
-    _fast_backward_check(eng, {"trainer_glue_backward": "compiled", "trainer_backward_dtype": "model_dtype"}, 0.1)
+    fast = {"trainer_glue_backward": "compiled", "trainer_backward_dtype": "model_dtype"}
+    _fast_backward_check(eng, fast, 0.1)
+    _fast_backward_check(eng, {**fast, "trainer_recompute": "reference"}, 0.1)
 
 
 def _reference_grads(shared, seqs, firsts, weights):
