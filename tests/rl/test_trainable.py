@@ -223,7 +223,8 @@ def test_the_bf16_backward_maths_move_the_gradients_by_rounding_only(extra):
     assert any(not torch.equal(low[k], base[k]) for k in base)
 
 
-@pytest.mark.parametrize("model, dtype, tolerance", [("tiny", "float32", 1e-4), ("tiny_moe", "bfloat16", 0.0)])
+@pytest.mark.parametrize("model, dtype, tolerance", [("tiny", "float32", 1e-4), ("tiny", "bfloat16", 0.1),
+                                                     ("tiny_moe", "bfloat16", 0.0)])
 def test_layers_recomputed_by_reference_keep_the_logprobs_and_move_the_gradients_by_rounding(model, dtype, tolerance):
     """kernels.trainer_recompute=reference: a checkpointed dense layer's recomputation in the backward runs
     torch's products and the references' maths instead of the engine's kernels (fewer of the engine's
