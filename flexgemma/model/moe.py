@@ -59,17 +59,30 @@ def routed_experts(counts: torch.Tensor, slots: int) -> torch.Tensor:
     return torch.argsort((counts == 0).to(torch.int32), stable=True)[:slots]
 
 
+def _adapted_mm(rows: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, adapters, ids) -> torch.Tensor:
+    """_expert_mm plus each adapter's low-rank term (lhs [E, out, r], rhs [E, r, in], scale) of the groups'
+    experts (`ids`: group g's expert id; None: group g is expert g), as x A.T B.T: no [out, in] matrix."""
+    y = _expert_mm(rows, w.to(rows.dtype), ends)
+    for lhs, rhs, scale in adapters:
+        lhs, rhs = (t if ids is None else t[ids] for t in (lhs, rhs))
+        y = y + scale * _expert_mm(_expert_mm(rows, rhs.to(rows.dtype), ends), lhs.to(rows.dtype), ends)
+    return y
+
+
 def experts_grouped(
     x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up, down, act, kernel=None,
+    adapters: tuple[list, list] = ([], []),
 ) -> torch.Tensor:
     """x [T, H]; top_k_* [T, K]; gate_up [E, 2I, H]; down [E, H, I] -> [T, H].
 
     gate_up / down are tensors (bf16, fp32) or packed 4-bit weights with `.dequantize(ids)`.
     kernel: moe_kernel.TritonExperts (kernels.moe=triton), which takes the steps it can (decode
     sized, bf16/fp16) whole, over the weights as stored; the rest (and kernel=None) run here: rows
-    sorted by expert, torch's grouped GEMM (4-bit experts dequantised first)."""
+    sorted by expert, torch's grouped GEMM (4-bit experts dequantised first). adapters: gate_up's and
+    down's LoRA terms in low-rank form (`_adapted_mm`; the trainer's backward maths, differentiable)."""
     if kernel is not None and kernel.takes(x, top_k_index, act, gate_up, down):
         return kernel(x, top_k_index, top_k_weights, gate_up, down, act)
+    up_adapters, down_adapters = adapters
     t, k = top_k_index.shape
     n_exp = gate_up.shape[0]
     flat = top_k_index.reshape(-1)
@@ -80,9 +93,9 @@ def experts_grouped(
     rows = x[token]
     if isinstance(gate_up, torch.Tensor):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
-        h = _expert_mm(rows, gate_up, offsets)
+        h = _adapted_mm(rows, gate_up, offsets, up_adapters, None)
         g, u = h.chunk(2, dim=-1)
-        h = _expert_mm(act(g) * u, down, offsets)
+        h = _adapted_mm(act(g) * u, down, offsets, down_adapters, None)
     else:
         # 4-bit: at most t*k experts have rows; dequantise just those (one matrix at a time, so only
         # one of the two bf16 copies is alive), grouped in the same order as the rows
@@ -94,9 +107,9 @@ def experts_grouped(
         offsets = torch.cumsum(group_counts, 0).to(torch.int32)
         # the kernel object dequantises in one pass where it can (the same bits), else the weights' own way
         dequantize = kernel.dequantize if kernel is not None else (lambda w, ids: w.dequantize(ids))
-        h = _expert_mm(rows, dequantize(gate_up, experts), offsets)
+        h = _adapted_mm(rows, dequantize(gate_up, experts), offsets, up_adapters, experts)
         g, u = h.chunk(2, dim=-1)
-        h = _expert_mm(act(g) * u, dequantize(down, experts), offsets)
+        h = _adapted_mm(act(g) * u, dequantize(down, experts), offsets, down_adapters, experts)
     return sum_per_token(h, order, top_k_weights, x)
 
 

@@ -428,39 +428,13 @@ def _expert_product(x: torch.Tensor, w: torch.Tensor, e: int, at: int, factors) 
     return y
 
 
-def _grouped_product(rows: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, factors, ids) -> torch.Tensor:
-    """rows grouped by expert (`ends`: each group's cumulative end) times their experts' W (w [G, out, in],
-    group g's) plus each adapter's low-rank term (factors' [E, ...] tensors indexed by `ids`, the groups'
-    expert ids; None: group g is expert g): moe._expert_mm, one grouped GEMM where torch has one."""
-    from flexgemma.model.moe import _expert_mm
-
-    y = _expert_mm(rows, w.to(rows.dtype), ends)
-    for lhs, rhs, scale in factors:
-        lhs, rhs = (t if ids is None else t[ids] for t in (lhs, rhs))
-        y = y + scale * _expert_mm(_expert_mm(rows, rhs.to(rows.dtype), ends), lhs.to(rows.dtype), ends)
-    return y
-
-
 def _experts_grouped_reference(x, top_k_index, top_k_weights, gate_up, down, act, gate_up_factors, down_factors):
-    """_experts_reference in x's dtype as two grouped products (the pairs sorted by expert; 4-bit experts:
-    the routed ones dequantised, as the loop does), not a product per expert: on a GPU in bf16,
-    torch._grouped_mm and its backward (an MoE layer's 128 experts in one GEMM, where the loop launches
-    a few kernels an expert); elsewhere moe._expert_mm runs expert by expert."""
-    k = top_k_index.shape[1]
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    tok, slot = order // k, order % k
-    counts = torch.bincount(flat, minlength=gate_up.shape[0])
-    ids = None
-    if not torch.is_tensor(gate_up):  # 4-bit: the routed experts only, once (one host sync a layer)
-        ids = counts.nonzero()[:, 0]
-        gate_up, down, counts = gate_up.dequantize(ids), down.dequantize(ids), counts[ids]
-    ends = torch.cumsum(counts, 0).to(torch.int32)
-    h = _grouped_product(x[tok], gate_up, ends, gate_up_factors, ids)
-    g, u = h.chunk(2, dim=-1)
-    y = _grouped_product(act(g) * u, down, ends, down_factors, ids)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    return out.index_add(0, tok, y.float() * top_k_weights[tok, slot, None].float()).to(x.dtype)
+    """_experts_reference's maths in x's dtype through moe.experts_grouped (the pairs sorted by expert, two
+    grouped products with the adapters in low-rank form, 4-bit experts dequantised): on a GPU in bf16,
+    torch._grouped_mm and its backward, where the loop launches a few kernels an expert."""
+    from flexgemma.model.moe import experts_grouped
+
+    return experts_grouped(x, top_k_index, top_k_weights, gate_up, down, act, adapters=(gate_up_factors, down_factors))
 
 
 def _experts_reference(x, top_k_index, top_k_weights, gate_up, down, act, gate_up_factors, down_factors):
