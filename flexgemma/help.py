@@ -28,6 +28,8 @@ PRESETS = {  # experiment preset -> one line; a preset missing here shows its fi
     "rl_batch_31b": "31B, 64 sequences at once (GPU)",
     "grpo_rollout": "a GRPO rollout: 32 long prompts x 8 samples, each prompt prefilled once (GPU)",
     "grpo_tiny": "GRPO that visibly learns on a CPU in about a minute (tiny, LoRA r16)",
+    "grpo_e2b": "GRPO, E2B + LoRA r32, 8 prompts x 8 x 256: exact IS ratios (the engine's kernels in the trainer; GPU)",
+    "grpo_26b_a4b": "GRPO, 26B-A4B 4-bit + LoRA r16, 4 prompts x 8 x 256, micro-batches of 8 (GPU)",
     "block_sweep": "sweep (-m): flex decode kernel options, a 12-job grid (GPU)",
     "bucket_sweep": "sweep (-m): CUDA-graph ladders, capture time and memory against padding (GPU)",
     "quant_compare": "sweep (-m): bf16 against bitsandbytes NF4 (GPU)",
