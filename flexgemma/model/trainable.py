@@ -469,9 +469,8 @@ class TrainableExperts:
     """ops.experts_kernel of the trainer's forward: the engine's experts kernel for the values, the
     reference's gradients for the rows, the router weights and the experts' merged LoRA factors."""
 
-    def __init__(self, engine_kernel, lora, backward_dtype: Optional[torch.dtype] = torch.float32,
-                 recompute: Optional[Recompute] = None):
-        self.engine, self.backward_dtype, self.recompute = engine_kernel, backward_dtype, recompute or Recompute("engine")
+    def __init__(self, engine_kernel, lora, backward_dtype: Optional[torch.dtype] = torch.float32):
+        self.engine, self.backward_dtype = engine_kernel, backward_dtype
         # id(merged expert tensor) -> (its pristine copy, [(peft layer, adapter)]): the reference differentiates
         # pristine + s B A, the merged tensor's own maths
         self.factors: dict[int, tuple] = {}
@@ -510,7 +509,7 @@ class TrainableExperts:
                                                   with_scale[n_gu:])
             return _experts_reference(x, top_k_index, w, gu_base, dn_base, act, with_scale[:n_gu], with_scale[n_gu:])
 
-        return exact(self.recompute.pick(engine, reference), reference, "experts")(x, top_k_weights, *flat)
+        return exact(engine, reference, "experts")(x, top_k_weights, *flat)  # MoE layers recompute by the engine
 
 
 # -- log-probabilities a slice of the vocabulary at a time ------------------------------------------
@@ -624,7 +623,7 @@ class TrainableForward:
         ops = SimpleNamespace(**{name: exact(recompute.pick(as_the_engine_calls(getattr(f.ops, name), rows), refs[name]),
                                              refs[name], name)
                                  for name, rows in glue.ROW_ARGS.items()})
-        ops.experts_kernel = TrainableExperts(f.ops.experts_kernel, lora, backward_dtype, recompute)
+        ops.experts_kernel = TrainableExperts(f.ops.experts_kernel, lora, backward_dtype)
         max_len = next(iter(f.rope.values()))[0].shape[0]
         self.forward = GemmaForward(f.model, f.spec, PackedKV(f.pools.block_size), f.attn_cfg, max_len,
                                     PackedAttention(f.attention, backward_dtype, recompute), ops, lora, f.kernels,
