@@ -341,7 +341,8 @@ def test_gpu_top_k_and_top_p_rows(model):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [["quant=bnb4", "lora=r16"], ["lora=r16"]], ids=["bnb4_lora", "lora"])
+@pytest.mark.parametrize("extra", [["quant=bnb4", "lora=r16"], ["quant=bnb4", "kernels.moe_dequant=triton"], ["lora=r16"]],
+                         ids=["bnb4_lora", "bnb4_slot_dequant", "lora"])
 def test_gpu_26b_a4b_4bit_and_lora(extra):
     pytest.importorskip("bitsandbytes") if "quant=bnb4" in extra else None
     check_alone_slot_and_score(invariant_gpu_engine("26b_a4b", *extra), prompts(33, seed=23, lo=20, hi=400))
