@@ -78,6 +78,8 @@ def resolve_kernels(k: KernelsConfig, device: torch.device, backend: str, max_ba
         linear4bit=kernel_choice("linear4bit", str(k.linear4bit), "bnb", device) if quantised else "bnb",
         decode_rows=tuple(attention_row_sizes(max_batch_size)) if backend == "flex" else (),
     )
+    if k.trainer_glue_backward == "auto":  # as engine.compile: torch.compile on a GPU, eager ops on the CPU
+        values["trainer_glue_backward"] = "compiled" if device.type == "cuda" else "eager"
     return Kernels(**values)
 
 

@@ -38,6 +38,9 @@ def test_resolve_hands_every_key_on():
     k = resolve(cfg, CPU).kernels
     assert {key: getattr(k, key) for key in OTHER} == OTHER
     assert (k.moe, k.linear4bit, k.decode_rows) == ("grouped_mm", "bnb", ())  # auto on the CPU; no flex rows
+    default = resolve(compose(["+model=tiny", "device=cpu"]), CPU).kernels
+    assert default.trainer_glue_backward == "eager"  # auto: compiled on a GPU only, as engine.compile
+    assert resolve_kernels(KernelsConfig(), torch.device("cuda"), "dense", 64, False).trainer_glue_backward == "compiled"
     flex = resolve_kernels(KernelsConfig(), CPU, "flex", 512, quantised=True)
     assert flex.decode_rows == (32, 128, 512) and flex.padded_rows(100) == 128
     with pytest.raises(ValueError, match="at most 512"):
@@ -49,7 +52,7 @@ def test_a_hand_built_object_runs_what_the_default_config_resolves_to_on_the_cpu
     from flexgemma.model.glue import make_ops
 
     cpu = resolve_kernels(KernelsConfig(), CPU, "dense", 64, quantised=False)
-    assert dataclasses.replace(cpu, moe="auto", linear4bit="auto") == Kernels()
+    assert dataclasses.replace(cpu, moe="auto", linear4bit="auto", trainer_glue_backward="auto") == Kernels()
     assert make_ops(None, Kernels()).experts_kernel is None and cpu.moe == "grouped_mm"
 
 

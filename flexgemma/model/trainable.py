@@ -83,14 +83,15 @@ def same_layout_copy(a: torch.Tensor) -> torch.Tensor:
     return out.copy_(a)
 
 
-def glue_references(how: str, device: torch.device) -> dict[str, Callable]:
-    """The maths the backward differentiates for each row-wise glue function (glue.ROW_ARGS), as
-    kernels.trainer_glue_backward says: glue's own functions op by op (eager), or the same functions
-    through torch.compile (compiled: AOTAutograd fuses each one's recomputed forward and its backward
-    into a few kernels, where eager launches one a torch op; auto: compiled on a GPU). Compiled with a
-    counter of their own, so the engine's compiled glue (what the forward calls) is never compiled again."""
+def glue_references(how: str) -> dict[str, Callable]:
+    """The maths the backward differentiates for each row-wise glue function (glue.ROW_ARGS), as the
+    resolved kernels.trainer_glue_backward says: glue's own functions op by op (eager), or the same
+    functions through torch.compile (compiled: AOTAutograd fuses each one's recomputed forward and its
+    backward into a few kernels, where eager launches one a torch op; auto, unresolved in a hand-built
+    Kernels(): eager, as its other autos run torch's kernels). Compiled with a counter of their own, so the
+    engine's compiled glue (what the forward calls) is never compiled again."""
     fns = {name: getattr(glue, name) for name in glue.ROW_ARGS}
-    if how == "eager" or (how == "auto" and device.type == "cpu"):
+    if how != "compiled":
         return fns
     from flexgemma.compiled import CompileCounter, compile_fn
 
@@ -618,7 +619,7 @@ class TrainableForward:
         self.engine, self.lora = f, lora
         recompute = Recompute(kernels.trainer_recompute)
         linear = trainable_linear(recompute.pick(f.invariant, _torch_linear))
-        refs = glue_references(kernels.trainer_glue_backward, f.model.model.embed_tokens.weight.device)
+        refs = glue_references(kernels.trainer_glue_backward)
         backward_dtype = None if kernels.trainer_backward_dtype == "model_dtype" else torch.float32
         ops = SimpleNamespace(**{name: exact(recompute.pick(as_the_engine_calls(getattr(f.ops, name), rows), refs[name]),
                                              refs[name], name)
