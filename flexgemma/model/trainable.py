@@ -318,9 +318,8 @@ class PackedAttention:
     backend = "invariant"
     decode_rows = None
 
-    def __init__(self, engine_kernels, backward_dtype: Optional[torch.dtype] = torch.float32,
-                 recompute: Optional[Recompute] = None):
-        self.engine, self.backward_dtype, self.recompute = engine_kernels, backward_dtype, recompute or Recompute("engine")
+    def __init__(self, engine_kernels, backward_dtype: Optional[torch.dtype], recompute: Recompute):
+        self.engine, self.backward_dtype, self.recompute = engine_kernels, backward_dtype, recompute
 
     def padded_rows(self, b: int) -> int:
         return b
