@@ -307,6 +307,11 @@ class KernelsConfig:
     # loop inside it into one loop that its pipeliner overlaps across chunks (a chunk of 512 is 4-8 steps
     # of 64-128: each chunk's loads otherwise start cold)
     invariant_flatten: bool = False
+    # the invariant routed experts: triton (model/moe_kernel.py's decode kernels at one tile size for every
+    # step, 4-bit experts decoded inside them: a decode step costs what the default mode's does; bf16/fp16
+    # models), grouped (each expert's rows through the invariant product, 4-bit experts dequantised into
+    # slots every step), or auto (triton on a GPU); the two give other bits
+    invariant_experts: str = "auto"
     # task.trainer_forward=engine: vocabulary columns of one slice of the trainer's head (whole lane steps);
     # 0: as many as keep a [rows x slice] float32 block within 512 MiB (memory against launches)
     trainer_vocab_slice: int = 0
@@ -333,6 +338,7 @@ class KernelsConfig:
         _check_choice("kernels.linear4bit", self.linear4bit, ("auto", "bnb", "triton"))
         _check_choice("kernels.linear4bit_dequant", self.linear4bit_dequant, ("bnb", "triton"))
         _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
+        _check_choice("kernels.invariant_experts", self.invariant_experts, ("auto", "grouped", "triton"))
         _check_choice("kernels.trainer_glue_backward", self.trainer_glue_backward, ("auto", "eager", "compiled"))
         _check_choice("kernels.trainer_backward_dtype", self.trainer_backward_dtype, ("float32", "model_dtype"))
         _check_choice("kernels.trainer_recompute", self.trainer_recompute, ("engine", "reference"))

@@ -75,6 +75,7 @@ def resolve_kernels(k: KernelsConfig, device: torch.device, backend: str, max_ba
     values = {f.name: getattr(k, f.name) for f in fields(KernelsConfig)}
     values.update(
         moe=kernel_choice("moe", str(k.moe), "grouped_mm", device),
+        invariant_experts=kernel_choice("invariant_experts", str(k.invariant_experts), "grouped", device),
         linear4bit=kernel_choice("linear4bit", str(k.linear4bit), "bnb", device) if quantised else "bnb",
         decode_rows=tuple(attention_row_sizes(max_batch_size)) if backend == "flex" else (),
     )

@@ -367,7 +367,8 @@ def fused_4bit_fits(gate_up, down) -> bool:
     return h % gate_up.block_size == 0 and i % down.block_size == 0 and gate_up.block_size == down.block_size
 
 
-def _check_step(x, top_k_index, gate_up, down, packed_mode: Optional[str], code_lookup: str) -> None:
+def _check_step(x, top_k_index, gate_up, down, packed_mode: Optional[str], code_lookup: str,
+                max_entries: Optional[int]) -> None:
     """decode_experts' arguments, refused with what is wrong."""
     if code_lookup not in ("table", "select"):
         raise ValueError(f"code_lookup={code_lookup!r}: table or select")
@@ -378,8 +379,8 @@ def _check_step(x, top_k_index, gate_up, down, packed_mode: Optional[str], code_
     for name, w in (("gate_up", gate_up), ("down", down)):
         if isinstance(w, torch.Tensor) and w.dtype != x.dtype:
             raise TypeError(f"decode_experts: {name} is {w.dtype}; the rows are {x.dtype}")
-    if top_k_index.numel() > KERNEL_MAX_ENTRIES:
-        raise ValueError(f"decode_experts takes at most {KERNEL_MAX_ENTRIES} (token, choice) entries, "
+    if max_entries is not None and top_k_index.numel() > max_entries:
+        raise ValueError(f"decode_experts takes at most {max_entries} (token, choice) entries, "
                          f"got {top_k_index.numel()}")
 
 
@@ -416,7 +417,8 @@ def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_l
 def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up, down,
                    up_tiles: Optional[dict] = None, down_tiles: Optional[dict] = None,
                    packed_mode: Optional[str] = None, code_lookup: str = "table",
-                   sort_entries: Optional[bool] = None, kernels: Kernels = Kernels()) -> torch.Tensor:
+                   sort_entries: Optional[bool] = None, kernels: Kernels = Kernels(),
+                   max_entries: Optional[int] = KERNEL_MAX_ENTRIES) -> torch.Tensor:
     """Gemma-4's routed experts for a decode-sized step in two kernels, with no sort of rows by expert.
 
     x [T, H] bf16/fp16; top_k_* [T, K]; gate_up [E, 2I, H], down [E, H, I], as tensors of x's dtype
@@ -431,8 +433,9 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     turns 4-bit values into weights, "table" (a load from the 16-entry table) or "select" (a tree of
     selects over it). sort_entries: list each expert's entries through a sort outside the kernels
     (default: above kernels.moe_sort_above entries) instead of every program matching the whole routing;
-    the same tiles either way."""
-    _check_step(x, top_k_index, gate_up, down, packed_mode, code_lookup)
+    the same tiles either way. max_entries: the largest step taken (None: any, with sort_entries; matching
+    reads the whole routing in every program)."""
+    _check_step(x, top_k_index, gate_up, down, packed_mode, code_lookup, max_entries)
     t, topk = top_k_index.shape
     e, two_i, h = gate_up.shape
     i = two_i // 2
@@ -485,6 +488,14 @@ def _entry_lists(index: torch.Tensor, experts: int, sort_entries: bool) -> tuple
     return order, starts, 16  # NFLAT: the matching's width, unused
 
 
+def kernels_compute(x: torch.Tensor, act, gate_up, down) -> bool:
+    """bf16/fp16 rows, Gemma-4's activation, weights of the rows' dtype or 4-bit experts that dequantise
+    to it: what the routed kernels compute."""
+    # a PackedExpertWeight's dtype is the one it dequantises to
+    return (x.dtype in (torch.bfloat16, torch.float16) and is_gelu_tanh(act) and gate_up.dtype == x.dtype
+            and down.dtype == x.dtype and isinstance(gate_up, torch.Tensor) == isinstance(down, torch.Tensor))
+
+
 def is_gelu_tanh(act) -> bool:
     """act is transformers' gelu_pytorch_tanh (the only activation the routed kernels compute)."""
     return type(act).__name__ in ("GELUTanh", "PytorchGELUTanh") or getattr(act, "approximate", None) == "tanh"
@@ -500,12 +511,8 @@ class TritonExperts:
 
     @staticmethod
     def takes(x: torch.Tensor, top_k_index: torch.Tensor, act, gate_up, down) -> bool:
-        """A decode-sized bf16/fp16 step with Gemma-4's activation over weights of its dtype or 4-bit
-        experts (anything else: torch's path)."""
-        # a PackedExpertWeight's dtype is the one it dequantises to
-        return (x.dtype in (torch.bfloat16, torch.float16) and top_k_index.numel() <= KERNEL_MAX_ENTRIES
-                and is_gelu_tanh(act) and gate_up.dtype == x.dtype and down.dtype == x.dtype
-                and isinstance(gate_up, torch.Tensor) == isinstance(down, torch.Tensor))
+        """A decode-sized step the kernels compute (anything else: torch's path)."""
+        return top_k_index.numel() <= KERNEL_MAX_ENTRIES and kernels_compute(x, act, gate_up, down)
 
     def __call__(self, x, top_k_index, top_k_weights, gate_up, down, act=None) -> torch.Tensor:
         # act: Gemma-4's gelu-tanh, which `takes` checked and the kernels apply
@@ -516,3 +523,24 @@ class TritonExperts:
         ids; all when None) the way kernels.moe_dequant names, bitsandbytes' weights bit for bit
         either way."""
         return dequantize_experts(w, experts, self.kernels.moe_dequant)
+
+
+# the tile a batch-invariant step runs at whatever its size: a row's bits depend on the tile's row
+# count (tl.dot at 16 rows and at 64 runs other tensor-core instructions), so it is fixed, at the
+# fused 4-bit kernels' fastest; its K steps (BLOCK_K, or one quantisation block) are fixed as well
+INVARIANT_BLOCK_M = BLOCK_M
+
+
+def invariant_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up,
+                      down) -> torch.Tensor:
+    """The routed experts of any step, decode or prefill, with a row's bits independent of the step
+    (engine.batch_invariant, kernels.invariant_experts=triton): the same two kernels as decode_experts at
+    one tile size whatever the step's size, each expert's entries listed by a sort (never the matching,
+    whose width follows the step), 4-bit experts always decoded inside the kernels (or always through
+    slots where their rows are not whole quantisation blocks: the two give other bits). A row's output
+    is its K steps in order and its choices summed in order, as at decode in the default mode."""
+    packed = not isinstance(gate_up, torch.Tensor)
+    packed_mode = ("fused" if fused_4bit_fits(gate_up, down) else "slots") if packed else None
+    tiles = {"BLOCK_M": INVARIANT_BLOCK_M}
+    return decode_experts(x, top_k_index, top_k_weights, gate_up, down, up_tiles=tiles, down_tiles=tiles,
+                          packed_mode=packed_mode, sort_entries=True, max_entries=None)

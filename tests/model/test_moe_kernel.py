@@ -111,6 +111,50 @@ def test_big_steps_sort_their_entries_and_give_the_same_numbers_interpreted():
     assert lines["takes"] == ["True", "False"], out
 
 
+def test_invariant_experts_give_a_token_the_same_bits_in_any_step_interpreted():
+    """engine.batch_invariant's routed experts (kernels.invariant_experts=triton): a token's output is the
+    same alone and in a step of 1,400 tokens (4,200 entries: past KERNEL_MAX_ENTRIES, where the decode path
+    stops, and past kernels.moe_fused_max_entries, where it would switch 4-bit experts to slots), for
+    fp16 and fused 4-bit experts, and close to the loop; InvariantExperts hands fp16 rows to them and
+    float32 rows to the grouped product."""
+    out = run_interpreted("""
+        import torch
+        from transformers.activations import GELUTanh
+        from flexgemma.kernels import Kernels
+        from flexgemma.model import moe_kernel as M
+        from flexgemma.model.invariant.experts import InvariantExperts
+        from flexgemma.model.moe import experts_loop
+        from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+        torch.manual_seed(0)
+        e, h, i, k, t = 8, 64, 64, 3, 1400
+        gate_up, down = (torch.randn(e, 2 * i, h) * 0.1).half(), (torch.randn(e, h, i) * 0.1).half()
+        s = Bnb4Settings(double_quant=True, compute_dtype=torch.float16)
+        cpu = torch.device("cpu")
+        packed = PackedExpertWeight.pack(gate_up, s, cpu), PackedExpertWeight.pack(down, s, cpu)
+        x = torch.randn(t, h).half()
+        w, idx = torch.softmax(torch.randn(t, e), -1).topk(k, dim=-1)
+        act = GELUTanh()
+        for name, (gu, dn) in (("half", (gate_up, down)), ("bnb4", packed)):
+            step = M.invariant_experts(x, idx, w, gu, dn)
+            alone = [M.invariant_experts(x[j:j + 1], idx[j:j + 1], w[j:j + 1], gu, dn)[0] for j in (0, 613, t - 1)]
+            dense = [m.dequantize().float() if name == "bnb4" else m.float() for m in (gu, dn)]
+            ref = experts_loop(x[:64].float(), idx[:64], w[:64], dense[0], dense[1], act)
+            print(name, all(torch.equal(a, step[j]) for a, j in zip(alone, (0, 613, t - 1))),
+                  float((step[:64].float() - ref).norm() / ref.norm()))
+        calls = []
+        real = M.invariant_experts
+        M.invariant_experts = lambda *a: calls.append(1) or real(*a)
+        experts = InvariantExperts(Kernels(invariant_experts="triton"))
+        experts(x[:4], idx[:4], w[:4], gate_up, down, act)
+        experts(x[:4].float(), idx[:4], w[:4], gate_up.float(), down.float(), act)
+        print("dispatched", len(calls))
+    """)
+    lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()}
+    for name in ("half", "bnb4"):
+        assert lines[name][0] == "True" and float(lines[name][1]) < 5e-3, out
+    assert lines["dispatched"] == ["1"], out
+
+
 def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
     """4-bit experts (NF4 and FP4, with and without double quantisation), decoded inside the GEMM
     kernels (fused) or dequantised into slots first, equal bitsandbytes' own dequantisation followed

@@ -1,6 +1,11 @@
-"""Routed experts whose every (token, expert) row is computed as `matmul.linear` computes a row:
-the rows are grouped by expert (any grouping gives a row the same bits), each group against its
-expert's matrix, and a token's k results added in expert order (moe.sum_per_token)."""
+"""Routed experts whose every (token, expert) row gets the same bits in any step.
+
+kernels.invariant_experts picks how. `triton` (a GPU's default, bf16/fp16 models): the decode kernels of
+model/moe_kernel.py at one tile size for every step (moe_kernel.invariant_experts), 4-bit experts decoded
+inside them, so a decode step costs what it costs in the default mode. `grouped` (the CPU, float32 models,
+or asked for): every row computed as `matmul.linear` computes a row, the rows grouped by expert (any
+grouping gives a row the same bits), each group against its expert's matrix (4-bit experts dequantised
+into slots first), a token's k results added in expert order (moe.sum_per_token). The two give other bits."""
 
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ class InvariantExperts:
         self.k_chunk = kernels.invariant_k_chunk if kernels is not None else K_CHUNK
         self.flatten = kernels.invariant_flatten if kernels is not None else False
         self.moe_dequant = kernels.moe_dequant if kernels is not None else "bnb"
+        self.how = kernels.invariant_experts if kernels is not None else "grouped"
 
     def takes(self, *args) -> bool:
         return True
@@ -51,6 +57,12 @@ class InvariantExperts:
         return dequantize_experts(w, experts, self.moe_dequant)
 
     def __call__(self, x, top_k_index, top_k_weights, gate_up, down, act) -> torch.Tensor:
+        if self.how == "triton":
+            from flexgemma.model import moe_kernel
+
+            # an engine's rows, activation and weights never change, so every step takes the same path
+            if moe_kernel.kernels_compute(x, act, gate_up, down):
+                return moe_kernel.invariant_experts(x, top_k_index, top_k_weights, gate_up, down)
         t, k = top_k_index.shape
         n_exp = gate_up.shape[0]
         flat = top_k_index.reshape(-1)
