@@ -30,17 +30,19 @@ def config_keys() -> set[str]:
 def test_the_resolved_object_has_every_key_of_the_group():
     """The constructors' object is the group's dataclass and the decode rows; OTHER covers every key."""
     assert {f.name for f in dataclasses.fields(Kernels)} == config_keys() | {"decode_rows"}
-    assert set(OTHER) == config_keys() - {"moe", "linear4bit"}
+    assert set(OTHER) == config_keys() - {"moe", "linear4bit", "invariant_experts"}
 
 
 def test_resolve_hands_every_key_on():
     cfg = compose(["+model=tiny", "device=cpu", *(f"kernels.{k}={str(v).lower()}" for k, v in OTHER.items())])
     k = resolve(cfg, CPU).kernels
     assert {key: getattr(k, key) for key in OTHER} == OTHER
-    assert (k.moe, k.linear4bit, k.decode_rows) == ("grouped_mm", "bnb", ())  # auto on the CPU; no flex rows
+    # auto on the CPU; no flex rows
+    assert (k.moe, k.linear4bit, k.invariant_experts, k.decode_rows) == ("grouped_mm", "bnb", "grouped", ())
     default = resolve(compose(["+model=tiny", "device=cpu"]), CPU).kernels
     assert default.trainer_glue_backward == "eager"  # auto: compiled on a GPU only, as engine.compile
-    assert resolve_kernels(KernelsConfig(), torch.device("cuda"), "dense", 64, False).trainer_glue_backward == "compiled"
+    gpu = resolve_kernels(KernelsConfig(), torch.device("cuda"), "dense", 64, False)
+    assert (gpu.trainer_glue_backward, gpu.invariant_experts) == ("compiled", "triton")
     flex = resolve_kernels(KernelsConfig(), CPU, "flex", 512, quantised=True)
     assert flex.decode_rows == (32, 128, 512) and flex.padded_rows(100) == 128
     with pytest.raises(ValueError, match="at most 512"):
@@ -52,7 +54,8 @@ def test_a_hand_built_object_runs_what_the_default_config_resolves_to_on_the_cpu
     from flexgemma.model.glue import make_ops
 
     cpu = resolve_kernels(KernelsConfig(), CPU, "dense", 64, quantised=False)
-    assert dataclasses.replace(cpu, moe="auto", linear4bit="auto", trainer_glue_backward="auto") == Kernels()
+    assert dataclasses.replace(cpu, moe="auto", linear4bit="auto", invariant_experts="auto",
+                               trainer_glue_backward="auto") == Kernels()
     assert make_ops(None, Kernels()).experts_kernel is None and cpu.moe == "grouped_mm"
 
 
