@@ -5,7 +5,7 @@
 #   bash experiments/gpu_suite.sh STAGE...
 #   SWEEP="experiment=rl_batch_31b kernels.prefill_full_blocks=true,false" bash experiments/gpu_suite.sh sweep
 #   MODEL=31b ROWS=64 CONTEXT=416 bash experiments/gpu_suite.sh decode_sweep
-# Stages (in this order): tests tests_kernels invariant_tests trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 ab_inv_26b_bnb4_dequant ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_e2b_exact_mb64_torch_recompute grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode profile_decode_inv decode_sweep profile_round bench_kernels speed_old_new
+# Stages (in this order): tests tests_kernels invariant_tests invariant_tests_moe trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 ab_inv_26b_bnb4_experts ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_e2b_exact_mb64_torch_recompute grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode profile_decode_inv decode_sweep profile_round bench_kernels speed_old_new
 # Each job's directory (summary.json, metrics.jsonl, config_resolved.yaml) and each sweep's report.md
 # go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into $OUT/results.tgz and a
 # digest is printed. Expects the wheels of
@@ -76,6 +76,7 @@ run tests_kernels 300 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s
   tests/model/test_linear4bit.py tests/engine/test_sampling.py
 # batch invariance and the trainer through the engine's kernels (issues 34, 35): every model's shapes
 run invariant_tests 540 python3 -m pytest -q -p no:logging -m gpu --durations=0 tests/engine/test_invariant.py
+run invariant_tests_moe 400 python3 -m pytest -q -p no:logging -m gpu --durations=0 tests/engine/test_invariant.py -k 26b
 run trainable_tests 400 python3 -m pytest -q -p no:logging -m gpu --durations=0 tests/rl/test_trainable.py
 
 # The numbers of README.md and docs/results.md, each its preset's command (experiments/RESULTS.md)
@@ -96,7 +97,6 @@ run inv_e2b_64 570 bash -c 'sweep inv_e2b_64 experiment=rl_batch_e2b workload.nu
 run inv_e4b 570 bash -c 'sweep inv_e4b experiment=rl_batch_e4b engine.batch_invariant=false,true'
 run inv_26b 570 bash -c 'sweep inv_26b experiment=rl_batch_26b_a4b engine.batch_invariant=false,true'
 run inv_26b_bnb4 570 bash -c 'sweep inv_26b_bnb4 experiment=rl_batch_26b_a4b quant=bnb4 engine.batch_invariant=false,true'
-# the invariant mode's 4-bit experts dequantised into slots against decoded inside the product (same bits)
 run inv_31b 570 bash -c 'sweep inv_31b experiment=rl_batch_31b engine.batch_invariant=false,true'
 run speed_inv 240 bash -c 'job speed_inv experiment=speed_e2b engine.batch_invariant=true'
 # the invariant kernels' chunk loops flattened by Triton (kernels.invariant_flatten; same bits) against not
@@ -105,10 +105,11 @@ run ab_inv_flatten_e2b 570 bash -c 'sweep ab_inv_flatten_e2b experiment=rl_batch
 run ab_inv_flatten_26b_bnb4 570 bash -c 'sweep ab_inv_flatten_26b_bnb4 experiment=rl_batch_26b_a4b quant=bnb4 \
   engine.batch_invariant=true kernels.invariant_flatten=false,true'
 
-# the invariant experts dequantise a step's routed 4-bit experts every decode step: bitsandbytes' op (the
-# default) against the slot kernel (340 against 658 us for 128 gate_up matrices alone, the same bits)
-run ab_inv_26b_bnb4_dequant 570 bash -c 'sweep ab_inv_26b_bnb4_dequant experiment=rl_batch_26b_a4b quant=bnb4 \
-  engine.batch_invariant=true kernels.moe_dequant=bnb,triton'
+# the invariant routed experts' other form (kernels.invariant_experts=grouped: each expert's rows through the
+# invariant product, the routed 4-bit experts dequantised every step), beside inv_26b_bnb4's invariant job
+# (the default, triton) in the same call
+run ab_inv_26b_bnb4_experts 570 bash -c 'sweep ab_inv_26b_bnb4_experts experiment=rl_batch_26b_a4b quant=bnb4 \
+  engine.batch_invariant=true kernels.invariant_experts=grouped'
 
 # A/B of the kernels keys RESULTS.md measured, the default first, in one call (same machine)
 run ab_31b_full_blocks 570 bash -c 'sweep ab_31b_full_blocks experiment=rl_batch_31b kernels.prefill_full_blocks=true,false'
