@@ -89,7 +89,9 @@ def mismatch_stats(trainer_lp: torch.Tensor, engine_lp: torch.Tensor, mask: torc
     ratio = torch.exp(log_r)
     clipped = ratio.clamp(min=clip_min if clip_min is not None else 0.0,
                           max=clip_max if clip_max is not None else float("inf"))
-    lr = log_r[m].double()  # float64: k3 of ratios within 1e-6 of 1 rounds to 0 in float32
+    # float64: k3 of ratios within 1e-6 of 1 rounds to 0 in float32; sorted: the sums are over a set of
+    # tokens, equal whichever micro-batches or order they came in
+    lr = log_r[m].double().sort().values
     r = lr.exp()
     if lr.numel() == 0:
         return clipped, {}

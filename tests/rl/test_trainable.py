@@ -530,8 +530,9 @@ def test_grpo_with_the_engines_forward_learns(tmp_path):
     from flexgemma import compose
     from flexgemma.run import run_job
 
-    summary = run_job(compose(["+model=tiny", *EXACT, "model.dtype=float32", "task.steps=12"]), tmp_path)
-    assert summary["grpo/reward_last5"] - summary["grpo/reward_first5"] >= 0.10, summary
+    # 20 steps: the reward takes off somewhere in steps 8-14 depending on torch's random streams
+    summary = run_job(compose(["+model=tiny", *EXACT, "model.dtype=float32", "task.steps=20"]), tmp_path)
+    assert summary["grpo/reward_last5"] - summary["grpo/reward_first5"] >= 0.25, summary
     assert summary["grpo/logprob_absdiff_max"] == 0.0
 
 
