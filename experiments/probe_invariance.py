@@ -136,6 +136,56 @@ def reductions():
     print(f"logsumexp 262144 eager row0 same at B=2,8,64,512: {[same(torch.logsumexp(x[:b], -1)[:1], r) for b in (2, 8, 64, 512)]}")
 
 
+def moe_tiles():
+    """26B-A4B's routed experts (moe_kernel.decode_experts, entries sorted) at BLOCK_M 16-128: is a row
+    the same bits at every tile row count and in every step size (then kernels.invariant_experts=triton
+    may size its tiles by the step: moe_kernel.invariant_block_m), and what each costs at a decode step (128 rows) and a prefill chunk
+    (8,192 tokens)."""
+    from transformers.activations import GELUTanh  # noqa: F401  (the kernels compute it)
+    from flexgemma.model.moe_kernel import decode_experts
+    from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    e, h, i, k = 128, 2816, 704, 8
+    gate_up = (torch.randn(e, 2 * i, h, device=dev) * 0.02).bfloat16()
+    down = (torch.randn(e, h, i, device=dev) * 0.02).bfloat16()
+    s = Bnb4Settings(double_quant=True)
+    kinds = {"bf16": (gate_up, down), "bnb4": (PackedExpertWeight.pack(gate_up, s, dev),
+                                               PackedExpertWeight.pack(down, s, dev))}
+    x = torch.randn(8192, h, device=dev, dtype=torch.bfloat16)
+    w, idx = torch.softmax(torch.randn(8192, e, device=dev), -1).topk(k, dim=-1)
+
+    def run(gu, dn, t, bm, warps=4, mode=None):
+        tiles = {"BLOCK_M": bm, "num_warps": warps}
+        return decode_experts(x[:t], idx[:t], w[:t], gu, dn, up_tiles=tiles, down_tiles=tiles, packed_mode=mode,
+                              sort_entries=True, max_entries=None)
+
+    def ms(fn, reps=10):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        return sorted(times)[len(times) // 2]
+
+    for kind, mode in (("bf16", None), ("bnb4", "fused")):
+        gu, dn = kinds[kind]
+        ref = run(gu, dn, 8192, 16, mode=mode)
+        for bm in (16, 32, 64, 128):
+            for warps in ((4, 8) if bm >= 64 else (4,)):
+                # every token of a step of T against the same token at BLOCK_M 16 in the step of 8,192
+                same_rows = [same(run(gu, dn, t, bm, warps, mode), ref[:t]) for t in (1, 7, 128, 8192)]
+                print(f"moe {kind} {mode} BLOCK_M {bm} warps {warps}: rows at T=1,7,128,8192 == BLOCK_M 16's: "
+                      f"{same_rows}; 128 rows {ms(lambda: run(gu, dn, 128, bm, warps, mode)):.3f} ms, 8192 rows "
+                      f"{ms(lambda: run(gu, dn, 8192, bm, warps, mode), 3):.2f} ms", flush=True)
+
+
 if __name__ == "__main__":
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
     for name in sys.argv[1:] or ["triton_mm", "cublas", "flex", "reductions"]:

@@ -178,7 +178,7 @@ def profile_first_prefill(engine, prompts, params, cuda: bool) -> dict:
     print(f"first prefill step: {wall * 1e3:.1f} ms wall (under the profiler), kernels {total:.1f} ms, of which "
           f"flex attention {attn:.1f} ms")
     sort = "cuda_time_total" if cuda else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=90))
+    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=90))
     return {"wall_ms": wall * 1e3, "kernels_ms": total, "flex_ms": attn,
             "kernels": [{"name": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count} for e in events[:30]]}
 

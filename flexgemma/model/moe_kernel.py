@@ -525,22 +525,28 @@ class TritonExperts:
         return dequantize_experts(w, experts, self.kernels.moe_dequant)
 
 
-# the tile a batch-invariant step runs at whatever its size: a row's bits depend on the tile's row
-# count (tl.dot at 16 rows and at 64 runs other tensor-core instructions), so it is fixed, at the
-# fused 4-bit kernels' fastest; its K steps (BLOCK_K, or one quantisation block) are fixed as well
-INVARIANT_BLOCK_M = BLOCK_M
+def invariant_block_m(n_flat: int, experts: int, packed: bool) -> int:
+    """Entries of one expert per tile of a batch-invariant step. bf16 experts: sized by the step (16 at
+    decode, 128 rows x top-8 over 128 experts; up to 128 at prefill), since their products give a row
+    the same bits at every BLOCK_M (experiments/probe_invariance.py moe_tiles: 26B-A4B's layer at 8,192
+    tokens 14.2 ms at 16 rows, 4.3 at 128 on the H200). 4-bit experts: 16 always, since the nibble
+    products' bits change at 64 rows (tl.dot's other tensor-core instructions), and 32 was slower."""
+    if packed:
+        return BLOCK_M
+    return min(128, max(BLOCK_M, triton.next_power_of_2(2 * -(-n_flat // experts))))
 
 
 def invariant_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up,
                       down) -> torch.Tensor:
     """The routed experts of any step, decode or prefill, with a row's bits independent of the step
-    (engine.batch_invariant, kernels.invariant_experts=triton): the same two kernels as decode_experts at
-    one tile size whatever the step's size, each expert's entries listed by a sort (never the matching,
-    whose width follows the step), 4-bit experts always decoded inside the kernels (or always through
-    slots where their rows are not whole quantisation blocks: the two give other bits). A row's output
-    is its K steps in order and its choices summed in order, as at decode in the default mode."""
+    (engine.batch_invariant, kernels.invariant_experts=triton): decode_experts' two kernels with each
+    expert's entries listed by a sort (never the matching, whose width follows the step), tiles of
+    invariant_block_m rows, 4-bit experts always decoded inside the kernels (or always through slots
+    where their rows are not whole quantisation blocks: the two give other bits). A row's output is its
+    K steps in order and its choices summed in order, as at decode in the default mode."""
     packed = not isinstance(gate_up, torch.Tensor)
     packed_mode = ("fused" if fused_4bit_fits(gate_up, down) else "slots") if packed else None
-    tiles = {"BLOCK_M": INVARIANT_BLOCK_M}
+    # slotted 4-bit experts run the bf16 kernels: their tiles may follow the step as well
+    tiles = {"BLOCK_M": invariant_block_m(top_k_index.numel(), gate_up.shape[0], packed_mode == "fused")}
     return decode_experts(x, top_k_index, top_k_weights, gate_up, down, up_tiles=tiles, down_tiles=tiles,
                           packed_mode=packed_mode, sort_entries=True, max_entries=None)
