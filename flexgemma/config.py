@@ -307,8 +307,8 @@ class KernelsConfig:
     # loop inside it into one loop that its pipeliner overlaps across chunks (a chunk of 512 is 4-8 steps
     # of 64-128: each chunk's loads otherwise start cold)
     invariant_flatten: bool = False
-    # the invariant routed experts: triton (model/moe_kernel.py's decode kernels at one tile size for every
-    # step, 4-bit experts decoded inside them: a decode step costs what the default mode's does; bf16/fp16
+    # the invariant routed experts: triton (model/moe_kernel.py's decode kernels for every step, in tiles
+    # whose size does not change a row's bits, 4-bit experts decoded inside them: a decode step costs what the default mode's does; bf16/fp16
     # models), grouped (each expert's rows through the invariant product, 4-bit experts dequantised into
     # slots every step), or auto (triton on a GPU); the two give other bits
     invariant_experts: str = "auto"

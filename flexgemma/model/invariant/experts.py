@@ -1,8 +1,8 @@
 """Routed experts whose every (token, expert) row gets the same bits in any step.
 
 kernels.invariant_experts picks how. `triton` (a GPU's default, bf16/fp16 models): the decode kernels of
-model/moe_kernel.py at one tile size for every step (moe_kernel.invariant_experts), 4-bit experts decoded
-inside them, so a decode step costs what it costs in the default mode. `grouped` (the CPU, float32 models,
+model/moe_kernel.py for every step (moe_kernel.invariant_experts; tiles that give a row the same bits at
+any size), 4-bit experts decoded inside them, so a decode step costs what it costs in the default mode. `grouped` (the CPU, float32 models,
 or asked for): every row computed as `matmul.linear` computes a row, the rows grouped by expert (any
 grouping gives a row the same bits), each group against its expert's matrix (4-bit experts dequantised
 into slots first), a token's k results added in expert order (moe.sum_per_token). The two give other bits."""
