@@ -174,13 +174,7 @@ def moe_tiles():
             times.append(a.elapsed_time(b))
         return sorted(times)[len(times) // 2]
 
-    # bnb4 "fused": nibble products, the block's scale after; "dequant": each block's weights decoded whole.
-    # PROBE_MOE=bnb4 (a kind, or kind:mode) runs those alone
-    import os
-    only = os.environ.get("PROBE_MOE", "")
-    for kind, mode in (("bf16", None), ("bnb4", "fused"), ("bnb4", "dequant")):
-        if only and only not in (kind, f"{kind}:{mode}"):
-            continue
+    for kind, mode in (("bf16", None), ("bnb4", "fused")):
         gu, dn = kinds[kind]
         ref = run(gu, dn, 8192, 16, mode=mode)
         for bm in (16, 32, 64, 128):

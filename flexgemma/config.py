@@ -312,11 +312,6 @@ class KernelsConfig:
     # models), grouped (each expert's rows through the invariant product, 4-bit experts dequantised into
     # slots every step), or auto (triton on a GPU); the two give other bits
     invariant_experts: str = "auto"
-    # invariant_experts=triton over 4-bit experts: nibble (the nibbles against the rows' even and odd
-    # elements, the block's scale after, in 16-row tiles always: their bits change with the tile's rows)
-    # or dequant (each block's weights decoded whole in the kernel, bitsandbytes' weights, one product in
-    # tiles sized by the step: the same bits at any size); the two give other bits
-    invariant_4bit_experts: str = "nibble"
     # task.trainer_forward=engine: vocabulary columns of one slice of the trainer's head (whole lane steps);
     # 0: as many as keep a [rows x slice] float32 block within 512 MiB (memory against launches)
     trainer_vocab_slice: int = 0
@@ -344,7 +339,6 @@ class KernelsConfig:
         _check_choice("kernels.linear4bit_dequant", self.linear4bit_dequant, ("bnb", "triton"))
         _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
         _check_choice("kernels.invariant_experts", self.invariant_experts, ("auto", "grouped", "triton"))
-        _check_choice("kernels.invariant_4bit_experts", self.invariant_4bit_experts, ("nibble", "dequant"))
         _check_choice("kernels.trainer_glue_backward", self.trainer_glue_backward, ("auto", "eager", "compiled"))
         _check_choice("kernels.trainer_backward_dtype", self.trainer_backward_dtype, ("float32", "model_dtype"))
         _check_choice("kernels.trainer_recompute", self.trainer_recompute, ("engine", "reference"))

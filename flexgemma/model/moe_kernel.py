@@ -43,7 +43,7 @@ import triton.language as tl
 
 from flexgemma.kernels import Kernels
 from flexgemma.model.moe import route as torch_route, routed_experts
-from flexgemma.model.triton4bit import block_weights, code4, dequant_blocks, nibble_dot, row_pairs, sum_rows
+from flexgemma.model.triton4bit import code4, dequant_blocks, nibble_dot, row_pairs, sum_rows
 
 BLOCK_M = 16  # entries of one expert per tile: tl.dot's smallest M (the default at up to 64 rows)
 
@@ -158,29 +158,17 @@ def _block_dot_4bit(a_even, a_odd, w_ptr, widx, rows, ok, k0, K: tl.constexpr, s
 
 
 @triton.jit
-def _block_weights_4bit(w_ptr, widx, rows, ok, k0, K: tl.constexpr, stride_we, absmax_ptr, code_ptr, ncode_ptr,
-                        nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
-                        DOUBLE_QUANT: tl.constexpr, ROWS: tl.constexpr, dt):
-    """W[rows, k0:k0+QBLOCK] of 4-bit expert widx decoded whole to dt, as bitsandbytes decodes it."""
-    scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, rows * (K // QBLOCK) + k0 // QBLOCK,
-                          ok, stride_ae, stride_ne, NESTED, DOUBLE_QUANT)
-    return block_weights(w_ptr + widx * stride_we, rows, ok, k0, K, code_ptr, scale, QBLOCK, ROWS, dt)
-
-
-@triton.jit
 def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr,
                       noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_x,
                       stride_we, stride_wn, stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr,
                       QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
-                      DEQUANT: tl.constexpr, SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
     """Program (e, j): for every (token, choice) routed to expert e, features [j*BLOCK_N, (j+1)*BLOCK_N)
     of act(x @ gate.T) * (x @ up.T), written at the entry's flat row of out [T*TOPK, I]. gate is rows
     [0, I) of the expert's gate_up, up rows [I, 2I): both tiles of a feature slice are read together.
     The expert's matrix is w[e], w[slots[e]] (4-bit experts dequantised into slots), or with PACKED
-    the 4-bit bytes of expert e themselves, decoded a quantisation block (QBLOCK elements) at a time: the
-    nibbles against the rows' even and odd elements, the block's scale after (nibble_dot), or with DEQUANT
-    the block's weights decoded whole for one product."""
+    the 4-bit bytes of expert e themselves, decoded a quantisation block (QBLOCK elements) at a time."""
     expert = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
     offs, match, rank, start, count = _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED, NFLAT)
@@ -193,18 +181,7 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
         token = flat // TOPK
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if PACKED and DEQUANT:
-            ok = cols < I
-            qk = tl.arange(0, QBLOCK)
-            for k0 in range(0, H, QBLOCK):
-                a = tl.load(x_ptr + token[:, None] * stride_x + (k0 + qk)[None, :], mask=valid[:, None], other=0.0)
-                acc_g += tl.dot(a, tl.trans(_block_weights_4bit(
-                    w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
-                    stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, BLOCK_N, dt)))
-                acc_u += tl.dot(a, tl.trans(_block_weights_4bit(
-                    w_ptr, widx, cols + I, ok, k0, H, stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr,
-                    noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, BLOCK_N, dt)))
-        elif PACKED:
+        if PACKED:
             ok = cols < I
             for k0 in range(0, H, QBLOCK):
                 a_even, a_odd = row_pairs(x_ptr + token[:, None] * stride_x, k0, valid, QBLOCK)
@@ -236,11 +213,11 @@ def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr
                         nabsmax_ptr, noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, stride_we, stride_wn,
                         stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr, QBLOCK: tl.constexpr,
                         NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
-                        DEQUANT: tl.constexpr, SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     """Program (e, j): out[f, j-slice] = (inter[f] @ down_e.T) x router weight of f, for every flat
     entry f routed to expert e; out is float32 [T*TOPK, H], summed over the choices afterwards. The
-    weights as in the up kernel: plain, through slots, or PACKED 4-bit (DEQUANT: decoded whole)."""
+    weights as in the up kernel: plain, through slots, or PACKED 4-bit."""
     expert = tl.program_id(0)
     dt = inter_ptr.dtype.element_ty
     offs, match, rank, start, count = _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED, NFLAT)
@@ -251,15 +228,7 @@ def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr
     while m0 < count:
         flat, valid = _entry_tile(offs, match, rank, order_ptr, start, m0, count, SORTED, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if PACKED and DEQUANT:
-            ok = cols < H
-            qk = tl.arange(0, QBLOCK)
-            for k0 in range(0, I, QBLOCK):
-                a = tl.load(inter_ptr + flat[:, None] * I + (k0 + qk)[None, :], mask=valid[:, None], other=0.0)
-                acc += tl.dot(a, tl.trans(_block_weights_4bit(
-                    w_ptr, widx, cols, ok, k0, I, stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
-                    stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, BLOCK_N, dt)))
-        elif PACKED:
+        if PACKED:
             ok = cols < H
             for k0 in range(0, I, QBLOCK):
                 a_even, a_odd = row_pairs(inter_ptr + flat[:, None] * I, k0, valid, QBLOCK)
@@ -403,8 +372,8 @@ def _check_step(x, top_k_index, gate_up, down, packed_mode: Optional[str], code_
     """decode_experts' arguments, refused with what is wrong."""
     if code_lookup not in ("table", "select"):
         raise ValueError(f"code_lookup={code_lookup!r}: table or select")
-    if packed_mode not in (None, "fused", "dequant", "slots"):
-        raise ValueError(f"packed_mode={packed_mode!r}: fused, dequant or slots")
+    if packed_mode not in (None, "fused", "slots"):
+        raise ValueError(f"packed_mode={packed_mode!r}: fused or slots")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"the Triton expert kernels take bf16/fp16 rows, got {x.dtype}")
     for name, w in (("gate_up", gate_up), ("down", down)):
@@ -422,20 +391,18 @@ def _packed_mode(gate_up, down, packed_mode: Optional[str], n_flat: int, fused_m
     gate_up of all 128 experts is 1 GB of bf16 at such a step, in the graph pool)."""
     if packed_mode is None:
         packed_mode = "fused" if fused_4bit_fits(gate_up, down) and n_flat <= fused_max_entries else "slots"
-    if packed_mode in ("fused", "dequant") and not fused_4bit_fits(gate_up, down):
-        raise ValueError(f"packed_mode={packed_mode} needs rows of whole quantisation blocks: H={gate_up.shape[2]}, "
+    if packed_mode == "fused" and not fused_4bit_fits(gate_up, down):
+        raise ValueError(f"packed_mode=fused needs rows of whole quantisation blocks: H={gate_up.shape[2]}, "
                          f"I={gate_up.shape[1] // 2}, block {gate_up.block_size}")
     return packed_mode
 
 
-def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_lookup: str, dequant: bool) -> dict:
+def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_lookup: str) -> dict:
     """A weight's kernel arguments: plain (or slotted) bf16, or the 4-bit buffers (the code table in
-    x's dtype where a block's nibble products are scaled by its scale; in float32 where whole weights
-    are decoded, code x scale, as bitsandbytes does)."""
+    x's dtype: a block's nibble products are scaled by its scale)."""
     if fused:
         dq = bool(w.double_quant)
-        code = code4(w.quant_type, x.device, torch.float32 if dequant else x.dtype)
-        return dict(w_ptr=w.packed, absmax_ptr=w.absmax, code_ptr=code,
+        return dict(w_ptr=w.packed, absmax_ptr=w.absmax, code_ptr=code4(w.quant_type, x.device, x.dtype),
                     ncode_ptr=w.nested_code if dq else w.absmax, nabsmax_ptr=w.nested_absmax if dq else w.absmax,
                     noffset_ptr=w.nested_offset if dq else w.absmax, stride_we=w.packed.stride(0), stride_wn=0,
                     stride_ae=w.absmax.stride(0), stride_ne=w.nested_absmax.stride(0) if dq else 0,
@@ -457,9 +424,7 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     x [T, H] bf16/fp16; top_k_* [T, K]; gate_up [E, 2I, H], down [E, H, I], as tensors of x's dtype
     or PackedExpertWeights. 4-bit experts: packed_mode "fused" (the default where the rows are whole
     quantisation blocks, up to kernels.moe_fused_max_entries entries) decodes the bytes inside the
-    GEMM kernels, nibbles against the rows' even and odd elements and the block's scale after the
-    products; "dequant" decodes each block's weights whole inside them (bitsandbytes' weights) for one
-    product, whose bits do not depend on BLOCK_M; "slots" dequantises the experts with rows into slots first, one matrix at a time,
+    GEMM kernels; "slots" dequantises the experts with rows into slots first, one matrix at a time,
     then runs the bf16 kernels. The activation is
     gelu_pytorch_tanh, Gemma-4's. Returns [T, H] in x's dtype: sum over choices of weight x expert(x).
     *_tiles override UP_TILES / DOWN_TILES (BLOCK_N, BLOCK_K, num_warps, num_stages; fused 4-bit
@@ -480,9 +445,8 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     packed = not isinstance(gate_up, torch.Tensor)
     packed_mode = _packed_mode(gate_up, down, packed_mode, n_flat, kernels.moe_fused_max_entries) if packed \
         else packed_mode
-    fused, slotted = packed and packed_mode in ("fused", "dequant"), packed and packed_mode == "slots"
-    dequant = packed and packed_mode == "dequant"
-    block_m = {"BLOCK_M": block_m_for(n_flat, e, fused and not dequant)}
+    fused, slotted = packed and packed_mode == "fused", packed and packed_mode == "slots"
+    block_m = {"BLOCK_M": block_m_for(n_flat, e, fused)}
     up_tiles = {**UP_TILES, **block_m, **(up_tiles or {})}
     down_tiles = {**DOWN_TILES, **block_m, **(down_tiles or {})}
     x = x.contiguous()
@@ -492,21 +456,21 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     order, starts, nflat = _entry_lists(index, e, sort_entries)
     ids, slots = expert_slots(top_k_index, e) if slotted else (None, index)  # index: a placeholder, never read
     operands = functools.partial(_weight_operands, x=x, fused=fused, slotted=slotted, ids=ids,
-                                 code_lookup=code_lookup, dequant=dequant)
+                                 code_lookup=code_lookup)
 
     ops = operands(gate_up)
     inter = torch.empty(n_flat, i, dtype=x.dtype, device=x.device)
     _routed_up_kernel[(e, triton.cdiv(i, up_tiles["BLOCK_N"]))](
         x_ptr=x, index_ptr=index, order_ptr=order, starts_ptr=starts, n_flat=n_flat, slots_ptr=slots, out_ptr=inter,
-        I=i, H=h, TOPK=topk, stride_x=x.stride(0), HAS_SLOTS=slotted, PACKED=fused, DEQUANT=dequant,
-        SORTED=sort_entries, NFLAT=nflat, **ops, **up_tiles)
+        I=i, H=h, TOPK=topk, stride_x=x.stride(0), HAS_SLOTS=slotted, PACKED=fused, SORTED=sort_entries, NFLAT=nflat,
+        **ops, **up_tiles)
     del ops  # one dequantised matrix alive at a time
     ops = operands(down)
     out = torch.empty(n_flat, h, dtype=torch.float32, device=x.device)
     _routed_down_kernel[(e, triton.cdiv(h, down_tiles["BLOCK_N"]))](
         inter_ptr=inter, index_ptr=index, order_ptr=order, starts_ptr=starts, weights_ptr=weights, n_flat=n_flat,
-        slots_ptr=slots, out_ptr=out, I=i, H=h, HAS_SLOTS=slotted, PACKED=fused, DEQUANT=dequant,
-        SORTED=sort_entries, NFLAT=nflat, **ops, **down_tiles)
+        slots_ptr=slots, out_ptr=out, I=i, H=h, HAS_SLOTS=slotted, PACKED=fused, SORTED=sort_entries, NFLAT=nflat,
+        **ops, **down_tiles)
     summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
     return sum_rows(out, summed)
 
@@ -561,33 +525,28 @@ class TritonExperts:
         return dequantize_experts(w, experts, self.kernels.moe_dequant)
 
 
-def invariant_block_m(n_flat: int, experts: int, nibbles: bool) -> int:
-    """Entries of one expert per tile of a batch-invariant step. Sized by the step (16 at decode, 128
-    rows x top-8 over 128 experts; up to 128 at prefill) where the products give a row the same bits at
-    every BLOCK_M: bf16 experts, and 4-bit experts decoded whole (experiments/probe_invariance.py
-    moe_tiles: 26B-A4B's bf16 layer at 8,192 tokens 14.2 ms at 16 rows, 4.3 at 128 on the H200). 16
-    always for the nibble products (`nibbles`), whose bits change at 64 rows (tl.dot's other
-    tensor-core instructions); 32 was slower."""
-    if nibbles:
+def invariant_block_m(n_flat: int, experts: int, packed: bool) -> int:
+    """Entries of one expert per tile of a batch-invariant step. bf16 experts: sized by the step (16 at
+    decode, 128 rows x top-8 over 128 experts; up to 128 at prefill), since their products give a row
+    the same bits at every BLOCK_M (experiments/probe_invariance.py moe_tiles: 26B-A4B's layer at 8,192
+    tokens 14.2 ms at 16 rows, 4.3 at 128 on the H200). 4-bit experts: 16 always, since the nibble
+    products' bits change at 64 rows (tl.dot's other tensor-core instructions), and 32 was slower."""
+    if packed:
         return BLOCK_M
     return min(128, max(BLOCK_M, triton.next_power_of_2(2 * -(-n_flat // experts))))
 
 
 def invariant_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up,
-                      down, four_bit: str = "nibble") -> torch.Tensor:
+                      down) -> torch.Tensor:
     """The routed experts of any step, decode or prefill, with a row's bits independent of the step
     (engine.batch_invariant, kernels.invariant_experts=triton): decode_experts' two kernels with each
     expert's entries listed by a sort (never the matching, whose width follows the step), tiles of
-    invariant_block_m rows, 4-bit experts always decoded inside the kernels the way `four_bit`
-    (kernels.invariant_4bit_experts) names, nibble products ("nibble": packed_mode fused) or whole
-    weights ("dequant"), or always through slots where their rows are not whole quantisation blocks.
-    The three give other bits. A row's output is its K steps in order and its choices summed in order."""
-    if four_bit not in ("nibble", "dequant"):
-        raise ValueError(f"four_bit={four_bit!r}: nibble or dequant (kernels.invariant_4bit_experts)")
+    invariant_block_m rows, 4-bit experts always decoded inside the kernels (or always through slots
+    where their rows are not whole quantisation blocks: the two give other bits). A row's output is its
+    K steps in order and its choices summed in order, as at decode in the default mode."""
     packed = not isinstance(gate_up, torch.Tensor)
-    packed_mode = None
-    if packed:
-        packed_mode = ("fused" if four_bit == "nibble" else "dequant") if fused_4bit_fits(gate_up, down) else "slots"
+    packed_mode = ("fused" if fused_4bit_fits(gate_up, down) else "slots") if packed else None
+    # slotted 4-bit experts run the bf16 kernels: their tiles may follow the step as well
     tiles = {"BLOCK_M": invariant_block_m(top_k_index.numel(), gate_up.shape[0], packed_mode == "fused")}
     return decode_experts(x, top_k_index, top_k_weights, gate_up, down, up_tiles=tiles, down_tiles=tiles,
                           packed_mode=packed_mode, sort_entries=True, max_entries=None)

@@ -7,9 +7,8 @@ A 4-bit matrix [N, K] is stored row-major as N*K/2 bytes; each byte holds two co
 a row, the first in the high nibble; every quantisation block of QBLOCK consecutive weights has one
 scale (absmax). In `nibble_dot` a K step is one block: its bytes meet the rows' even elements (high
 nibbles) and odd elements (low nibbles) in two products, so nothing is interleaved, and the block's
-scale multiplies the products instead of every weight. `block_weights` decodes a block's whole weights
-instead, code x scale as bitsandbytes does (linear4bit.py does so over 256-element steps), for one
-product whose bits do not depend on the tile's row count.
+scale multiplies the products instead of every weight. (linear4bit.py decodes whole weights instead,
+code x scale as bitsandbytes does, over 256-element steps.)
 
 Imported only where Triton runs (a GPU, or the CPU through TRITON_INTERPRET=1 in the tests).
 """
@@ -61,20 +60,6 @@ def nibble_dot(a_even, a_odd, w_ptr, rows, ok, k0, K: tl.constexpr, code_ptr, QB
     hi = code_values(byte >> 4, code_ptr, SELECT)
     lo = code_values(byte & 15, code_ptr, SELECT)
     return tl.dot(a_even, tl.trans(hi)) + tl.dot(a_odd, tl.trans(lo))
-
-
-@triton.jit
-def block_weights(w_ptr, rows, ok, k0, K: tl.constexpr, code_ptr, scale, QBLOCK: tl.constexpr, ROWS: tl.constexpr,
-                  dt):
-    """W[rows, k0:k0+QBLOCK] ([ROWS] rows, those with `ok` set) of the 4-bit matrix at w_ptr (rows of K
-    weights), decoded as bitsandbytes decodes it: float32 code x the row's block scale (`scale` [ROWS]),
-    rounded once to dt, the high nibble first; the bytes are read once and the nibbles joined in
-    registers, as dequant_blocks does."""
-    kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
-    byte = tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    hi = (tl.load(code_ptr + (byte >> 4)) * scale[:, None]).to(dt)
-    lo = (tl.load(code_ptr + (byte & 15)) * scale[:, None]).to(dt)
-    return tl.reshape(tl.join(hi, lo), (ROWS, QBLOCK))
 
 
 @triton.jit

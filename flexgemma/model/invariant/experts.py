@@ -2,8 +2,7 @@
 
 kernels.invariant_experts picks how. `triton` (a GPU's default, bf16/fp16 models): the decode kernels of
 model/moe_kernel.py for every step (moe_kernel.invariant_experts; tiles that give a row the same bits at
-any size), 4-bit experts decoded inside them as kernels.invariant_4bit_experts names, so a decode step
-costs what it costs in the default mode. `grouped` (the CPU, float32 models,
+any size), 4-bit experts decoded inside them, so a decode step costs what it costs in the default mode. `grouped` (the CPU, float32 models,
 or asked for): every row computed as `matmul.linear` computes a row, the rows grouped by expert (any
 grouping gives a row the same bits), each group against its expert's matrix (4-bit experts dequantised
 into slots first), a token's k results added in expert order (moe.sum_per_token). The two give other bits."""
@@ -44,7 +43,6 @@ class InvariantExperts:
         self.flatten = kernels.invariant_flatten if kernels is not None else False
         self.moe_dequant = kernels.moe_dequant if kernels is not None else "bnb"
         self.how = kernels.invariant_experts if kernels is not None else "grouped"
-        self.four_bit = kernels.invariant_4bit_experts if kernels is not None else "nibble"
 
     def takes(self, *args) -> bool:
         return True
@@ -64,7 +62,7 @@ class InvariantExperts:
 
             # an engine's rows, activation and weights never change, so every step takes the same path
             if moe_kernel.kernels_compute(x, act, gate_up, down):
-                return moe_kernel.invariant_experts(x, top_k_index, top_k_weights, gate_up, down, self.four_bit)
+                return moe_kernel.invariant_experts(x, top_k_index, top_k_weights, gate_up, down)
         t, k = top_k_index.shape
         n_exp = gate_up.shape[0]
         flat = top_k_index.reshape(-1)
