@@ -5,7 +5,8 @@
 #   bash experiments/gpu_suite.sh STAGE...
 #   SWEEP="experiment=rl_batch_31b kernels.prefill_full_blocks=true,false" bash experiments/gpu_suite.sh sweep
 #   MODEL=31b ROWS=64 CONTEXT=416 bash experiments/gpu_suite.sh decode_sweep
-# Stages (in this order): tests tests_kernels invariant_tests invariant_tests_moe trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 ab_inv_26b_bnb4_experts ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_e2b_exact_mb64_torch_recompute grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode profile_decode_inv profile_prefill_inv probe decode_sweep profile_round bench_kernels speed_old_new
+#   PROBE=moe_tiles PROBE_MOE=bnb4 bash experiments/gpu_suite.sh probe
+# Stages (in this order): tests tests_kernels invariant_tests invariant_tests_moe trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 ab_inv_26b_bnb4_experts ab_inv_26b_bnb4_subtiles ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_e2b_exact_mb64_torch_recompute grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode profile_decode_inv profile_prefill_inv probe decode_sweep profile_round bench_kernels speed_old_new
 # Each job's directory (summary.json, metrics.jsonl, config_resolved.yaml) and each sweep's report.md
 # go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into $OUT/results.tgz and a
 # digest is printed. Expects the wheels of
@@ -110,6 +111,11 @@ run ab_inv_flatten_26b_bnb4 570 bash -c 'sweep ab_inv_flatten_26b_bnb4 experimen
 # (the default, triton) in the same call
 run ab_inv_26b_bnb4_experts 570 bash -c 'sweep ab_inv_26b_bnb4_experts experiment=rl_batch_26b_a4b quant=bnb4 \
   engine.batch_invariant=true kernels.invariant_experts=grouped'
+
+# the invariant 4-bit experts' decoded blocks shared by four 16-row tiles at prefill-sized steps
+# (kernels.invariant_4bit_subtiles), the default first; its bits: invariant_tests_moe's bnb4_subtiles
+run ab_inv_26b_bnb4_subtiles 570 bash -c 'sweep ab_inv_26b_bnb4_subtiles experiment=rl_batch_26b_a4b quant=bnb4 \
+  engine.batch_invariant=true kernels.invariant_4bit_subtiles=1,4'
 
 # A/B of the kernels keys RESULTS.md measured, the default first, in one call (same machine)
 run ab_31b_full_blocks 570 bash -c 'sweep ab_31b_full_blocks experiment=rl_batch_31b kernels.prefill_full_blocks=true,false'

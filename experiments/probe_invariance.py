@@ -5,6 +5,7 @@ at another position, or in a larger batch: the facts the batch-invariant mode (e
 is built on. Sections: a Triton matmul over tile shapes, torch.mm (cuBLAS), flex_attention decode-shaped vs
 prefill-shaped, Inductor-compiled and eager row reductions.
 """
+import os
 import sys
 import traceback
 
@@ -156,8 +157,8 @@ def moe_tiles():
     x = torch.randn(8192, h, device=dev, dtype=torch.bfloat16)
     w, idx = torch.softmax(torch.randn(8192, e, device=dev), -1).topk(k, dim=-1)
 
-    def run(gu, dn, t, bm, warps=4, mode=None):
-        tiles = {"BLOCK_M": bm, "num_warps": warps}
+    def run(gu, dn, t, bm, warps=4, mode=None, subtiles=1):
+        tiles = {"BLOCK_M": bm, "num_warps": warps, "SUBTILES": subtiles}
         return decode_experts(x[:t], idx[:t], w[:t], gu, dn, up_tiles=tiles, down_tiles=tiles, packed_mode=mode,
                               sort_entries=True, max_entries=None)
 
@@ -174,9 +175,17 @@ def moe_tiles():
             times.append(a.elapsed_time(b))
         return sorted(times)[len(times) // 2]
 
+    # PROBE_MOE=bnb4 (a kind) runs that kind alone
+    only = os.environ.get("PROBE_MOE", "")
     for kind, mode in (("bf16", None), ("bnb4", "fused")):
+        if only and only != kind:
+            continue
         gu, dn = kinds[kind]
         ref = run(gu, dn, 8192, 16, mode=mode)
+        if mode == "fused":  # kernels.invariant_4bit_subtiles=4: each decoded block shared by four 16-row tiles
+            same_rows = [same(run(gu, dn, t, 16, mode=mode, subtiles=4), ref[:t]) for t in (7, 128, 8192)]
+            print(f"moe {kind} {mode} BLOCK_M 16 SUBTILES 4: rows at T=7,128,8192 == one tile's: {same_rows}; "
+                  f"8192 rows {ms(lambda: run(gu, dn, 8192, 16, mode=mode, subtiles=4), 3):.2f} ms", flush=True)
         for bm in (16, 32, 64, 128):
             for warps in ((4, 8) if bm >= 64 else (4,)):
                 # every token of a step of T against the same token at BLOCK_M 16 in the step of 8,192

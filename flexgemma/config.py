@@ -312,6 +312,11 @@ class KernelsConfig:
     # models), grouped (each expert's rows through the invariant product, 4-bit experts dequantised into
     # slots every step), or auto (triton on a GPU); the two give other bits
     invariant_experts: str = "auto"
+    # invariant_experts=triton over 4-bit experts: 16-row tiles a program decodes each weight block for at
+    # steps of at least 64 entries an expert (prefill, the trainer's forward): 1, or 4 (the block decoded
+    # once for four tiles, each tile's operations unchanged: meant to give the same bits, a GPU test
+    # checks it)
+    invariant_4bit_subtiles: int = 1
     # task.trainer_forward=engine: vocabulary columns of one slice of the trainer's head (whole lane steps);
     # 0: as many as keep a [rows x slice] float32 block within 512 MiB (memory against launches)
     trainer_vocab_slice: int = 0
@@ -339,6 +344,7 @@ class KernelsConfig:
         _check_choice("kernels.linear4bit_dequant", self.linear4bit_dequant, ("bnb", "triton"))
         _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
         _check_choice("kernels.invariant_experts", self.invariant_experts, ("auto", "grouped", "triton"))
+        _check_choice("kernels.invariant_4bit_subtiles", self.invariant_4bit_subtiles, (1, 4))
         _check_choice("kernels.trainer_glue_backward", self.trainer_glue_backward, ("auto", "eager", "compiled"))
         _check_choice("kernels.trainer_backward_dtype", self.trainer_backward_dtype, ("float32", "model_dtype"))
         _check_choice("kernels.trainer_recompute", self.trainer_recompute, ("engine", "reference"))
@@ -594,7 +600,7 @@ def _check_pow2(key: str, value: Optional[int], lo: int = 1, hi: int = 1 << 16) 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{key}={value!r} is invalid: choose one of {', '.join(choices)}")
+        raise ConfigError(f"{key}={value!r} is invalid: choose one of {', '.join(map(str, choices))}")
 
 
 def _check_kernel(prefix: str, k: Any) -> None:

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from flexgemma.kernels import Kernels
 from flexgemma.model.moe import route as torch_route, routed_experts
-from flexgemma.model.triton4bit import code4, dequant_blocks, nibble_dot, row_pairs, sum_rows
+from flexgemma.model.triton4bit import code4, dequant_blocks, nibble_products, nibble_weights, row_pairs, sum_rows
 
 BLOCK_M = 16  # entries of one expert per tile: tl.dot's smallest M (the default at up to 64 rows)
 
@@ -146,15 +146,21 @@ def _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, blk, ok
 
 
 @triton.jit
-def _block_dot_4bit(a_even, a_odd, w_ptr, widx, rows, ok, k0, K: tl.constexpr, stride_we, absmax_ptr, code_ptr,
-                    ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK: tl.constexpr,
-                    NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr):
-    """a @ W[rows, k0:k0+QBLOCK].T for 4-bit expert widx, [BLOCK_M, len(rows)] float32: the block's
-    nibble products (triton4bit.nibble_dot) times its scale, one per row."""
+def _nibble_block(w_ptr, widx, rows, ok, k0, K: tl.constexpr, stride_we, absmax_ptr, code_ptr, ncode_ptr,
+                  nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
+                  DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr):
+    """Block k0 of rows `rows` of 4-bit expert widx, decoded: its high and low nibbles' code values and
+    its float32 scale per row."""
     scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, rows * (K // QBLOCK) + k0 // QBLOCK,
                           ok, stride_ae, stride_ne, NESTED, DOUBLE_QUANT)
-    return nibble_dot(a_even, a_odd, w_ptr + widx * stride_we, rows, ok, k0, K, code_ptr, QBLOCK,
-                      SELECT) * scale[None, :]
+    hi, lo = nibble_weights(w_ptr + widx * stride_we, rows, ok, k0, K, code_ptr, QBLOCK, SELECT)
+    return hi, lo, scale
+
+
+@triton.jit
+def _scaled_products(acc, a_even, a_odd, hi, lo, scale):
+    """acc plus one row tile's products with a decoded block times the block's scale."""
+    return acc + nibble_products(a_even, a_odd, hi, lo) * scale[None, :]
 
 
 @triton.jit
@@ -163,12 +169,13 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
                       stride_we, stride_wn, stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr,
                       QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
                       SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, SUBTILES: tl.constexpr = 1):
     """Program (e, j): for every (token, choice) routed to expert e, features [j*BLOCK_N, (j+1)*BLOCK_N)
     of act(x @ gate.T) * (x @ up.T), written at the entry's flat row of out [T*TOPK, I]. gate is rows
     [0, I) of the expert's gate_up, up rows [I, 2I): both tiles of a feature slice are read together.
     The expert's matrix is w[e], w[slots[e]] (4-bit experts dequantised into slots), or with PACKED
-    the 4-bit bytes of expert e themselves, decoded a quantisation block (QBLOCK elements) at a time."""
+    the 4-bit bytes of expert e themselves, decoded a quantisation block (QBLOCK elements) at a time,
+    with SUBTILES=4 once for four BLOCK_M-row tiles, each of which runs the same operations as alone."""
     expert = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
     offs, match, rank, start, count = _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED, NFLAT)
@@ -176,6 +183,13 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     m0 = 0
+    if PACKED and SUBTILES == 4:  # resolved when compiled; leaves m0 >= count
+        while m0 < count:
+            _up_4bit_four_tiles(x_ptr, order_ptr, offs, match, rank, start, m0, count, w_ptr, widx, cols, absmax_ptr,
+                                code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, I, H, TOPK, stride_x,
+                                stride_we, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT, SORTED, BLOCK_M,
+                                BLOCK_N)
+            m0 += 4 * BLOCK_M
     while m0 < count:
         flat, valid = _entry_tile(offs, match, rank, order_ptr, start, m0, count, SORTED, BLOCK_M)
         token = flat // TOPK
@@ -185,12 +199,14 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
             ok = cols < I
             for k0 in range(0, H, QBLOCK):
                 a_even, a_odd = row_pairs(x_ptr + token[:, None] * stride_x, k0, valid, QBLOCK)
-                acc_g += _block_dot_4bit(a_even, a_odd, w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr,
-                                         code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK,
-                                         NESTED, DOUBLE_QUANT, SELECT)
-                acc_u += _block_dot_4bit(a_even, a_odd, w_ptr, widx, cols + I, ok, k0, H, stride_we, absmax_ptr,
-                                         code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK,
-                                         NESTED, DOUBLE_QUANT, SELECT)
+                hg, lg, sg = _nibble_block(w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr, code_ptr, ncode_ptr,
+                                           nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT,
+                                           SELECT)
+                hu, lu, su = _nibble_block(w_ptr, widx, cols + I, ok, k0, H, stride_we, absmax_ptr, code_ptr,
+                                           ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
+                                           DOUBLE_QUANT, SELECT)
+                acc_g = _scaled_products(acc_g, a_even, a_odd, hg, lg, sg)
+                acc_u = _scaled_products(acc_u, a_even, a_odd, hu, lu, su)
         else:
             for k0 in range(0, H, BLOCK_K):
                 k = k0 + ks
@@ -200,12 +216,55 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
                 base = w_ptr + widx * stride_we + cols[:, None] * stride_wn + k[None, :]
                 acc_g += tl.dot(a, tl.trans(tl.load(base, mask=inside, other=0.0)))
                 acc_u += tl.dot(a, tl.trans(tl.load(base + I * stride_wn, mask=inside, other=0.0)))
-        # rounded where torch's path rounds (GEMM outputs, the activation, the product) so that both
-        # paths give the same numbers up to summation order
-        g = acc_g.to(dt).to(tl.float32)
-        h = _gelu_tanh(g).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
-        tl.store(out_ptr + flat[:, None] * I + cols[None, :], h.to(dt), mask=valid[:, None] & (cols[None, :] < I))
+        _store_up(out_ptr, flat, valid, cols, acc_g, acc_u, I, dt)
         m0 += BLOCK_M
+
+
+@triton.jit
+def _store_up(out_ptr, flat, valid, cols, acc_g, acc_u, I: tl.constexpr, dt):
+    """act(gate) * up of a tile's rows at their flat rows of out, rounded where torch's path rounds (GEMM
+    outputs, the activation, the product) so that both paths give the same numbers up to summation order."""
+    g = acc_g.to(dt).to(tl.float32)
+    h = _gelu_tanh(g).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
+    tl.store(out_ptr + flat[:, None] * I + cols[None, :], h.to(dt), mask=valid[:, None] & (cols[None, :] < I))
+
+
+@triton.jit
+def _up_4bit_four_tiles(x_ptr, order_ptr, offs, match, rank, start, m0, count, w_ptr, widx, cols, absmax_ptr,
+                        code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr,
+                        TOPK: tl.constexpr, stride_x, stride_we, stride_ae, stride_ne, QBLOCK: tl.constexpr,
+                        NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr, SORTED: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The up kernel's 4-bit step for the expert's entries m0 .. m0 + 4*BLOCK_M - 1 as four BLOCK_M-row tiles
+    that share each decoded block: every tile's products, scales, sums and rounding are those of the
+    one-tile loop (the same tl.dot shapes), only the decode is done once for the four."""
+    dt = x_ptr.dtype.element_ty
+    f0, v0 = _entry_tile(offs, match, rank, order_ptr, start, m0, count, SORTED, BLOCK_M)
+    f1, v1 = _entry_tile(offs, match, rank, order_ptr, start, m0 + BLOCK_M, count, SORTED, BLOCK_M)
+    f2, v2 = _entry_tile(offs, match, rank, order_ptr, start, m0 + 2 * BLOCK_M, count, SORTED, BLOCK_M)
+    f3, v3 = _entry_tile(offs, match, rank, order_ptr, start, m0 + 3 * BLOCK_M, count, SORTED, BLOCK_M)
+    r0, r1 = x_ptr + (f0 // TOPK)[:, None] * stride_x, x_ptr + (f1 // TOPK)[:, None] * stride_x
+    r2, r3 = x_ptr + (f2 // TOPK)[:, None] * stride_x, x_ptr + (f3 // TOPK)[:, None] * stride_x
+    g0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    g1, g2, g3, u0, u1, u2, u3 = g0, g0, g0, g0, g0, g0, g0
+    ok = cols < I
+    for k0 in range(0, H, QBLOCK):
+        hg, lg, sg = _nibble_block(w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr, code_ptr, ncode_ptr,
+                                   nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT)
+        hu, lu, su = _nibble_block(w_ptr, widx, cols + I, ok, k0, H, stride_we, absmax_ptr, code_ptr, ncode_ptr,
+                                   nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT)
+        ae, ao = row_pairs(r0, k0, v0, QBLOCK)
+        g0, u0 = _scaled_products(g0, ae, ao, hg, lg, sg), _scaled_products(u0, ae, ao, hu, lu, su)
+        ae, ao = row_pairs(r1, k0, v1, QBLOCK)
+        g1, u1 = _scaled_products(g1, ae, ao, hg, lg, sg), _scaled_products(u1, ae, ao, hu, lu, su)
+        ae, ao = row_pairs(r2, k0, v2, QBLOCK)
+        g2, u2 = _scaled_products(g2, ae, ao, hg, lg, sg), _scaled_products(u2, ae, ao, hu, lu, su)
+        ae, ao = row_pairs(r3, k0, v3, QBLOCK)
+        g3, u3 = _scaled_products(g3, ae, ao, hg, lg, sg), _scaled_products(u3, ae, ao, hu, lu, su)
+    _store_up(out_ptr, f0, v0, cols, g0, u0, I, dt)
+    _store_up(out_ptr, f1, v1, cols, g1, u1, I, dt)
+    _store_up(out_ptr, f2, v2, cols, g2, u2, I, dt)
+    _store_up(out_ptr, f3, v3, cols, g3, u3, I, dt)
 
 
 @triton.jit
@@ -214,10 +273,10 @@ def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr
                         stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr, QBLOCK: tl.constexpr,
                         NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
                         SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, SUBTILES: tl.constexpr = 1):
     """Program (e, j): out[f, j-slice] = (inter[f] @ down_e.T) x router weight of f, for every flat
     entry f routed to expert e; out is float32 [T*TOPK, H], summed over the choices afterwards. The
-    weights as in the up kernel: plain, through slots, or PACKED 4-bit."""
+    weights as in the up kernel: plain, through slots, or PACKED 4-bit (SUBTILES as there)."""
     expert = tl.program_id(0)
     dt = inter_ptr.dtype.element_ty
     offs, match, rank, start, count = _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED, NFLAT)
@@ -225,6 +284,13 @@ def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     m0 = 0
+    if PACKED and SUBTILES == 4:  # resolved when compiled; leaves m0 >= count
+        while m0 < count:
+            _down_4bit_four_tiles(inter_ptr, order_ptr, offs, match, rank, start, m0, count, weights_ptr, w_ptr, widx,
+                                  cols, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, I, H,
+                                  stride_we, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT, SORTED,
+                                  BLOCK_M, BLOCK_N)
+            m0 += 4 * BLOCK_M
     while m0 < count:
         flat, valid = _entry_tile(offs, match, rank, order_ptr, start, m0, count, SORTED, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -232,9 +298,10 @@ def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr
             ok = cols < H
             for k0 in range(0, I, QBLOCK):
                 a_even, a_odd = row_pairs(inter_ptr + flat[:, None] * I, k0, valid, QBLOCK)
-                acc += _block_dot_4bit(a_even, a_odd, w_ptr, widx, cols, ok, k0, I, stride_we, absmax_ptr, code_ptr,
-                                       ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
-                                       DOUBLE_QUANT, SELECT)
+                hi, lo, sc = _nibble_block(w_ptr, widx, cols, ok, k0, I, stride_we, absmax_ptr, code_ptr, ncode_ptr,
+                                           nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT,
+                                           SELECT)
+                acc = _scaled_products(acc, a_even, a_odd, hi, lo, sc)
         else:
             for k0 in range(0, I, BLOCK_K):
                 k = k0 + ks
@@ -243,10 +310,50 @@ def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr
                 b = tl.load(w_ptr + widx * stride_we + cols[:, None] * stride_wn + k[None, :],
                             mask=(cols[:, None] < H) & (k[None, :] < I), other=0.0)
                 acc += tl.dot(a, tl.trans(b))
-        weight = tl.load(weights_ptr + flat, mask=valid, other=0.0)
-        y = acc.to(dt).to(tl.float32) * weight[:, None]  # float32 router weights, as transformers multiplies
-        tl.store(out_ptr + flat[:, None] * H + cols[None, :], y, mask=valid[:, None] & (cols[None, :] < H))
+        _store_down(out_ptr, weights_ptr, flat, valid, cols, acc, H, dt)
         m0 += BLOCK_M
+
+
+@triton.jit
+def _store_down(out_ptr, weights_ptr, flat, valid, cols, acc, H: tl.constexpr, dt):
+    """A tile's rows of down, rounded to dt as torch's GEMM output is, times their float32 router weights (as
+    transformers multiplies), at their flat rows of out."""
+    weight = tl.load(weights_ptr + flat, mask=valid, other=0.0)
+    y = acc.to(dt).to(tl.float32) * weight[:, None]
+    tl.store(out_ptr + flat[:, None] * H + cols[None, :], y, mask=valid[:, None] & (cols[None, :] < H))
+
+
+@triton.jit
+def _down_4bit_four_tiles(inter_ptr, order_ptr, offs, match, rank, start, m0, count, weights_ptr, w_ptr, widx, cols,
+                          absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, I: tl.constexpr,
+                          H: tl.constexpr, stride_we, stride_ae, stride_ne, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
+                          DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr, SORTED: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The down kernel's 4-bit step for entries m0 .. m0 + 4*BLOCK_M - 1 as four tiles sharing each decoded
+    block (as _up_4bit_four_tiles)."""
+    dt = inter_ptr.dtype.element_ty
+    f0, v0 = _entry_tile(offs, match, rank, order_ptr, start, m0, count, SORTED, BLOCK_M)
+    f1, v1 = _entry_tile(offs, match, rank, order_ptr, start, m0 + BLOCK_M, count, SORTED, BLOCK_M)
+    f2, v2 = _entry_tile(offs, match, rank, order_ptr, start, m0 + 2 * BLOCK_M, count, SORTED, BLOCK_M)
+    f3, v3 = _entry_tile(offs, match, rank, order_ptr, start, m0 + 3 * BLOCK_M, count, SORTED, BLOCK_M)
+    a0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a1, a2, a3 = a0, a0, a0
+    ok = cols < H
+    for k0 in range(0, I, QBLOCK):
+        hi, lo, sc = _nibble_block(w_ptr, widx, cols, ok, k0, I, stride_we, absmax_ptr, code_ptr, ncode_ptr,
+                                   nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT)
+        ae, ao = row_pairs(inter_ptr + f0[:, None] * I, k0, v0, QBLOCK)
+        a0 = _scaled_products(a0, ae, ao, hi, lo, sc)
+        ae, ao = row_pairs(inter_ptr + f1[:, None] * I, k0, v1, QBLOCK)
+        a1 = _scaled_products(a1, ae, ao, hi, lo, sc)
+        ae, ao = row_pairs(inter_ptr + f2[:, None] * I, k0, v2, QBLOCK)
+        a2 = _scaled_products(a2, ae, ao, hi, lo, sc)
+        ae, ao = row_pairs(inter_ptr + f3[:, None] * I, k0, v3, QBLOCK)
+        a3 = _scaled_products(a3, ae, ao, hi, lo, sc)
+    _store_down(out_ptr, weights_ptr, f0, v0, cols, a0, H, dt)
+    _store_down(out_ptr, weights_ptr, f1, v1, cols, a1, H, dt)
+    _store_down(out_ptr, weights_ptr, f2, v2, cols, a2, H, dt)
+    _store_down(out_ptr, weights_ptr, f3, v3, cols, a3, H, dt)
 
 
 @triton.jit
@@ -537,16 +644,23 @@ def invariant_block_m(n_flat: int, experts: int, packed: bool) -> int:
 
 
 def invariant_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up,
-                      down) -> torch.Tensor:
+                      down, subtiles: int = 1) -> torch.Tensor:
     """The routed experts of any step, decode or prefill, with a row's bits independent of the step
     (engine.batch_invariant, kernels.invariant_experts=triton): decode_experts' two kernels with each
     expert's entries listed by a sort (never the matching, whose width follows the step), tiles of
     invariant_block_m rows, 4-bit experts always decoded inside the kernels (or always through slots
-    where their rows are not whole quantisation blocks: the two give other bits). A row's output is its
-    K steps in order and its choices summed in order, as at decode in the default mode."""
+    where their rows are not whole quantisation blocks: the two give other bits). subtiles
+    (kernels.invariant_4bit_subtiles): 4 lets a step with at least 64 entries an expert on average
+    decode each 4-bit block once for four 16-row tiles, each tile's operations unchanged. A row's output
+    is its K steps in order and its choices summed in order, as at decode in the default mode."""
+    if subtiles not in (1, 4):
+        raise ValueError(f"subtiles={subtiles}: 1 or 4 (kernels.invariant_4bit_subtiles)")
     packed = not isinstance(gate_up, torch.Tensor)
     packed_mode = ("fused" if fused_4bit_fits(gate_up, down) else "slots") if packed else None
-    # slotted 4-bit experts run the bf16 kernels: their tiles may follow the step as well
-    tiles = {"BLOCK_M": invariant_block_m(top_k_index.numel(), gate_up.shape[0], packed_mode == "fused")}
+    fused = packed_mode == "fused"
+    n_flat, experts = top_k_index.numel(), gate_up.shape[0]
+    tiles = {"BLOCK_M": invariant_block_m(n_flat, experts, fused)}
+    if fused and subtiles == 4 and n_flat >= 4 * BLOCK_M * experts:
+        tiles["SUBTILES"] = 4
     return decode_experts(x, top_k_index, top_k_weights, gate_up, down, up_tiles=tiles, down_tiles=tiles,
                           packed_mode=packed_mode, sort_entries=True, max_entries=None)

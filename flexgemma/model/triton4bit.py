@@ -5,7 +5,7 @@ use.
 
 A 4-bit matrix [N, K] is stored row-major as N*K/2 bytes; each byte holds two consecutive weights of
 a row, the first in the high nibble; every quantisation block of QBLOCK consecutive weights has one
-scale (absmax). In `nibble_dot` a K step is one block: its bytes meet the rows' even elements (high
+scale (absmax). In `nibble_products` a K step is one block: its bytes meet the rows' even elements (high
 nibbles) and odd elements (low nibbles) in two products, so nothing is interleaved, and the block's
 scale multiplies the products instead of every weight. (linear4bit.py decodes whole weights instead,
 code x scale as bitsandbytes does, over 256-element steps.)
@@ -50,15 +50,19 @@ def row_pairs(row_ptrs, k0, valid, QBLOCK: tl.constexpr):
 
 
 @triton.jit
-def nibble_dot(a_even, a_odd, w_ptr, rows, ok, k0, K: tl.constexpr, code_ptr, QBLOCK: tl.constexpr,
-               SELECT: tl.constexpr):
-    """a @ W[rows, k0:k0+QBLOCK].T before the block's scale, [BLOCK_M, len(rows)] float32, for the
-    4-bit matrix whose bytes start at w_ptr (rows of K weights, so a block never straddles two). The
-    code table is in a's dtype."""
+def nibble_weights(w_ptr, rows, ok, k0, K: tl.constexpr, code_ptr, QBLOCK: tl.constexpr, SELECT: tl.constexpr):
+    """The code values of W[rows, k0:k0+QBLOCK]'s high and low nibbles ([len(rows), QBLOCK/2] each, before
+    the block's scale), for the 4-bit matrix whose bytes start at w_ptr (rows of K weights, so a block
+    never straddles two); the code table is in the rows' dtype."""
     kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
     byte = tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    hi = code_values(byte >> 4, code_ptr, SELECT)
-    lo = code_values(byte & 15, code_ptr, SELECT)
+    return code_values(byte >> 4, code_ptr, SELECT), code_values(byte & 15, code_ptr, SELECT)
+
+
+@triton.jit
+def nibble_products(a_even, a_odd, hi, lo):
+    """a @ W[rows, k0:k0+QBLOCK].T before the block's scale, [BLOCK_M, len(rows)] float32: the rows' even
+    elements against the high nibbles plus their odd ones against the low nibbles."""
     return tl.dot(a_even, tl.trans(hi)) + tl.dot(a_odd, tl.trans(lo))
 
 

@@ -134,10 +134,11 @@ def test_invariant_experts_give_a_token_the_same_bits_in_any_step_interpreted():
         x = torch.randn(t, h).half()
         w, idx = torch.softmax(torch.randn(t, e), -1).topk(k, dim=-1)
         act = GELUTanh()
-        for name, (gu, dn) in (("half", (gate_up, down)), ("bnb4", packed)):
-            step = M.invariant_experts(x, idx, w, gu, dn)
-            alone = [M.invariant_experts(x[j:j + 1], idx[j:j + 1], w[j:j + 1], gu, dn)[0] for j in (0, 613, t - 1)]
-            dense = [m.dequantize().float() if name == "bnb4" else m.float() for m in (gu, dn)]
+        for name, (gu, dn), sub in (("half", (gate_up, down), 1), ("bnb4", packed, 1), ("bnb4_subtiles", packed, 4)):
+            step = M.invariant_experts(x, idx, w, gu, dn, sub)
+            alone = [M.invariant_experts(x[j:j + 1], idx[j:j + 1], w[j:j + 1], gu, dn, sub)[0]
+                     for j in (0, 613, t - 1)]
+            dense = [m.float() if name == "half" else m.dequantize().float() for m in (gu, dn)]
             ref = experts_loop(x[:64].float(), idx[:64], w[:64], dense[0], dense[1], act)
             print(name, all(torch.equal(a, step[j]) for a, j in zip(alone, (0, 613, t - 1))),
                   float((step[:64].float() - ref).norm() / ref.norm()))
@@ -148,11 +149,20 @@ def test_invariant_experts_give_a_token_the_same_bits_in_any_step_interpreted():
         experts(x[:4], idx[:4], w[:4], gate_up, down, act)
         experts(x[:4].float(), idx[:4], w[:4], gate_up.float(), down.float(), act)
         print("dispatched", len(calls))
+        # four 16-row tiles sharing each decoded block: the one-tile loop's output exactly, with experts of
+        # 525 entries on average (32 whole groups of four tiles and a partial one) and the step's tail
+        one, four = {"BLOCK_M": 16}, {"BLOCK_M": 16, "SUBTILES": 4}
+        gu, dn = packed
+        print("subtiles", all(torch.equal(M.decode_experts(x[:n], idx[:n], w[:n], gu, dn, one, one, "fused",
+                                                           sort_entries=True, max_entries=None),
+                                          M.decode_experts(x[:n], idx[:n], w[:n], gu, dn, four, four, "fused",
+                                                           sort_entries=True, max_entries=None))
+                                  for n in (t, 37)))
     """)
     lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()}
-    for name in ("half", "bnb4"):
+    for name in ("half", "bnb4", "bnb4_subtiles"):
         assert lines[name][0] == "True" and float(lines[name][1]) < 5e-3, out
-    assert lines["dispatched"] == ["1"], out
+    assert lines["dispatched"] == ["1"] and lines["subtiles"] == ["True"], out
 
 
 def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
