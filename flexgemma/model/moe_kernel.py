@@ -199,14 +199,14 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
             ok = cols < I
             for k0 in range(0, H, QBLOCK):
                 a_even, a_odd = row_pairs(x_ptr + token[:, None] * stride_x, k0, valid, QBLOCK)
-                hg, lg, sg = _nibble_block(w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr, code_ptr, ncode_ptr,
+                hi, lo, sc = _nibble_block(w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr, code_ptr, ncode_ptr,
                                            nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT,
                                            SELECT)
-                hu, lu, su = _nibble_block(w_ptr, widx, cols + I, ok, k0, H, stride_we, absmax_ptr, code_ptr,
+                acc_g = _scaled_products(acc_g, a_even, a_odd, hi, lo, sc)
+                hi, lo, sc = _nibble_block(w_ptr, widx, cols + I, ok, k0, H, stride_we, absmax_ptr, code_ptr,
                                            ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
                                            DOUBLE_QUANT, SELECT)
-                acc_g = _scaled_products(acc_g, a_even, a_odd, hg, lg, sg)
-                acc_u = _scaled_products(acc_u, a_even, a_odd, hu, lu, su)
+                acc_u = _scaled_products(acc_u, a_even, a_odd, hi, lo, sc)
         else:
             for k0 in range(0, H, BLOCK_K):
                 k = k0 + ks
