@@ -145,6 +145,7 @@ def moe_tiles():
     from transformers.activations import GELUTanh  # noqa: F401  (the kernels compute it)
     from flexgemma.model.moe_kernel import decode_experts
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+    from flexgemma.tasks.common import cuda_time_ms
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -163,17 +164,7 @@ def moe_tiles():
                               sort_entries=True, max_entries=None)
 
     def ms(fn, reps=10):
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
+        return cuda_time_ms(fn, iters=reps, warmup=1)
 
     # PROBE_MOE=bnb4 (a kind) runs that kind alone
     only = os.environ.get("PROBE_MOE", "")
