@@ -140,9 +140,8 @@ def reductions():
 def moe_tiles():
     """26B-A4B's routed experts (moe_kernel.decode_experts, entries sorted) at BLOCK_M 16-128: is a row
     the same bits at every tile row count and in every step size (then kernels.invariant_experts=triton
-    may size its tiles by the step: moe_kernel.invariant_block_m), and what each costs at a decode step (128 rows) and a prefill chunk
-    (8,192 tokens)."""
-    from transformers.activations import GELUTanh  # noqa: F401  (the kernels compute it)
+    may size its tiles by the step: moe_kernel.invariant_block_m), and what each costs at a decode step
+    (128 rows) and a prefill chunk (8,192 tokens)."""
     from flexgemma.model.moe_kernel import decode_experts
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
     from flexgemma.tasks.common import cuda_time_ms

@@ -308,9 +308,10 @@ class KernelsConfig:
     # of 64-128: each chunk's loads otherwise start cold)
     invariant_flatten: bool = False
     # the invariant routed experts: triton (model/moe_kernel.py's decode kernels for every step, in tiles
-    # whose size does not change a row's bits, 4-bit experts decoded inside them: a decode step costs what the default mode's does; bf16/fp16
-    # models), grouped (each expert's rows through the invariant product, 4-bit experts dequantised into
-    # slots every step), or auto (triton on a GPU); the two give other bits
+    # whose size does not change a row's bits, 4-bit experts decoded inside them: a decode step costs what
+    # the default mode's does; bf16/fp16 models), grouped (each expert's rows through the invariant
+    # product, 4-bit experts dequantised into slots every step), or auto (triton on a GPU); the two give
+    # other bits
     invariant_experts: str = "auto"
     # invariant_experts=triton over 4-bit experts: 16-row tiles a program decodes each weight block for at
     # steps of at least 64 entries an expert (prefill, the trainer's forward): 1, or 4 (the block decoded

@@ -153,11 +153,10 @@ def test_invariant_experts_give_a_token_the_same_bits_in_any_step_interpreted():
         # 525 entries on average (32 whole groups of four tiles and a partial one) and the step's tail
         one, four = {"BLOCK_M": 16}, {"BLOCK_M": 16, "SUBTILES": 4}
         gu, dn = packed
-        print("subtiles", all(torch.equal(M.decode_experts(x[:n], idx[:n], w[:n], gu, dn, one, one, "fused",
-                                                           sort_entries=True, max_entries=None),
-                                          M.decode_experts(x[:n], idx[:n], w[:n], gu, dn, four, four, "fused",
-                                                           sort_entries=True, max_entries=None))
-                                  for n in (t, 37)))
+        def tiled(n, cfg):
+            return M.decode_experts(x[:n], idx[:n], w[:n], gu, dn, cfg, cfg, "fused", sort_entries=True,
+                                    max_entries=None)
+        print("subtiles", all(torch.equal(tiled(n, one), tiled(n, four)) for n in (t, 37)))
     """)
     lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()}
     for name in ("half", "bnb4", "bnb4_subtiles"):
