@@ -113,9 +113,9 @@ run ab_inv_26b_bnb4_experts 570 bash -c 'sweep ab_inv_26b_bnb4_experts experimen
   engine.batch_invariant=true kernels.invariant_experts=grouped'
 
 # the invariant 4-bit experts' decoded blocks shared by four 16-row tiles at prefill-sized steps
-# (kernels.invariant_4bit_subtiles), the default first; its bits: invariant_tests_moe's bnb4_subtiles
+# (kernels.invariant_4bit_subtiles), the default first; its bits: invariant_tests_moe (bnb4_lora, bnb4_one_tile)
 run ab_inv_26b_bnb4_subtiles 570 bash -c 'sweep ab_inv_26b_bnb4_subtiles experiment=rl_batch_26b_a4b quant=bnb4 \
-  engine.batch_invariant=true kernels.invariant_4bit_subtiles=1,4'
+  engine.batch_invariant=true kernels.invariant_4bit_subtiles=4,1'
 
 # A/B of the kernels keys RESULTS.md measured, the default first, in one call (same machine)
 run ab_31b_full_blocks 570 bash -c 'sweep ab_31b_full_blocks experiment=rl_batch_31b kernels.prefill_full_blocks=true,false'

@@ -644,7 +644,7 @@ def invariant_block_m(n_flat: int, experts: int, packed: bool) -> int:
 
 
 def invariant_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up,
-                      down, subtiles: int = 1) -> torch.Tensor:
+                      down, subtiles: int = 4) -> torch.Tensor:
     """The routed experts of any step, decode or prefill, with a row's bits independent of the step
     (engine.batch_invariant, kernels.invariant_experts=triton): decode_experts' two kernels with each
     expert's entries listed by a sort (never the matching, whose width follows the step), tiles of

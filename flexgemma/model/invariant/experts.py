@@ -43,7 +43,7 @@ class InvariantExperts:
         self.flatten = kernels.invariant_flatten if kernels is not None else False
         self.moe_dequant = kernels.moe_dequant if kernels is not None else "bnb"
         self.how = kernels.invariant_experts if kernels is not None else "grouped"
-        self.subtiles = kernels.invariant_4bit_subtiles if kernels is not None else 1
+        self.subtiles = kernels.invariant_4bit_subtiles if kernels is not None else 4
 
     def takes(self, *args) -> bool:
         return True
