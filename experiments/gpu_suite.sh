@@ -48,7 +48,7 @@ sweep() {  # name overrides...: a multirun (each job in its own process) into $W
   python3 -m flexgemma -m "$@" logger=none hydra.sweep.dir="$WORK/$name"; python3 -m flexgemma.report "$WORK/$name"
 }
 export -f job sweep
-MODEL=${MODEL:-31b} ROWS=${ROWS:-64} CONTEXT=${CONTEXT:-416} QUANT=${QUANT:-}
+MODEL=${MODEL:-31b} ROWS=${ROWS:-64} CONTEXT=${CONTEXT:-416} QUANT=${QUANT:-} LORA=${LORA:-}
 
 # 26B-A4B cut to its first six layers (five sliding, one full) so that float32 fits beside the tests
 L6="model.hf_config.num_hidden_layers=6 model.hf_config.layer_types=[sliding_attention,sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]"
@@ -200,11 +200,11 @@ run grpo_2gpu 570 bash -c grpo_2gpu
 # options per layer type timed alone (it prints the best as overrides: try them with the `sweep`
 # stage); a whole round with the host's and the GPU's time per step, and a prefill step's kernels
 run profile_decode 240 python3 experiments/profile_decode.py +model=$MODEL +experiment=rl_batch_$MODEL \
-  engine.max_batch_size=$ROWS cudagraph.buckets=[$ROWS] --batch $ROWS --context $CONTEXT --out "$WORK/profile_decode.json"
+  ${QUANT:+quant=$QUANT} ${LORA:+lora=$LORA} engine.max_batch_size=$ROWS cudagraph.buckets=[$ROWS] --batch $ROWS --context $CONTEXT --out "$WORK/profile_decode.json"
 # the same decode step with engine.batch_invariant=false, then true (issue 34: which kernels the invariant mode
-# pays for), e.g. MODEL=26b_a4b ROWS=128 QUANT=bnb4
+# pays for), e.g. MODEL=26b_a4b ROWS=128 QUANT=bnb4 (LORA=r16 ROWS=32: a GRPO rollout's decode step)
 run profile_decode_inv 420 bash -c "for inv in false true; do python3 experiments/profile_decode.py +model=$MODEL \
-  +experiment=rl_batch_$MODEL ${QUANT:+quant=$QUANT} engine.batch_invariant=\$inv engine.max_batch_size=$ROWS \
+  +experiment=rl_batch_$MODEL ${QUANT:+quant=$QUANT} ${LORA:+lora=$LORA} engine.batch_invariant=\$inv engine.max_batch_size=$ROWS \
   cudagraph.buckets=[$ROWS] --batch $ROWS --context $CONTEXT --out $WORK/profile_decode_inv_\$inv.json; done"
 # a prefill step's kernels with engine.batch_invariant=false, then true (issue 34: where the invariant prefill's
 # time goes), e.g. MODEL=26b_a4b ROWS=128 QUANT=bnb4
