@@ -107,3 +107,22 @@ def test_float32_error_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| 7 ") or line.startswith("| 40 ")]
     assert len(rows) == 2 and all(float(row[1]) < 1e-4 for row in rows), r.stdout
+
+
+def test_bench_4bit_forms_check_on_the_cpu():
+    """experiments/bench_4bit_forms.py --check (Triton's interpreter): its CUDA-core form of the 4-bit gate_up
+    projection equals the production kernel's up to summation order, a row alone equals the same row in the
+    step, and the bytes-only kernel runs: the GPU call then only times them."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "bench_4bit_forms.py"), "--device", "cpu", "--check", "--dtype",
+         "float16", "--hidden", "128", "--intermediate", "64", "--experts", "6", "--top-k", "2", "--batch-sizes", "5,40"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    checks = [ln for ln in r.stdout.splitlines() if ln.startswith("batch ")]
+    assert len(checks) == 2, r.stdout
+    for ln in checks:
+        for part in ln.split(": ", 1)[1].split("; "):
+            diff, alone = part.split(" max diff ")[1].split(" row alone equal ")
+            assert float(diff) < 1e-3 and alone == "True", ln

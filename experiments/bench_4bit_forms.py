@@ -1,0 +1,223 @@
+"""Where a 4-bit routed expert projection's time goes at decode sizes (a micro-benchmark, not a test).
+
+26B-A4B bnb4's decode step spends ~1 ms a layer in the fused 4-bit expert kernels at 128 rows, reading
+~0.4 GB: ~0.4 TB/s against the HBM's 3.35-4.8 (experiments/RESULTS.md, probe moe_tiles). This times one
+layer's gate_up projection (act(x @ gate.T) * (x @ up.T), [E, 2I, H] 4-bit, each expert's entries listed
+by a sort) in three forms, on the same bytes and routing:
+
+  dot      the production kernel (moe_kernel._routed_up_kernel, PACKED): each quantisation block's
+           nibbles decoded, then two tensor-core products with 16-row tiles of entries, scaled after;
+  fma      each block decoded once for ENTRIES entries at a time, products on the CUDA cores (a 3-D
+           broadcast and a sum over the block), scaled after: no tile of 16 rows, no operand shuffle
+           through shared memory;
+  bytes    the same programs reading the same bytes and scales and doing nothing with them but a sum:
+           the ceiling a kernel of this grid and access pattern can reach.
+
+For each form: median microseconds (CUDA events) and TB/s of the bytes of the experts with rows; for fma,
+its largest difference from dot (float32 vs bf16 rounding only) and whether a row's output is bitwise the
+same alone and in the step (what engine.batch_invariant would need).
+
+    python experiments/bench_4bit_forms.py --batch-sizes 8,32,128
+    TRITON_INTERPRET=1 python experiments/bench_4bit_forms.py --device cpu --check ...   (the CPU: no timing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flexgemma.model.moe_kernel import (  # noqa: E402
+    UP_TILES, _block_scales, _entry_lists, _gelu_tanh, _routed_up_kernel, _weight_operands)
+from flexgemma.model.triton4bit import nibble_weights  # noqa: E402
+
+
+@triton.jit
+def _up_fma_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
+                   out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_we, stride_ae, stride_ne,
+                   QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, ENTRIES: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Program (e, j): features [j*BLOCK_N, (j+1)*BLOCK_N) of expert e's entries, ENTRIES at a time."""
+    expert = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < I
+    start = tl.load(starts_ptr + expert)
+    count = tl.load(starts_ptr + expert + 1) - start
+    half = tl.arange(0, QBLOCK // 2)
+    dt = x_ptr.dtype.element_ty
+    wbase = w_ptr + expert * stride_we
+    m0 = 0
+    while m0 < count:
+        want = m0 + tl.arange(0, ENTRIES)
+        valid = want < count
+        flat = tl.load(order_ptr + start + want, mask=valid, other=0)
+        row = x_ptr + (flat // TOPK)[:, None] * H
+        acc_g = tl.zeros((ENTRIES, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((ENTRIES, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, QBLOCK):
+            xe = tl.load(row + k0 + 2 * half[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            xo = tl.load(row + k0 + 2 * half[None, :] + 1, mask=valid[:, None], other=0.0).to(tl.float32)
+            for part in tl.static_range(2):  # gate rows [0, I), then up rows [I, 2I)
+                rows = cols + part * I
+                blk = rows * (H // QBLOCK) + k0 // QBLOCK
+                scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, expert, blk, ok, stride_ae,
+                                      stride_ne, NESTED, DOUBLE_QUANT)
+                hi, lo = nibble_weights(wbase, rows, ok, k0, H, code_ptr, QBLOCK, False)
+                prod = tl.sum(xe[:, None, :] * hi.to(tl.float32)[None, :, :], axis=2) \
+                    + tl.sum(xo[:, None, :] * lo.to(tl.float32)[None, :, :], axis=2)
+                if part == 0:
+                    acc_g += prod * scale[None, :]
+                else:
+                    acc_u += prod * scale[None, :]
+        g = acc_g.to(dt).to(tl.float32)
+        h = _gelu_tanh(g).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
+        tl.store(out_ptr + flat[:, None] * I + cols[None, :], h.to(dt), mask=valid[:, None] & ok[None, :])
+        m0 += ENTRIES
+
+
+@triton.jit
+def _up_bytes_kernel(starts_ptr, w_ptr, absmax_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, stride_we,
+                     stride_ae, QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (e, j): the bytes and scales the up kernels read for features [j*BLOCK_N, ...) of expert e
+    (if it has entries), summed: the memory traffic alone."""
+    expert = tl.program_id(0)
+    count = tl.load(starts_ptr + expert + 1) - tl.load(starts_ptr + expert)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < I
+    kb = tl.arange(0, QBLOCK // 2)
+    acc = tl.zeros((BLOCK_N, QBLOCK // 2), dtype=tl.int32)
+    if count > 0:
+        for k0 in range(0, H, QBLOCK):
+            for part in tl.static_range(2):
+                rows = cols + part * I
+                b = tl.load(w_ptr + expert * stride_we + rows[:, None] * (H // 2) + k0 // 2 + kb[None, :],
+                            mask=ok[:, None], other=0)
+                s = tl.load(absmax_ptr + expert * stride_ae + rows * (H // QBLOCK) + k0 // QBLOCK, mask=ok, other=0)
+                acc += b.to(tl.int32) + s.to(tl.int32)[:, None]
+    tl.store(out_ptr + expert * I + cols, tl.sum(acc, axis=1).to(tl.float32), mask=ok)
+
+
+def up_dot(x, gate_up, index, order, starts, i, topk, tiles):
+    ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup="table")
+    out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
+    _routed_up_kernel[(gate_up.shape[0], triton.cdiv(i, tiles["BLOCK_N"]))](
+        x_ptr=x, index_ptr=index, order_ptr=order, starts_ptr=starts, n_flat=index.numel(), slots_ptr=index,
+        out_ptr=out, I=i, H=x.shape[1], TOPK=topk, stride_x=x.stride(0), HAS_SLOTS=False, PACKED=True, SORTED=True,
+        NFLAT=16, **ops, **tiles)
+    return out
+
+
+def up_fma(x, gate_up, index, order, starts, i, topk, entries, block_n, warps):
+    ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup="table")
+    out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
+    _up_fma_kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
+        x_ptr=x, order_ptr=order, starts_ptr=starts, w_ptr=ops["w_ptr"], absmax_ptr=ops["absmax_ptr"],
+        code_ptr=ops["code_ptr"], ncode_ptr=ops["ncode_ptr"], nabsmax_ptr=ops["nabsmax_ptr"],
+        noffset_ptr=ops["noffset_ptr"], out_ptr=out, I=i, H=x.shape[1], TOPK=topk, stride_we=ops["stride_we"],
+        stride_ae=ops["stride_ae"], stride_ne=ops["stride_ne"], QBLOCK=ops["QBLOCK"], NESTED=ops["NESTED"],
+        DOUBLE_QUANT=ops["DOUBLE_QUANT"], ENTRIES=entries, BLOCK_N=block_n, num_warps=warps)
+    return out
+
+
+def up_bytes(gate_up, starts, i, h, block_n, warps):
+    out = torch.empty(gate_up.shape[0], i, dtype=torch.float32, device=gate_up.packed.device)
+    _up_bytes_kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
+        starts, gate_up.packed, gate_up.absmax, out, I=i, H=h, stride_we=gate_up.packed.stride(0),
+        stride_ae=gate_up.absmax.stride(0), QBLOCK=gate_up.block_size, BLOCK_N=block_n, num_warps=warps)
+    return out
+
+
+def routing(t, e, k, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    idx = torch.rand(t, e, generator=g).topk(k, dim=-1).indices.to(device)
+    index = idx.reshape(-1).to(torch.int32)
+    order, starts, _ = _entry_lists(index, e, True)
+    return index, order, starts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch-sizes", default="8,32,128")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2816)
+    ap.add_argument("--intermediate", type=int, default=704)
+    ap.add_argument("--double-quant", type=int, default=1, help="1: the bnb4 preset's double quantisation")
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--device", default="cuda")
+    # Triton's CPU interpreter computes bf16 products wrongly (numpy has no bf16): --check there takes fp16
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    ap.add_argument("--check", action="store_true", help="no timing: each fma tile against dot, a row alone")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+    from flexgemma.tasks.common import cuda_time_ms
+
+    dev = torch.device(args.device)
+    e, h, i, k = args.experts, args.hidden, args.intermediate, args.top_k
+    torch.manual_seed(0)
+    dt = getattr(torch, args.dtype)
+    gate_up = PackedExpertWeight.pack((torch.randn(e, 2 * i, h, device=dev) * 0.02).to(dt),
+                                      Bnb4Settings(double_quant=bool(args.double_quant)), dev)
+    print(torch.__version__, triton.__version__, torch.cuda.get_device_name() if dev.type == "cuda" else dev,
+          flush=True)
+    grid_fma = list(itertools.product((1, 2, 4, 8), (16, 32, 64), (4, 8)))
+    if args.check:
+        grid_fma = [(1, 16, 4), (4, 32, 4)]
+    rows = []
+    for t in (int(b) for b in args.batch_sizes.split(",")):
+        x = torch.randn(t, h, device=dev, dtype=dt)
+        index, order, starts = routing(t, e, k, dev)
+        used = int((starts[1:] > starts[:-1]).sum())
+        nbytes = used * (gate_up.packed[0].numel() + gate_up.absmax[0].numel() * gate_up.absmax.element_size())
+
+        def us(fn):
+            return float("nan") if args.check else cuda_time_ms(fn, iters=args.iters) * 1e3
+
+        ref = up_dot(x, gate_up, index, order, starts, i, k, {**UP_TILES, "BLOCK_M": 16})
+        res = {"batch": t, "experts_used": used, "mb": nbytes / 1e6}
+        res["dot_us"] = us(lambda: up_dot(x, gate_up, index, order, starts, i, k, {**UP_TILES, "BLOCK_M": 16}))
+        for bn, warps in [(32, 4)] if args.check else itertools.product((32, 64, 128), (4, 8)):
+            up_bytes(gate_up, starts, i, h, bn, warps)
+            res[f"bytes_{bn}_{warps}_us"] = us(lambda: up_bytes(gate_up, starts, i, h, bn, warps))
+        for entries, bn, warps in grid_fma:
+            try:
+                out = up_fma(x, gate_up, index, order, starts, i, k, entries, bn, warps)
+            except Exception as err:  # a tile that does not compile is reported, not fatal
+                res[f"fma_{entries}_{bn}_{warps}"] = f"{type(err).__name__}: {str(err)[:120]}"
+                continue
+            # a row alone (token 0's choices, the same expert order) against the same row in the step
+            o0, s0, _ = _entry_lists(index[:k], e, True)
+            alone = up_fma(x[:1], gate_up, index[:k], o0, s0, i, k, entries, bn, warps)
+            res[f"fma_{entries}_{bn}_{warps}"] = {
+                "us": us(lambda: up_fma(x, gate_up, index, order, starts, i, k, entries, bn, warps)),
+                "max_diff_vs_dot": float((out.float() - ref.float()).abs().max()),
+                "row_alone_equal": bool(torch.equal(alone, out[:k]))}
+        fma = {key: v for key, v in res.items() if key.startswith("fma_") and isinstance(v, dict)}
+        best = min(fma, key=lambda key: fma[key]["us"]) if fma else None
+        floor = min(v for key, v in res.items() if key.startswith("bytes_"))
+        if args.check:
+            print(f"batch {t}: " + "; ".join(f"{key} max diff {v['max_diff_vs_dot']:.2e} row alone equal "
+                                             f"{v['row_alone_equal']}" for key, v in fma.items()), flush=True)
+            rows.append(res)
+            continue
+        print(f"batch {t}: {used} experts, {nbytes / 1e6:.0f} MB; dot {res['dot_us']:.0f} us "
+              f"({nbytes / res['dot_us'] / 1e6:.2f} TB/s); bytes alone {floor:.0f} us ({nbytes / floor / 1e6:.2f} TB/s)"
+              + (f"; best fma {best} {fma[best]['us']:.0f} us ({nbytes / fma[best]['us'] / 1e6:.2f} TB/s, "
+                 f"max diff {fma[best]['max_diff_vs_dot']:.2e}, row alone equal {fma[best]['row_alone_equal']})"
+                 if best else "; no fma tile ran"), flush=True)
+        rows.append(res)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
