@@ -36,6 +36,8 @@ REFERENCE = ["kernels.trainer_glue_backward=eager", "kernels.trainer_backward_dt
 KEEP = ["task.gradient_checkpointing=false"]
 GEN = "task.generator=flexgemma"
 ONE_MICRO = "task.micro_batch=null"  # the whole step as one micro-batch (task=grpo's default)
+# the KV cache given back while the trainer computes, in CUDA virtual memory so each wake keeps the graphs
+SLEEP = ["task.engine_sleep=true", "engine.sleep_mode=true"]
 
 
 def e2b_jobs(base: list[str], half_micro: str) -> dict[str, list[str]]:
@@ -60,6 +62,7 @@ def moe_jobs(base: list[str], exact_extra: list[str]) -> dict[str, list[str]]:
     return {"26b_bnb4_exact": [*base, *exact_extra, *EXACT],
             "26b_bnb4_exact_reference": [*base, *exact_extra, *EXACT, *REFERENCE],
             "26b_bnb4_exact_mb32": [*base, *exact_extra, *EXACT, ONE_MICRO],
+            "26b_bnb4_exact_sleep": [*base, *exact_extra, *EXACT, *SLEEP],
             "26b_bnb4_flexgemma": [*base, *INEXACT, "task.gradient_checkpointing=true"]}
 
 
@@ -81,7 +84,9 @@ COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_media
            ("rollout tok/s", "grpo/rollout_tok_s_median"), ("|dlogp| mean", "grpo/logprob_absdiff_mean"),
            ("|dlogp| max", "grpo/logprob_absdiff_max"), ("kl_k3", "grpo/kl_k3"), ("IS max", "grpo/is_ratio_max"),
            ("reward 1st5", "grpo/reward_first5"), ("reward last5", "grpo/reward_last5"),
-           ("peak GiB", "memory/peak_allocated_gib"), ("base GiB", "grpo/shared_base_bytes"),
+           ("peak GiB", "memory/peak_allocated_gib"), ("rollout peak", "memory/rollout_peak_gib"),
+           ("train peak", "memory/train_peak_gib"), ("wake ms", "grpo/wake_ms_median"),
+           ("base GiB", "grpo/shared_base_bytes"),
            ("KV GiB", "engine/kv_pool_bytes"),
            ("optim GiB", "grpo/optimizer_state_bytes"), ("merged GiB", "grpo/merged_copy_bytes"), ("status", "status")]
 

@@ -431,6 +431,10 @@ class TaskConfig:
     # each rollout, as TRL's vLLM path) or loss (the loss's own forward, one forward fewer a step: the same
     # weights, since each rollout trains one optimizer step); null: loss with trainer_forward=engine
     ratio_forward: Optional[str] = None
+    # give the engine's KV cache back while the trainer computes (engine.sleep() after each rollout, wake()
+    # before the next: TRL's vllm_enable_sleep_mode); the weights stay (the trainer shares them). On a GPU
+    # pair it with engine.sleep_mode=true, which keeps the decode graphs' addresses valid across a wake
+    engine_sleep: bool = False
     # grpo checkpoints (<job dir>/trainer/checkpoint-<step>: adapter, optimizer, scheduler, RNG, trainer state)
     save_every: int = 0  # a checkpoint every N optimizer steps (0: none)
     keep_checkpoints: int = 2  # the newest N are kept
@@ -450,6 +454,9 @@ class TaskConfig:
             self.gradient_checkpointing = self.trainer_forward == "engine"
         if self.ratio_forward is None:
             self.ratio_forward = "loss" if self.trainer_forward == "engine" else "separate"
+        if self.engine_sleep and str(getattr(self.generator, "value", self.generator)) != "flexgemma":
+            raise ConfigError("task.engine_sleep=true frees the engine's KV cache between its rollouts: it needs "
+                              "task.generator=flexgemma")
         if self.ratio_forward not in ("separate", "loss"):
             raise ConfigError(f"task.ratio_forward={self.ratio_forward!r} is invalid: separate or loss")
         if self.ratio_forward == "loss" and self.trainer_forward != "engine":

@@ -61,6 +61,10 @@ ROUND_METRICS: dict[str, str] = {
     "grpo/is_ratio_p99": "99th percentile of the token importance ratio p_trainer / p_engine (before clipping)",
     "grpo/is_ratio_max": "largest token importance ratio of the step (before clipping at task.is_clip_max)",
     "memory/allocated_gib": "task=grpo row: memory allocated by torch at the end of the step (GiB; GPU)",
+    "memory/rollout_peak_gib": "task=grpo row: peak allocated during the rollout (adapter refresh + generate; GiB; GPU)",
+    "memory/train_peak_gib": "task=grpo row: peak allocated from the rollout's end to the step's end (rewards, the "
+                             "trainer's forward and backward, the optimizer; GiB; GPU)",
+    "grpo/wake_ms": "task.engine_sleep: engine.wake() before the step's rollout (ms; 0 on the first)",
 }
 
 METRICS: dict[str, str] = {
@@ -175,6 +179,11 @@ METRICS: dict[str, str] = {
     "grpo/trainer_forward": "what computed the trainer's logprobs: transformers, or engine (the engine's kernels)",
     "grpo/gradient_checkpointing": "whether the trainer's backward recomputed its activations (task.gradient_checkpointing)",
     "grpo/ratio_forward": "which trainer forward gave the IS ratio and mismatch metrics: separate (a no-grad pass) or loss (task.ratio_forward)",
+    "grpo/engine_sleep": "whether the engine gave its KV cache back while the trainer computed (task.engine_sleep)",
+    "memory/rollout_peak_gib": "largest rollout peak of the run (GiB; GPU)",
+    "memory/train_peak_gib": "largest training peak of the run (GiB; GPU): with memory/rollout_peak_gib, which "
+                             "phase sets the job's memory/peak_allocated_gib",
+    "grpo/wake_ms_median": "median engine.wake() before a rollout (ms; task.engine_sleep)",
     "grpo/ranks": "processes that trained (torchrun/accelerate world size): one engine and one shard of prompts each",
     "grpo/wall_s": "wall time of trainer.train() (s)",
     "grpo/shared_base_bytes": "bytes of the weights trainer and engine share (one copy: base, norms, embeddings, "

@@ -32,17 +32,39 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+class PhasePeaks:
+    """The peak GPU memory of each phase of a GRPO step (rollout, train): torch's peak counter, reset as
+    each phase closes; `overall` keeps the job's peak across the resets. Nothing on the CPU."""
+
+    def __init__(self):
+        self.on = torch.cuda.is_available()
+        self.overall = torch.cuda.max_memory_allocated() if self.on else 0
+        self.gib: dict[str, float] = {}
+
+    def close(self, phase: str) -> None:
+        """The peak since the last close is `phase`'s; the next phase starts."""
+        if not self.on:
+            return
+        peak = torch.cuda.max_memory_allocated()
+        self.overall = max(self.overall, peak)
+        self.gib[phase] = peak / 2**30
+        torch.cuda.reset_peak_memory_stats()
+
+
 class EngineRollout:
     """rollout_func(prompts, trainer) -> {prompt_ids, completion_ids, logprobs}.
 
     prompt_ids_of: text prompt -> token ids (the dataset's own ids, so a prompt is never re-tokenised
-    differently from what the trainer scores). Timings of the last call are in `last`.
+    differently from what the trainer scores). Timings of the last call are in `last`; each phase's peak
+    memory in `peaks`. sleep: the engine gives its KV cache back after each rollout (engine.sleep) and
+    takes it again before the next (wake), so the trainer computes without it.
     """
 
     def __init__(self, engine, shared, prompt_ids_of: Callable[[str], list[int]], max_new_tokens: int,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 rank: int = 0, world_size: int = 1):
-        self.engine, self.shared, self.prompt_ids_of = engine, shared, prompt_ids_of
+                 rank: int = 0, world_size: int = 1, sleep: bool = False):
+        self.engine, self.shared, self.prompt_ids_of, self.sleep = engine, shared, prompt_ids_of, sleep
+        self.peaks = PhasePeaks()
         self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.calls = 0
@@ -63,6 +85,8 @@ class EngineRollout:
                                  top_p=self.top_p, seed=base + i, return_routed_experts=self.moe)
                   for i in range(len(ids))]
         self.calls += 1
+        self.peaks.close("before_rollout")
+        wake_ms = self.wake()
         with self.shared.engine_side():
             refresh = self.engine.update_lora(self.shared.peft_model)
             _sync()
@@ -70,12 +94,23 @@ class EngineRollout:
             outs = self.engine.generate(ids, params, strict=True)
             _sync()
             gen_s = time.perf_counter() - t0
+        if self.sleep:
+            self.engine.sleep()
+        self.peaks.close("rollout")
         tokens = sum(len(o.token_ids) for o in outs)
         self.last = {"refresh_ms": refresh["refresh_ms"], "generate_s": gen_s, "tokens": float(tokens),
-                     "prompts": list(prompts)}
+                     "prompts": list(prompts), "wake_ms": wake_ms}
         self.routed_by_seq = {tuple(i + o.token_ids): o.routed_experts for i, o in zip(ids, outs)} if self.moe else {}
         return {"prompt_ids": ids, "completion_ids": [o.token_ids for o in outs],
                 "logprobs": [o.logprobs for o in outs]}
+
+    def wake(self) -> float:
+        """The engine awake (after a sleep of the last rollout); milliseconds it took (0: it was awake)."""
+        if not self.engine.asleep:
+            return 0.0
+        t0 = time.perf_counter()
+        self.engine.wake()
+        return (time.perf_counter() - t0) * 1e3
 
 
 def mismatch_stats(trainer_lp: torch.Tensor, engine_lp: torch.Tensor, mask: torch.Tensor,
@@ -325,7 +360,7 @@ def make_trainer_class():
 def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=None, prompt_ids_of=None,
                  generator: str = "flexgemma", is_correction: bool = True, callbacks=None, rank: int = 0,
                  world_size: int = 1, trainer_forward: str = "transformers", routing_replay: bool = False,
-                 gradient_checkpointing: bool = True, ratio_forward: str = "separate"):
+                 gradient_checkpointing: bool = True, ratio_forward: str = "separate", engine_sleep: bool = False):
     """A FlexGemmaGRPOTrainer training `engine`'s LoRA adapter (one model: see shared.SharedModel),
     generating through the engine (generator="flexgemma") or with TRL's transformers generate ("trl").
 
@@ -341,6 +376,7 @@ def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=Non
     input kept); transformers' forward takes TRL's args.gradient_checkpointing instead.
     ratio_forward: "separate" (a no-grad forward after each rollout gives the IS ratio and mismatch metrics)
     or "loss" (trainer_forward="engine": each micro-batch's loss forward gives them; one forward fewer).
+    engine_sleep: generator="flexgemma": the engine's KV cache is given back while the trainer computes.
     Returns (trainer, shared, rollout or None)."""
     from flexgemma.rl.shared import SharedModel
     from flexgemma.rl.tokenizer import tiny_tokenizer
@@ -357,7 +393,7 @@ def grpo_trainer(engine, args, reward_funcs, train_dataset, processing_class=Non
     if generator == "flexgemma":
         rollout = EngineRollout(engine, shared, prompt_ids_of, int(args.max_completion_length),
                                 float(args.temperature), top_k=int(args.top_k or 0), top_p=float(args.top_p),
-                                seed=int(args.seed), rank=rank, world_size=world_size)
+                                seed=int(args.seed), rank=rank, world_size=world_size, sleep=engine_sleep)
     engine_forward = None
     if trainer_forward == "engine":
         from flexgemma.model.trainable import TrainableForward

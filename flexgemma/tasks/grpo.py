@@ -234,6 +234,12 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
                 row[f"grpo/{k}"] = red[k]
             if torch.cuda.is_available():
                 row["memory/allocated_gib"] = torch.cuda.memory_allocated() / 2**30
+            if rollout is not None:  # this rank's peaks: the rollout's, then the trainer's since
+                rollout.peaks.close("train")
+                row.update({f"memory/{p}_peak_gib": rollout.peaks.gib[p] for p in ("rollout", "train")
+                            if p in rollout.peaks.gib})
+                if rollout.sleep:
+                    row["grpo/wake_ms"] = rollout.last.get("wake_ms", float("nan"))
             rows.append(row)
             recorder.log_round(row)
             if w.size > 1 and w.is_main:  # who generated what, and the adapter every rank ended the step with
@@ -338,6 +344,14 @@ def summarise(rows: list[dict]) -> dict:
     out["grpo/router_flip_rate"] = mean("grpo/router_flip_rate")
     v = col("grpo/is_ratio_max")
     out["grpo/is_ratio_max"] = max(v) if v else float("nan")
+    def logged(k):  # keys only some jobs log (GPU memory, task.engine_sleep)
+        return [r[k] for r in rows if k in r and r[k] == r[k]]
+
+    for k in ("memory/rollout_peak_gib", "memory/train_peak_gib"):
+        if logged(k):
+            out[k] = max(logged(k))
+    if logged("grpo/wake_ms"):
+        out["grpo/wake_ms_median"] = statistics.median(logged("grpo/wake_ms"))
     return out
 
 
@@ -371,11 +385,12 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
     w = ranks.world()
     if w.size > 1 and w.is_main:
         (recorder.dir / "ranks.jsonl").write_text("")  # a re-run starts its lines afresh, as metrics.jsonl does
-    trainer, shared, _ = grpo_trainer(
+    trainer, shared, rollout = grpo_trainer(
         engine, grpo_args(cfg, recorder.dir, device, w.size), [reward], dataset, tokenizer, ids_of, generator,
         bool(t.is_correction), callbacks=[logger], rank=w.rank, world_size=w.size,
         trainer_forward=str(t.trainer_forward), routing_replay=bool(t.routing_replay),
-        gradient_checkpointing=bool(t.gradient_checkpointing), ratio_forward=str(t.ratio_forward))
+        gradient_checkpointing=bool(t.gradient_checkpointing), ratio_forward=str(t.ratio_forward),
+        engine_sleep=bool(t.engine_sleep))
     ref.extend([trainer, shared])
     trainer.remove_callback(PrinterCallback)  # TRL's per-step dict print; the rows go to metrics.jsonl
     resume = resume_point(t, recorder.dir / "trainer")
@@ -383,11 +398,16 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
     t0 = time.perf_counter()
     _train(trainer, resume, recorder.dir / "trainer")
     train_wall = time.perf_counter() - t0
+    if rollout is not None:
+        rollout.wake()  # the engine serves again (task.engine_sleep leaves it asleep after the last rollout)
     summary = summarise(rows)
+    if rollout is not None and rollout.peaks.on:  # the job's peak across the phases' counter resets
+        summary["memory/peak_allocated_gib"] = max(rollout.peaks.overall, torch.cuda.max_memory_allocated()) / 2**30
     opt_bytes = sum(v.numel() * v.element_size() for st in trainer.optimizer.state.values()
                     for v in st.values() if torch.is_tensor(v))
     summary.update({"grpo/generator": generator, "grpo/trainer_forward": str(t.trainer_forward),
                     "grpo/gradient_checkpointing": bool(t.gradient_checkpointing), "grpo/ratio_forward": str(t.ratio_forward),
+                    "grpo/engine_sleep": bool(t.engine_sleep),
                     "grpo/wall_s": train_wall, "grpo/optimizer_state_bytes": opt_bytes, "grpo/ranks": w.size,
                     **{f"grpo/{k}": v for k, v in shared.base_bytes().items()}})
     # the engine ends with the trained adapter: what the saved directory reloads to

@@ -514,6 +514,34 @@ def test_the_loss_forwards_ratio_trains_as_the_separate_forwards(tmp_path, monke
             assert ra[k] == rb[k], k
 
 
+def test_engine_sleep_between_rollouts_trains_the_same_adapter(tmp_path):
+    """task.engine_sleep=true gives the KV cache back after each rollout and takes it again before the next:
+    the same adapter bit for bit and the same exact metrics as without it (the trainer's forward, here also a
+    separate no-grad one after each rollout, needs none of the engine's pool), a wake logged from the second
+    step on, and the engine awake at the end."""
+    from safetensors.torch import load_file
+
+    from flexgemma import ConfigError, compose
+    from flexgemma.run import run_job
+
+    out = {}
+    for sleep in (False, True):
+        d = tmp_path / str(sleep)
+        s = run_job(compose(["+model=tiny", *EXACT, "model.dtype=float32", "task.steps=3", "task.micro_batch=4",
+                             "task.ratio_forward=separate", f"task.engine_sleep={str(sleep).lower()}"]), d)
+        assert s["status"] == "ok" and s["grpo/engine_sleep"] is sleep
+        out[sleep] = (load_file(str(next((d / "adapter").glob("*.safetensors")))), _rows(d))
+    (a, rows_a), (b, rows_b) = out[False], out[True]
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    for ra, rb in zip(rows_a, rows_b):
+        assert rb["grpo/logprob_absdiff_max"] == 0.0 and rb["grpo/is_ratio_max"] == 1.0
+        assert ra["grpo/reward_mean"] == rb["grpo/reward_mean"]
+    assert "grpo/wake_ms" not in rows_a[0] and rows_b[0]["grpo/wake_ms"] == 0.0
+    assert all(r["grpo/wake_ms"] > 0 for r in rows_b[1:])
+    with pytest.raises(ConfigError, match="task.generator=flexgemma"):
+        compose(["+model=tiny", "task=grpo", "task.generator=trl", "task.engine_sleep=true"])
+
+
 def test_ratio_forward_loss_needs_the_engines_forward():
     from flexgemma import ConfigError, compose
 
