@@ -372,6 +372,9 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
         raise ConfigError(f"task.generator={generator!r}: choose flexgemma or trl")
     if str(t.loss_type) == "vespo" and bool(t.is_correction):
         raise ConfigError("task.loss_type=vespo is not linear in the advantage: set task.is_correction=false")
+    if t.engine_sleep and not cfg.engine.sleep_mode and torch.cuda.is_available():
+        log.warning("task.engine_sleep without engine.sleep_mode: a wake whose KV pool lands elsewhere captures the "
+                    "decode graphs again (seconds a step); add engine.sleep_mode=true")
     tokenizer = engine.tokenizer or tiny_tokenizer(engine.spec.vocab_size)
     dataset, ids_of = build_dataset(engine, workload, cfg, tokenizer)
     if len(dataset) < int(t.prompts_per_step):
