@@ -10,6 +10,9 @@ by a sort) in three forms, on the same bytes and routing:
   fma      each block decoded once for ENTRIES entries at a time, products on the CUDA cores (a 3-D
            broadcast and a sum over the block), scaled after: no tile of 16 rows, no operand shuffle
            through shared memory;
+  dot_w    the tensor-core products with the operands swapped: the decoded weights [BLOCK_N, block] are the
+           first operand (the MMA's M, 64 rows and up) and 16 entries the second (its N), the layout a
+           small-batch weight-only GEMM takes;
   bytes    the same programs reading the same bytes and scales and doing nothing with them but a sum:
            the ceiling a kernel of this grid and access pattern can reach.
 
@@ -84,6 +87,49 @@ def _up_fma_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, nc
 
 
 @triton.jit
+def _up_dot_w_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
+                     out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_we, stride_ae, stride_ne,
+                     QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, ENTRIES: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """_up_fma_kernel's program with tensor-core products of (decoded block) x (entries' halves).T: [BLOCK_N,
+    ENTRIES] accumulators, stored transposed."""
+    expert = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < I
+    start = tl.load(starts_ptr + expert)
+    count = tl.load(starts_ptr + expert + 1) - start
+    half = tl.arange(0, QBLOCK // 2)
+    dt = x_ptr.dtype.element_ty
+    wbase = w_ptr + expert * stride_we
+    m0 = 0
+    while m0 < count:
+        want = m0 + tl.arange(0, ENTRIES)
+        valid = want < count
+        flat = tl.load(order_ptr + start + want, mask=valid, other=0)
+        row = x_ptr + (flat // TOPK)[:, None] * H
+        acc_g = tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
+        for k0 in range(0, H, QBLOCK):
+            xe = tl.load(row + k0 + 2 * half[None, :], mask=valid[:, None], other=0.0)
+            xo = tl.load(row + k0 + 2 * half[None, :] + 1, mask=valid[:, None], other=0.0)
+            for part in tl.static_range(2):
+                rows = cols + part * I
+                blk = rows * (H // QBLOCK) + k0 // QBLOCK
+                scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, expert, blk, ok, stride_ae,
+                                      stride_ne, NESTED, DOUBLE_QUANT)
+                hi, lo = nibble_weights(wbase, rows, ok, k0, H, code_ptr, QBLOCK, False)
+                prod = tl.dot(hi, tl.trans(xe)) + tl.dot(lo, tl.trans(xo))
+                if part == 0:
+                    acc_g += prod * scale[:, None]
+                else:
+                    acc_u += prod * scale[:, None]
+        g = acc_g.to(dt).to(tl.float32)
+        h = _gelu_tanh(g).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
+        tl.store(out_ptr + flat[None, :] * I + cols[:, None], h.to(dt), mask=valid[None, :] & ok[:, None])
+        m0 += ENTRIES
+
+
+@triton.jit
 def _up_bytes_kernel(starts_ptr, w_ptr, absmax_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, stride_we,
                      stride_ae, QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (e, j): the bytes and scales the up kernels read for features [j*BLOCK_N, ...) of expert e
@@ -115,10 +161,10 @@ def up_dot(x, gate_up, index, order, starts, i, topk, tiles):
     return out
 
 
-def up_fma(x, gate_up, index, order, starts, i, topk, entries, block_n, warps):
+def up_fma(x, gate_up, index, order, starts, i, topk, entries, block_n, warps, kernel=None):
     ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup="table")
     out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
-    _up_fma_kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
+    (kernel or _up_fma_kernel)[(gate_up.shape[0], triton.cdiv(i, block_n))](
         x_ptr=x, order_ptr=order, starts_ptr=starts, w_ptr=ops["w_ptr"], absmax_ptr=ops["absmax_ptr"],
         code_ptr=ops["code_ptr"], ncode_ptr=ops["ncode_ptr"], nabsmax_ptr=ops["nabsmax_ptr"],
         noffset_ptr=ops["noffset_ptr"], out_ptr=out, I=i, H=x.shape[1], TOPK=topk, stride_we=ops["stride_we"],
@@ -169,9 +215,12 @@ def main() -> None:
                                       Bnb4Settings(double_quant=bool(args.double_quant)), dev)
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name() if dev.type == "cuda" else dev,
           flush=True)
-    grid_fma = list(itertools.product((1, 2, 4, 8), (16, 32, 64), (4, 8)))
+    # (form, entries a program takes at a time, BLOCK_N, warps)
+    grid = [("fma", *c) for c in itertools.product((1, 2, 4, 8), (16, 32, 64), (4, 8))] + \
+        [("dot_w", 16, *c) for c in itertools.product((32, 64, 128), (4, 8))]
     if args.check:
-        grid_fma = [(1, 16, 4), (4, 32, 4)]
+        grid = [("fma", 1, 16, 4), ("fma", 4, 32, 4), ("dot_w", 16, 32, 4)]
+    kernels = {"fma": _up_fma_kernel, "dot_w": _up_dot_w_kernel}
     rows = []
     for t in (int(b) for b in args.batch_sizes.split(",")):
         x = torch.randn(t, h, device=dev, dtype=dt)
@@ -188,32 +237,38 @@ def main() -> None:
         for bn, warps in [(32, 4)] if args.check else itertools.product((32, 64, 128), (4, 8)):
             up_bytes(gate_up, starts, i, h, bn, warps)
             res[f"bytes_{bn}_{warps}_us"] = us(lambda: up_bytes(gate_up, starts, i, h, bn, warps))
-        for entries, bn, warps in grid_fma:
+        for form, entries, bn, warps in grid:
+            kern = kernels[form]
             try:
-                out = up_fma(x, gate_up, index, order, starts, i, k, entries, bn, warps)
+                out = up_fma(x, gate_up, index, order, starts, i, k, entries, bn, warps, kern)
             except Exception as err:  # a tile that does not compile is reported, not fatal
-                res[f"fma_{entries}_{bn}_{warps}"] = f"{type(err).__name__}: {str(err)[:120]}"
+                res[f"{form}_{entries}_{bn}_{warps}"] = f"{type(err).__name__}: {str(err)[:120]}"
                 continue
             # a row alone (token 0's choices, the same expert order) against the same row in the step
             o0, s0, _ = _entry_lists(index[:k], e, True)
-            alone = up_fma(x[:1], gate_up, index[:k], o0, s0, i, k, entries, bn, warps)
-            res[f"fma_{entries}_{bn}_{warps}"] = {
-                "us": us(lambda: up_fma(x, gate_up, index, order, starts, i, k, entries, bn, warps)),
+            alone = up_fma(x[:1], gate_up, index[:k], o0, s0, i, k, entries, bn, warps, kern)
+            res[f"{form}_{entries}_{bn}_{warps}"] = {
+                "us": us(lambda: up_fma(x, gate_up, index, order, starts, i, k, entries, bn, warps, kern)),
                 "max_diff_vs_dot": float((out.float() - ref.float()).abs().max()),
                 "row_alone_equal": bool(torch.equal(alone, out[:k]))}
-        fma = {key: v for key, v in res.items() if key.startswith("fma_") and isinstance(v, dict)}
-        best = min(fma, key=lambda key: fma[key]["us"]) if fma else None
+        fma = {key: v for key, v in res.items() if key.startswith(("fma_", "dot_w_")) and isinstance(v, dict)}
         floor = min(v for key, v in res.items() if key.startswith("bytes_"))
         if args.check:
             print(f"batch {t}: " + "; ".join(f"{key} max diff {v['max_diff_vs_dot']:.2e} row alone equal "
                                              f"{v['row_alone_equal']}" for key, v in fma.items()), flush=True)
             rows.append(res)
             continue
-        print(f"batch {t}: {used} experts, {nbytes / 1e6:.0f} MB; dot {res['dot_us']:.0f} us "
-              f"({nbytes / res['dot_us'] / 1e6:.2f} TB/s); bytes alone {floor:.0f} us ({nbytes / floor / 1e6:.2f} TB/s)"
-              + (f"; best fma {best} {fma[best]['us']:.0f} us ({nbytes / fma[best]['us'] / 1e6:.2f} TB/s, "
-                 f"max diff {fma[best]['max_diff_vs_dot']:.2e}, row alone equal {fma[best]['row_alone_equal']})"
-                 if best else "; no fma tile ran"), flush=True)
+        line = (f"batch {t}: {used} experts, {nbytes / 1e6:.0f} MB; dot {res['dot_us']:.0f} us "
+                f"({nbytes / res['dot_us'] / 1e6:.2f} TB/s); bytes alone {floor:.0f} us ({nbytes / floor / 1e6:.2f} TB/s)")
+        for form in kernels:
+            mine = {key: v for key, v in fma.items() if key.startswith(form + "_")}
+            if not mine:
+                line += f"; no {form} tile ran"
+                continue
+            best = min(mine, key=lambda key: mine[key]["us"])
+            line += (f"; best {best} {mine[best]['us']:.0f} us ({nbytes / mine[best]['us'] / 1e6:.2f} TB/s, max diff "
+                     f"{mine[best]['max_diff_vs_dot']:.2e}, row alone equal {mine[best]['row_alone_equal']})")
+        print(line, flush=True)
         rows.append(res)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -110,9 +110,9 @@ def test_float32_error_smoke(tmp_path):
 
 
 def test_bench_4bit_forms_check_on_the_cpu():
-    """experiments/bench_4bit_forms.py --check (Triton's interpreter): its CUDA-core form of the 4-bit gate_up
-    projection equals the production kernel's up to summation order, a row alone equals the same row in the
-    step, and the bytes-only kernel runs: the GPU call then only times them."""
+    """experiments/bench_4bit_forms.py --check (Triton's interpreter): its CUDA-core and swapped-operand forms of
+    the 4-bit gate_up projection equal the production kernel's up to summation order, a row alone equals the
+    same row in the step, and the bytes-only kernel runs: the GPU call then only times them."""
     r = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "bench_4bit_forms.py"), "--device", "cpu", "--check", "--dtype",
          "float16", "--hidden", "128", "--intermediate", "64", "--experts", "6", "--top-k", "2", "--batch-sizes", "5,40"],
