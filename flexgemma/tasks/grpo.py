@@ -344,6 +344,7 @@ def summarise(rows: list[dict]) -> dict:
     out["grpo/router_flip_rate"] = mean("grpo/router_flip_rate")
     v = col("grpo/is_ratio_max")
     out["grpo/is_ratio_max"] = max(v) if v else float("nan")
+
     def logged(k):  # keys only some jobs log (GPU memory, task.engine_sleep)
         return [r[k] for r in rows if k in r and r[k] == r[k]]
 
@@ -399,10 +400,12 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
     resume = resume_point(t, recorder.dir / "trainer")
     _restore_rows(resume, rows, recorder)
     t0 = time.perf_counter()
-    _train(trainer, resume, recorder.dir / "trainer")
+    try:
+        _train(trainer, resume, recorder.dir / "trainer")
+    finally:  # the engine serves again, also after a failed step (task.engine_sleep leaves it asleep)
+        if rollout is not None:
+            rollout.wake()
     train_wall = time.perf_counter() - t0
-    if rollout is not None:
-        rollout.wake()  # the engine serves again (task.engine_sleep leaves it asleep after the last rollout)
     summary = summarise(rows)
     if rollout is not None and rollout.peaks.on:  # the job's peak across the phases' counter resets
         summary["memory/peak_allocated_gib"] = max(rollout.peaks.overall, torch.cuda.max_memory_allocated()) / 2**30

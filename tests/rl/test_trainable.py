@@ -542,6 +542,39 @@ def test_engine_sleep_between_rollouts_trains_the_same_adapter(tmp_path):
         compose(["+model=tiny", "task=grpo", "task.generator=trl", "task.engine_sleep=true"])
 
 
+def test_a_failed_step_leaves_the_sleeping_engine_awake(tmp_path, monkeypatch):
+    """task.engine_sleep: a reward that raises in step 2 (the engine asleep since step 1's rollout) stops the
+    run with its error, and the engine serves again afterwards."""
+    from flexgemma import build_engine, compose
+    from flexgemma.engine.sequence import SamplingParams
+    from flexgemma.tasks import grpo
+    from flexgemma.tracking import RunRecorder
+    from flexgemma.workload import build_workload
+
+    def reward(completion_ids, **kw):
+        if grpo_step[0] == 2:
+            raise RuntimeError("the reward service is down")
+        return [0.0] * len(completion_ids)
+
+    grpo_step = [0]
+    real = grpo.RecordedReward.__call__
+
+    def counted(self, **kw):
+        grpo_step[0] = self.step
+        return real(self, **kw)
+
+    monkeypatch.setattr(grpo.RecordedReward, "__call__", counted)
+    monkeypatch.setattr(grpo, "make_reward", lambda cfg: grpo.RecordedReward(reward))
+    cfg = compose(["+model=tiny", *EXACT, "model.dtype=float32", "task.steps=3", "task.engine_sleep=true"])
+    engine = build_engine(cfg, grpo.pool_demand(cfg))
+    recorder = RunRecorder(tmp_path, cfg)
+    with pytest.raises(RuntimeError, match="reward service is down"):
+        grpo.run(engine, build_workload(cfg, engine), cfg, recorder)
+    recorder.close()
+    assert not engine.asleep
+    assert len(engine.generate([[2, 5, 9]], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
+
+
 def test_ratio_forward_loss_needs_the_engines_forward():
     from flexgemma import ConfigError, compose
 
