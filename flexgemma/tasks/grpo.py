@@ -238,6 +238,7 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
                 rollout.peaks.close("train")
                 row.update({f"memory/{p}_peak_gib": rollout.peaks.gib[p] for p in ("rollout", "train")
                             if p in rollout.peaks.gib})
+                rollout.peaks.gib.clear()  # a step that reuses an earlier rollout (num_iterations > 1) logs none
                 if rollout.sleep:
                     row["grpo/wake_ms"] = rollout.last.get("wake_ms", float("nan"))
             rows.append(row)
