@@ -256,3 +256,22 @@ def test_character_share_reads_the_text():
     assert CharacterShare("ab")(completions=["abcd", "", [{"role": "assistant", "content": "aa"}]]) == [0.5, 0.0, 1.0]
     with pytest.raises(ValueError, match="non-empty string"):
         CharacterShare("")
+
+
+def test_phase_peaks_split_the_step_and_keep_the_jobs_peak(monkeypatch):
+    """rollout.PhasePeaks over a fake CUDA peak counter: each phase gets the peak since the last close, and
+    `overall` is the largest of them and of what came before the first (the build)."""
+    from flexgemma.rl import rollout as rollout_mod
+
+    counter = {"peak": 9 * 2**30}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: counter["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: counter.update(peak=2**30))
+    peaks = rollout_mod.PhasePeaks()
+    peaks.close("before_rollout")
+    counter["peak"] = 5 * 2**30
+    peaks.close("rollout")
+    counter["peak"] = 7 * 2**30
+    peaks.close("train")
+    assert peaks.gib == {"before_rollout": 9.0, "rollout": 5.0, "train": 7.0}
+    assert peaks.overall == 9 * 2**30 and counter["peak"] == 2**30
