@@ -186,6 +186,20 @@ def _shard(prompts: list) -> list:
     return runs
 
 
+def _memory_fields(rollout) -> dict:
+    """This rank's GPU memory at a step's end: allocated now, the rollout's peak and the trainer's since
+    (closing the train phase), and under task.engine_sleep the wake before the rollout."""
+    out = {"memory/allocated_gib": torch.cuda.memory_allocated() / 2**30} if torch.cuda.is_available() else {}
+    if rollout is None:
+        return out
+    rollout.peaks.close("train")
+    out.update({f"memory/{p}_peak_gib": rollout.peaks.gib[p] for p in ("rollout", "train") if p in rollout.peaks.gib})
+    rollout.peaks.gib.clear()  # a step that reuses an earlier rollout (num_iterations > 1) logs none
+    if rollout.sleep:
+        out["grpo/wake_ms"] = rollout.last.get("wake_ms", float("nan"))
+    return out
+
+
 def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: list):
     """A TrainerCallback writing one metrics.jsonl row per optimizer step (rank 0; the row reduces every
     rank's part) and checking the ranks' adapters equal after the step (ranks.jsonl: shards, digests)."""
@@ -232,15 +246,7 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
             for k in ("logprob_absdiff_mean", "logprob_absdiff_max", "kl_k3", "is_ratio_p99", "is_ratio_max",
                       "router_flip_rate"):
                 row[f"grpo/{k}"] = red[k]
-            if torch.cuda.is_available():
-                row["memory/allocated_gib"] = torch.cuda.memory_allocated() / 2**30
-            if rollout is not None:  # this rank's peaks: the rollout's, then the trainer's since
-                rollout.peaks.close("train")
-                row.update({f"memory/{p}_peak_gib": rollout.peaks.gib[p] for p in ("rollout", "train")
-                            if p in rollout.peaks.gib})
-                rollout.peaks.gib.clear()  # a step that reuses an earlier rollout (num_iterations > 1) logs none
-                if rollout.sleep:
-                    row["grpo/wake_ms"] = rollout.last.get("wake_ms", float("nan"))
+            row.update(_memory_fields(rollout))
             rows.append(row)
             recorder.log_round(row)
             if w.size > 1 and w.is_main:  # who generated what, and the adapter every rank ended the step with
@@ -357,6 +363,33 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
+def _run_facts(t, generator: str, trainer, shared, rollout, ranks: int) -> dict:
+    """The summary's description of the run: its keys, the bytes it held, the job's peak memory."""
+    opt_bytes = sum(v.numel() * v.element_size() for st in trainer.optimizer.state.values()
+                    for v in st.values() if torch.is_tensor(v))
+    out = {"grpo/generator": generator, "grpo/trainer_forward": str(t.trainer_forward),
+           "grpo/gradient_checkpointing": bool(t.gradient_checkpointing), "grpo/ratio_forward": str(t.ratio_forward),
+           "grpo/engine_sleep": bool(t.engine_sleep), "grpo/optimizer_state_bytes": opt_bytes, "grpo/ranks": ranks,
+           **{f"grpo/{k}": v for k, v in shared.base_bytes().items()}}
+    if rollout is not None and rollout.peaks.on:  # the job's peak across the phases' counter resets
+        out["memory/peak_allocated_gib"] = max(rollout.peaks.overall, torch.cuda.max_memory_allocated()) / 2**30
+    return out
+
+
+def _checked_generator(cfg: Config) -> str:
+    """task.generator, after the checks of the task's keys against each other and the engine's."""
+    t = cfg.task
+    generator = str(getattr(t.generator, "value", t.generator))
+    if generator not in ("flexgemma", "trl"):
+        raise ConfigError(f"task.generator={generator!r}: choose flexgemma or trl")
+    if str(t.loss_type) == "vespo" and bool(t.is_correction):
+        raise ConfigError("task.loss_type=vespo is not linear in the advantage: set task.is_correction=false")
+    if t.engine_sleep and not cfg.engine.sleep_mode and torch.cuda.is_available():
+        log.warning("task.engine_sleep without engine.sleep_mode: a wake whose KV pool lands elsewhere captures the "
+                    "decode graphs again (seconds a step); add engine.sleep_mode=true")
+    return generator
+
+
 def run(engine, workload, cfg: Config, recorder) -> dict:
     from flexgemma.extras import require
 
@@ -369,14 +402,7 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
     from flexgemma.rl.tokenizer import tiny_tokenizer
 
     t = cfg.task
-    generator = str(getattr(t.generator, "value", t.generator))
-    if generator not in ("flexgemma", "trl"):
-        raise ConfigError(f"task.generator={generator!r}: choose flexgemma or trl")
-    if str(t.loss_type) == "vespo" and bool(t.is_correction):
-        raise ConfigError("task.loss_type=vespo is not linear in the advantage: set task.is_correction=false")
-    if t.engine_sleep and not cfg.engine.sleep_mode and torch.cuda.is_available():
-        log.warning("task.engine_sleep without engine.sleep_mode: a wake whose KV pool lands elsewhere captures the "
-                    "decode graphs again (seconds a step); add engine.sleep_mode=true")
+    generator = _checked_generator(cfg)
     tokenizer = engine.tokenizer or tiny_tokenizer(engine.spec.vocab_size)
     dataset, ids_of = build_dataset(engine, workload, cfg, tokenizer)
     if len(dataset) < int(t.prompts_per_step):
@@ -407,16 +433,7 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
         if rollout is not None:
             rollout.wake()
     train_wall = time.perf_counter() - t0
-    summary = summarise(rows)
-    if rollout is not None and rollout.peaks.on:  # the job's peak across the phases' counter resets
-        summary["memory/peak_allocated_gib"] = max(rollout.peaks.overall, torch.cuda.max_memory_allocated()) / 2**30
-    opt_bytes = sum(v.numel() * v.element_size() for st in trainer.optimizer.state.values()
-                    for v in st.values() if torch.is_tensor(v))
-    summary.update({"grpo/generator": generator, "grpo/trainer_forward": str(t.trainer_forward),
-                    "grpo/gradient_checkpointing": bool(t.gradient_checkpointing), "grpo/ratio_forward": str(t.ratio_forward),
-                    "grpo/engine_sleep": bool(t.engine_sleep),
-                    "grpo/wall_s": train_wall, "grpo/optimizer_state_bytes": opt_bytes, "grpo/ranks": w.size,
-                    **{f"grpo/{k}": v for k, v in shared.base_bytes().items()}})
+    summary = {**summarise(rows), **_run_facts(t, generator, trainer, shared, rollout, w.size), "grpo/wall_s": train_wall}
     # the engine ends with the trained adapter: what the saved directory reloads to
     shared.engine_view()
     engine.update_lora(shared.peft_model)
