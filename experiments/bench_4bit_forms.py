@@ -161,10 +161,11 @@ def up_dot(x, gate_up, index, order, starts, i, topk, tiles):
     return out
 
 
-def up_fma(x, gate_up, index, order, starts, i, topk, entries, block_n, warps, kernel=None):
+def up_form(kernel, x, gate_up, index, order, starts, i, topk, entries, block_n, warps):
+    """The gate_up projection through one of the candidate kernels (_up_fma_kernel, _up_dot_w_kernel)."""
     ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup="table")
     out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
-    (kernel or _up_fma_kernel)[(gate_up.shape[0], triton.cdiv(i, block_n))](
+    kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
         x_ptr=x, order_ptr=order, starts_ptr=starts, w_ptr=ops["w_ptr"], absmax_ptr=ops["absmax_ptr"],
         code_ptr=ops["code_ptr"], ncode_ptr=ops["ncode_ptr"], nabsmax_ptr=ops["nabsmax_ptr"],
         noffset_ptr=ops["noffset_ptr"], out_ptr=out, I=i, H=x.shape[1], TOPK=topk, stride_we=ops["stride_we"],
@@ -201,7 +202,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     # Triton's CPU interpreter computes bf16 products wrongly (numpy has no bf16): --check there takes fp16
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    ap.add_argument("--check", action="store_true", help="no timing: each fma tile against dot, a row alone")
+    ap.add_argument("--check", action="store_true", help="no timing: a tile of each form against dot, a row alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
@@ -240,28 +241,28 @@ def main() -> None:
         for form, entries, bn, warps in grid:
             kern = kernels[form]
             try:
-                out = up_fma(x, gate_up, index, order, starts, i, k, entries, bn, warps, kern)
+                out = up_form(kern, x, gate_up, index, order, starts, i, k, entries, bn, warps)
             except Exception as err:  # a tile that does not compile is reported, not fatal
                 res[f"{form}_{entries}_{bn}_{warps}"] = f"{type(err).__name__}: {str(err)[:120]}"
                 continue
             # a row alone (token 0's choices, the same expert order) against the same row in the step
             o0, s0, _ = _entry_lists(index[:k], e, True)
-            alone = up_fma(x[:1], gate_up, index[:k], o0, s0, i, k, entries, bn, warps, kern)
+            alone = up_form(kern, x[:1], gate_up, index[:k], o0, s0, i, k, entries, bn, warps)
             res[f"{form}_{entries}_{bn}_{warps}"] = {
-                "us": us(lambda: up_fma(x, gate_up, index, order, starts, i, k, entries, bn, warps, kern)),
+                "us": us(lambda: up_form(kern, x, gate_up, index, order, starts, i, k, entries, bn, warps)),
                 "max_diff_vs_dot": float((out.float() - ref.float()).abs().max()),
                 "row_alone_equal": bool(torch.equal(alone, out[:k]))}
-        fma = {key: v for key, v in res.items() if key.startswith(("fma_", "dot_w_")) and isinstance(v, dict)}
+        timed = {key: v for key, v in res.items() if key.startswith(("fma_", "dot_w_")) and isinstance(v, dict)}
         floor = min(v for key, v in res.items() if key.startswith("bytes_"))
         if args.check:
             print(f"batch {t}: " + "; ".join(f"{key} max diff {v['max_diff_vs_dot']:.2e} row alone equal "
-                                             f"{v['row_alone_equal']}" for key, v in fma.items()), flush=True)
+                                             f"{v['row_alone_equal']}" for key, v in timed.items()), flush=True)
             rows.append(res)
             continue
         line = (f"batch {t}: {used} experts, {nbytes / 1e6:.0f} MB; dot {res['dot_us']:.0f} us "
                 f"({nbytes / res['dot_us'] / 1e6:.2f} TB/s); bytes alone {floor:.0f} us ({nbytes / floor / 1e6:.2f} TB/s)")
         for form in kernels:
-            mine = {key: v for key, v in fma.items() if key.startswith(form + "_")}
+            mine = {key: v for key, v in timed.items() if key.startswith(form + "_")}
             if not mine:
                 line += f"; no {form} tile ran"
                 continue
