@@ -34,10 +34,10 @@ def _sync() -> None:
 
 class PhasePeaks:
     """The peak GPU memory of each phase of a GRPO step (rollout, train): torch's peak counter, reset as
-    each phase closes; `overall` keeps the job's peak across the resets. Nothing on the CPU."""
+    each phase closes; `overall` keeps the job's peak across the resets. Nothing for an engine on the CPU."""
 
-    def __init__(self):
-        self.on = torch.cuda.is_available()
+    def __init__(self, device: torch.device):
+        self.on = device.type == "cuda"
         self.overall = torch.cuda.max_memory_allocated() if self.on else 0
         self.gib: dict[str, float] = {}
 
@@ -64,7 +64,7 @@ class EngineRollout:
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  rank: int = 0, world_size: int = 1, sleep: bool = False):
         self.engine, self.shared, self.prompt_ids_of, self.sleep = engine, shared, prompt_ids_of, sleep
-        self.peaks = PhasePeaks()
+        self.peaks = PhasePeaks(engine.runner.device)
         self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.calls = 0

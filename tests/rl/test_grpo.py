@@ -264,10 +264,10 @@ def test_phase_peaks_split_the_step_and_keep_the_jobs_peak(monkeypatch):
     from flexgemma.rl import rollout as rollout_mod
 
     counter = {"peak": 9 * 2**30}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: counter["peak"])
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: counter.update(peak=2**30))
-    peaks = rollout_mod.PhasePeaks()
+    assert not rollout_mod.PhasePeaks(torch.device("cpu")).on  # an engine on the CPU: no CUDA counter
+    peaks = rollout_mod.PhasePeaks(torch.device("cuda"))
     peaks.close("before_rollout")
     counter["peak"] = 5 * 2**30
     peaks.close("rollout")
