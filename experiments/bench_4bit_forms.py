@@ -44,54 +44,13 @@ from flexgemma.model.triton4bit import nibble_weights  # noqa: E402
 
 
 @triton.jit
-def _up_fma_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
-                   out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_we, stride_ae, stride_ne,
-                   QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, ENTRIES: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """Program (e, j): features [j*BLOCK_N, (j+1)*BLOCK_N) of expert e's entries, ENTRIES at a time."""
-    expert = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < I
-    start = tl.load(starts_ptr + expert)
-    count = tl.load(starts_ptr + expert + 1) - start
-    half = tl.arange(0, QBLOCK // 2)
-    dt = x_ptr.dtype.element_ty
-    wbase = w_ptr + expert * stride_we
-    m0 = 0
-    while m0 < count:
-        want = m0 + tl.arange(0, ENTRIES)
-        valid = want < count
-        flat = tl.load(order_ptr + start + want, mask=valid, other=0)
-        row = x_ptr + (flat // TOPK)[:, None] * H
-        acc_g = tl.zeros((ENTRIES, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((ENTRIES, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, H, QBLOCK):
-            xe = tl.load(row + k0 + 2 * half[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            xo = tl.load(row + k0 + 2 * half[None, :] + 1, mask=valid[:, None], other=0.0).to(tl.float32)
-            for part in tl.static_range(2):  # gate rows [0, I), then up rows [I, 2I)
-                rows = cols + part * I
-                blk = rows * (H // QBLOCK) + k0 // QBLOCK
-                scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, expert, blk, ok, stride_ae,
-                                      stride_ne, NESTED, DOUBLE_QUANT)
-                hi, lo = nibble_weights(wbase, rows, ok, k0, H, code_ptr, QBLOCK, False)
-                prod = tl.sum(xe[:, None, :] * hi.to(tl.float32)[None, :, :], axis=2) \
-                    + tl.sum(xo[:, None, :] * lo.to(tl.float32)[None, :, :], axis=2)
-                if part == 0:
-                    acc_g += prod * scale[None, :]
-                else:
-                    acc_u += prod * scale[None, :]
-        g = acc_g.to(dt).to(tl.float32)
-        h = _gelu_tanh(g).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
-        tl.store(out_ptr + flat[:, None] * I + cols[None, :], h.to(dt), mask=valid[:, None] & ok[None, :])
-        m0 += ENTRIES
-
-
-@triton.jit
-def _up_dot_w_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
+def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
                      out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_we, stride_ae, stride_ne,
                      QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, ENTRIES: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-    """_up_fma_kernel's program with tensor-core products of (decoded block) x (entries' halves).T: [BLOCK_N,
+                     BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    """Program (e, j): features [j*BLOCK_N, (j+1)*BLOCK_N) of expert e's entries, ENTRIES at a time, each
+    quantisation block decoded once for them. SWAP=False (fma): [ENTRIES, BLOCK_N] products on the CUDA
+    cores; SWAP=True (dot_w): tensor-core products (decoded block) x (entries' halves).T into [BLOCK_N,
     ENTRIES] accumulators, stored transposed."""
     expert = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,25 +66,37 @@ def _up_dot_w_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
         valid = want < count
         flat = tl.load(order_ptr + start + want, mask=valid, other=0)
         row = x_ptr + (flat // TOPK)[:, None] * H
-        acc_g = tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
+        if SWAP:
+            acc_g = tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
+        else:
+            acc_g = tl.zeros((ENTRIES, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((ENTRIES, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, QBLOCK):
             xe = tl.load(row + k0 + 2 * half[None, :], mask=valid[:, None], other=0.0)
             xo = tl.load(row + k0 + 2 * half[None, :] + 1, mask=valid[:, None], other=0.0)
-            for part in tl.static_range(2):
+            for part in tl.static_range(2):  # gate rows [0, I), then up rows [I, 2I)
                 rows = cols + part * I
                 blk = rows * (H // QBLOCK) + k0 // QBLOCK
                 scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, expert, blk, ok, stride_ae,
                                       stride_ne, NESTED, DOUBLE_QUANT)
                 hi, lo = nibble_weights(wbase, rows, ok, k0, H, code_ptr, QBLOCK, False)
-                prod = tl.dot(hi, tl.trans(xe)) + tl.dot(lo, tl.trans(xo))
-                if part == 0:
-                    acc_g += prod * scale[:, None]
+                if SWAP:
+                    prod = (tl.dot(hi, tl.trans(xe)) + tl.dot(lo, tl.trans(xo))) * scale[:, None]
                 else:
-                    acc_u += prod * scale[:, None]
+                    prod = (tl.sum(xe.to(tl.float32)[:, None, :] * hi.to(tl.float32)[None, :, :], axis=2)
+                            + tl.sum(xo.to(tl.float32)[:, None, :] * lo.to(tl.float32)[None, :, :], axis=2)) \
+                        * scale[None, :]
+                if part == 0:
+                    acc_g += prod
+                else:
+                    acc_u += prod
         g = acc_g.to(dt).to(tl.float32)
-        h = _gelu_tanh(g).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
-        tl.store(out_ptr + flat[None, :] * I + cols[:, None], h.to(dt), mask=valid[None, :] & ok[:, None])
+        h = (_gelu_tanh(g).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)).to(dt)
+        if SWAP:
+            tl.store(out_ptr + flat[None, :] * I + cols[:, None], h, mask=valid[None, :] & ok[:, None])
+        else:
+            tl.store(out_ptr + flat[:, None] * I + cols[None, :], h, mask=valid[:, None] & ok[None, :])
         m0 += ENTRIES
 
 
@@ -161,16 +132,16 @@ def up_dot(x, gate_up, index, order, starts, i, topk, tiles):
     return out
 
 
-def up_form(kernel, x, gate_up, index, order, starts, i, topk, entries, block_n, warps):
-    """The gate_up projection through one of the candidate kernels (_up_fma_kernel, _up_dot_w_kernel)."""
+def up_form(swap, x, gate_up, index, order, starts, i, topk, entries, block_n, warps):
+    """The gate_up projection through _up_forms_kernel (swap: the tensor-core form)."""
     ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup="table")
     out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
-    kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
+    _up_forms_kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
         x_ptr=x, order_ptr=order, starts_ptr=starts, w_ptr=ops["w_ptr"], absmax_ptr=ops["absmax_ptr"],
         code_ptr=ops["code_ptr"], ncode_ptr=ops["ncode_ptr"], nabsmax_ptr=ops["nabsmax_ptr"],
         noffset_ptr=ops["noffset_ptr"], out_ptr=out, I=i, H=x.shape[1], TOPK=topk, stride_we=ops["stride_we"],
         stride_ae=ops["stride_ae"], stride_ne=ops["stride_ne"], QBLOCK=ops["QBLOCK"], NESTED=ops["NESTED"],
-        DOUBLE_QUANT=ops["DOUBLE_QUANT"], ENTRIES=entries, BLOCK_N=block_n, num_warps=warps)
+        DOUBLE_QUANT=ops["DOUBLE_QUANT"], ENTRIES=entries, BLOCK_N=block_n, SWAP=swap, num_warps=warps)
     return out
 
 
@@ -221,7 +192,7 @@ def main() -> None:
         [("dot_w", 16, *c) for c in itertools.product((32, 64, 128), (4, 8))]
     if args.check:
         grid = [("fma", 1, 16, 4), ("fma", 4, 32, 4), ("dot_w", 16, 32, 4)]
-    kernels = {"fma": _up_fma_kernel, "dot_w": _up_dot_w_kernel}
+    swapped = {"fma": False, "dot_w": True}
     rows = []
     for t in (int(b) for b in args.batch_sizes.split(",")):
         x = torch.randn(t, h, device=dev, dtype=dt)
@@ -239,17 +210,17 @@ def main() -> None:
             up_bytes(gate_up, starts, i, h, bn, warps)
             res[f"bytes_{bn}_{warps}_us"] = us(lambda: up_bytes(gate_up, starts, i, h, bn, warps))
         for form, entries, bn, warps in grid:
-            kern = kernels[form]
+            swap = swapped[form]
             try:
-                out = up_form(kern, x, gate_up, index, order, starts, i, k, entries, bn, warps)
+                out = up_form(swap, x, gate_up, index, order, starts, i, k, entries, bn, warps)
             except Exception as err:  # a tile that does not compile is reported, not fatal
                 res[f"{form}_{entries}_{bn}_{warps}"] = f"{type(err).__name__}: {str(err)[:120]}"
                 continue
             # a row alone (token 0's choices, the same expert order) against the same row in the step
             o0, s0, _ = _entry_lists(index[:k], e, True)
-            alone = up_form(kern, x[:1], gate_up, index[:k], o0, s0, i, k, entries, bn, warps)
+            alone = up_form(swap, x[:1], gate_up, index[:k], o0, s0, i, k, entries, bn, warps)
             res[f"{form}_{entries}_{bn}_{warps}"] = {
-                "us": us(lambda: up_form(kern, x, gate_up, index, order, starts, i, k, entries, bn, warps)),
+                "us": us(lambda: up_form(swap, x, gate_up, index, order, starts, i, k, entries, bn, warps)),
                 "max_diff_vs_dot": float((out.float() - ref.float()).abs().max()),
                 "row_alone_equal": bool(torch.equal(alone, out[:k]))}
         timed = {key: v for key, v in res.items() if key.startswith(("fma_", "dot_w_")) and isinstance(v, dict)}
@@ -261,7 +232,7 @@ def main() -> None:
             continue
         line = (f"batch {t}: {used} experts, {nbytes / 1e6:.0f} MB; dot {res['dot_us']:.0f} us "
                 f"({nbytes / res['dot_us'] / 1e6:.2f} TB/s); bytes alone {floor:.0f} us ({nbytes / floor / 1e6:.2f} TB/s)")
-        for form in kernels:
+        for form in swapped:
             mine = {key: v for key, v in timed.items() if key.startswith(form + "_")}
             if not mine:
                 line += f"; no {form} tile ran"
