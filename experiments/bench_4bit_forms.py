@@ -39,8 +39,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma.model.moe_kernel import (  # noqa: E402
-    UP_TILES, _block_scales, _entry_lists, _gelu_tanh, _routed_up_kernel, _weight_operands)
-from flexgemma.model.triton4bit import nibble_weights  # noqa: E402
+    UP_TILES, _entry_lists, _nibble_block, _routed_up_kernel, _store_up, _weight_operands)
 
 
 @triton.jit
@@ -51,7 +50,7 @@ def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
     """Program (e, j): features [j*BLOCK_N, (j+1)*BLOCK_N) of expert e's entries, ENTRIES at a time, each
     quantisation block decoded once for them. SWAP=False (fma): [ENTRIES, BLOCK_N] products on the CUDA
     cores; SWAP=True (dot_w): tensor-core products (decoded block) x (entries' halves).T into [BLOCK_N,
-    ENTRIES] accumulators, stored transposed."""
+    ENTRIES] accumulators, transposed for the production epilogue."""
     expert = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < I
@@ -59,7 +58,6 @@ def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
     count = tl.load(starts_ptr + expert + 1) - start
     half = tl.arange(0, QBLOCK // 2)
     dt = x_ptr.dtype.element_ty
-    wbase = w_ptr + expert * stride_we
     m0 = 0
     while m0 < count:
         want = m0 + tl.arange(0, ENTRIES)
@@ -76,11 +74,9 @@ def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
             xe = tl.load(row + k0 + 2 * half[None, :], mask=valid[:, None], other=0.0)
             xo = tl.load(row + k0 + 2 * half[None, :] + 1, mask=valid[:, None], other=0.0)
             for part in tl.static_range(2):  # gate rows [0, I), then up rows [I, 2I)
-                rows = cols + part * I
-                blk = rows * (H // QBLOCK) + k0 // QBLOCK
-                scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, expert, blk, ok, stride_ae,
-                                      stride_ne, NESTED, DOUBLE_QUANT)
-                hi, lo = nibble_weights(wbase, rows, ok, k0, H, code_ptr, QBLOCK, False)
+                hi, lo, scale = _nibble_block(w_ptr, expert, cols + part * I, ok, k0, H, stride_we, absmax_ptr,
+                                              code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne,
+                                              QBLOCK, NESTED, DOUBLE_QUANT, False)
                 if SWAP:
                     prod = (tl.dot(hi, tl.trans(xe)) + tl.dot(lo, tl.trans(xo))) * scale[:, None]
                 else:
@@ -91,12 +87,9 @@ def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
                     acc_g += prod
                 else:
                     acc_u += prod
-        g = acc_g.to(dt).to(tl.float32)
-        h = (_gelu_tanh(g).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)).to(dt)
-        if SWAP:
-            tl.store(out_ptr + flat[None, :] * I + cols[:, None], h, mask=valid[None, :] & ok[:, None])
-        else:
-            tl.store(out_ptr + flat[:, None] * I + cols[None, :], h, mask=valid[:, None] & ok[None, :])
+        if SWAP:  # the production kernel's epilogue on [ENTRIES, BLOCK_N] accumulators
+            acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
+        _store_up(out_ptr, flat, valid, cols, acc_g, acc_u, I, dt)
         m0 += ENTRIES
 
 
