@@ -6,7 +6,8 @@ layer's gate_up projection (act(x @ gate.T) * (x @ up.T), [E, 2I, H] 4-bit, each
 by a sort) in three forms, on the same bytes and routing:
 
   dot      the production kernel (moe_kernel._routed_up_kernel, PACKED): each quantisation block's
-           nibbles decoded, then two tensor-core products with 16-row tiles of entries, scaled after;
+           nibbles decoded, then two tensor-core products with 16-row tiles of entries, scaled after
+           (also at BLOCK_N 32-128 and 4 or 8 warps; dot_sel: its code table held as scalars);
   fma      each block decoded once for ENTRIES entries at a time, products on the CUDA cores (a 3-D
            broadcast and a sum over the block), scaled after: no tile of 16 rows, no operand shuffle
            through shared memory;
@@ -115,8 +116,8 @@ def _up_bytes_kernel(starts_ptr, w_ptr, absmax_ptr, out_ptr, I: tl.constexpr, H:
     tl.store(out_ptr + expert * I + cols, tl.sum(acc, axis=1).to(tl.float32), mask=ok)
 
 
-def up_dot(x, gate_up, index, order, starts, i, topk, tiles):
-    ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup="table")
+def up_dot(x, gate_up, index, order, starts, i, topk, tiles, code_lookup="table"):
+    ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup=code_lookup)
     out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
     _routed_up_kernel[(gate_up.shape[0], triton.cdiv(i, tiles["BLOCK_N"]))](
         x_ptr=x, index_ptr=index, order_ptr=order, starts_ptr=starts, n_flat=index.numel(), slots_ptr=index,
@@ -125,8 +126,13 @@ def up_dot(x, gate_up, index, order, starts, i, topk, tiles):
     return out
 
 
-def up_form(swap, x, gate_up, index, order, starts, i, topk, entries, block_n, warps):
-    """The gate_up projection through _up_forms_kernel (swap: the tensor-core form)."""
+def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, warps):
+    """The gate_up projection in one of FORMS (entries: BLOCK_M for the production kernel's)."""
+    if form in ("dot", "dot_sel"):
+        return up_dot(x, gate_up, index, order, starts, i, topk,
+                      {**UP_TILES, "BLOCK_M": entries, "BLOCK_N": block_n, "num_warps": warps},
+                      "select" if form == "dot_sel" else "table")
+    swap = FORMS[form]
     ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup="table")
     out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
     _up_forms_kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
@@ -136,6 +142,11 @@ def up_form(swap, x, gate_up, index, order, starts, i, topk, entries, block_n, w
         stride_ae=ops["stride_ae"], stride_ne=ops["stride_ne"], QBLOCK=ops["QBLOCK"], NESTED=ops["NESTED"],
         DOUBLE_QUANT=ops["DOUBLE_QUANT"], ENTRIES=entries, BLOCK_N=block_n, SWAP=swap, num_warps=warps)
     return out
+
+
+# each form's SWAP for _up_forms_kernel; dot / dot_sel: the production kernel at other tiles, its code
+# table read from memory (L1) or held as scalars (kernels.moe_code_lookup=select)
+FORMS = {"dot": None, "dot_sel": None, "fma": False, "dot_w": True}
 
 
 def up_bytes(gate_up, starts, i, h, block_n, warps):
@@ -181,11 +192,11 @@ def main() -> None:
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name() if dev.type == "cuda" else dev,
           flush=True)
     # (form, entries a program takes at a time, BLOCK_N, warps)
-    grid = [("fma", *c) for c in itertools.product((1, 2, 4, 8), (16, 32, 64), (4, 8))] + \
+    grid = [(f, 16, *c) for f in ("dot", "dot_sel") for c in itertools.product((32, 64, 128), (4, 8))] + \
+        [("fma", *c) for c in itertools.product((1, 2, 4, 8), (16, 32, 64), (4, 8))] + \
         [("dot_w", 16, *c) for c in itertools.product((32, 64, 128), (4, 8))]
     if args.check:
-        grid = [("fma", 1, 16, 4), ("fma", 4, 32, 4), ("dot_w", 16, 32, 4)]
-    swapped = {"fma": False, "dot_w": True}
+        grid = [("dot_sel", 16, 64, 4), ("fma", 1, 16, 4), ("fma", 4, 32, 4), ("dot_w", 16, 32, 4)]
     rows = []
     for t in (int(b) for b in args.batch_sizes.split(",")):
         x = torch.randn(t, h, device=dev, dtype=dt)
@@ -203,20 +214,19 @@ def main() -> None:
             up_bytes(gate_up, starts, i, h, bn, warps)
             res[f"bytes_{bn}_{warps}_us"] = us(lambda: up_bytes(gate_up, starts, i, h, bn, warps))
         for form, entries, bn, warps in grid:
-            swap = swapped[form]
             try:
-                out = up_form(swap, x, gate_up, index, order, starts, i, k, entries, bn, warps)
+                out = up_form(form, x, gate_up, index, order, starts, i, k, entries, bn, warps)
             except Exception as err:  # a tile that does not compile is reported, not fatal
                 res[f"{form}_{entries}_{bn}_{warps}"] = f"{type(err).__name__}: {str(err)[:120]}"
                 continue
             # a row alone (token 0's choices, the same expert order) against the same row in the step
             o0, s0, _ = _entry_lists(index[:k], e, True)
-            alone = up_form(swap, x[:1], gate_up, index[:k], o0, s0, i, k, entries, bn, warps)
+            alone = up_form(form, x[:1], gate_up, index[:k], o0, s0, i, k, entries, bn, warps)
             res[f"{form}_{entries}_{bn}_{warps}"] = {
-                "us": us(lambda: up_form(swap, x, gate_up, index, order, starts, i, k, entries, bn, warps)),
+                "us": us(lambda: up_form(form, x, gate_up, index, order, starts, i, k, entries, bn, warps)),
                 "max_diff_vs_dot": float((out.float() - ref.float()).abs().max()),
                 "row_alone_equal": bool(torch.equal(alone, out[:k]))}
-        timed = {key: v for key, v in res.items() if key.startswith(("fma_", "dot_w_")) and isinstance(v, dict)}
+        timed = {key: v for key, v in res.items() if key.startswith(tuple(f + "_" for f in FORMS)) and isinstance(v, dict)}
         floor = min(v for key, v in res.items() if key.startswith("bytes_"))
         if args.check:
             print(f"batch {t}: " + "; ".join(f"{key} max diff {v['max_diff_vs_dot']:.2e} row alone equal "
@@ -225,8 +235,8 @@ def main() -> None:
             continue
         line = (f"batch {t}: {used} experts, {nbytes / 1e6:.0f} MB; dot {res['dot_us']:.0f} us "
                 f"({nbytes / res['dot_us'] / 1e6:.2f} TB/s); bytes alone {floor:.0f} us ({nbytes / floor / 1e6:.2f} TB/s)")
-        for form in swapped:
-            mine = {key: v for key, v in timed.items() if key.startswith(form + "_")}
+        for form in FORMS:
+            mine = {key: v for key, v in timed.items() if key.startswith(form + "_") and key[len(form) + 1].isdigit()}
             if not mine:
                 line += f"; no {form} tile ran"
                 continue
