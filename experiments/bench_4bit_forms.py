@@ -193,7 +193,7 @@ def main() -> None:
           flush=True)
     # (form, entries a program takes at a time, BLOCK_N, warps)
     grid = [(f, 16, *c) for f in ("dot", "dot_sel") for c in itertools.product((32, 64, 128), (4, 8))] + \
-        [("fma", *c) for c in itertools.product((1, 2, 4, 8), (16, 32, 64), (4, 8))] + \
+        [("fma", *c) for c in itertools.product((1, 2, 4, 8), (32, 64), (4,))] + \
         [("dot_w", 16, *c) for c in itertools.product((32, 64, 128), (4, 8))]
     if args.check:
         grid = [("dot_sel", 16, 64, 4), ("fma", 1, 16, 4), ("fma", 4, 32, 4), ("dot_w", 16, 32, 4)]

@@ -63,6 +63,7 @@ def moe_jobs(base: list[str], exact_extra: list[str]) -> dict[str, list[str]]:
             "26b_bnb4_exact_reference": [*base, *exact_extra, *EXACT, *REFERENCE],
             "26b_bnb4_exact_mb32": [*base, *exact_extra, *EXACT, ONE_MICRO],
             "26b_bnb4_exact_sleep": [*base, *exact_extra, *EXACT, *SLEEP],
+            "26b_bnb4_exact_mb32_sleep": [*base, *exact_extra, *EXACT, ONE_MICRO, *SLEEP],
             "26b_bnb4_flexgemma": [*base, *INEXACT, "task.gradient_checkpointing=true"]}
 
 
