@@ -217,16 +217,17 @@ def main() -> None:
             try:
                 out = up_form(form, x, gate_up, index, order, starts, i, k, entries, bn, warps)
             except Exception as err:  # a tile that does not compile is reported, not fatal
-                res[f"{form}_{entries}_{bn}_{warps}"] = f"{type(err).__name__}: {str(err)[:120]}"
+                res[f"{form}_{entries}_{bn}_{warps}"] = {"form": form, "error": f"{type(err).__name__}: {str(err)[:120]}"}
                 continue
             # a row alone (token 0's choices, the same expert order) against the same row in the step
             o0, s0, _ = _entry_lists(index[:k], e, True)
             alone = up_form(form, x[:1], gate_up, index[:k], o0, s0, i, k, entries, bn, warps)
             res[f"{form}_{entries}_{bn}_{warps}"] = {
+                "form": form,
                 "us": us(lambda: up_form(form, x, gate_up, index, order, starts, i, k, entries, bn, warps)),
                 "max_diff_vs_dot": float((out.float() - ref.float()).abs().max()),
                 "row_alone_equal": bool(torch.equal(alone, out[:k]))}
-        timed = {key: v for key, v in res.items() if key.startswith(tuple(f + "_" for f in FORMS)) and isinstance(v, dict)}
+        timed = {key: v for key, v in res.items() if isinstance(v, dict) and "us" in v}
         floor = min(v for key, v in res.items() if key.startswith("bytes_"))
         if args.check:
             print(f"batch {t}: " + "; ".join(f"{key} max diff {v['max_diff_vs_dot']:.2e} row alone equal "
@@ -236,7 +237,7 @@ def main() -> None:
         line = (f"batch {t}: {used} experts, {nbytes / 1e6:.0f} MB; dot {res['dot_us']:.0f} us "
                 f"({nbytes / res['dot_us'] / 1e6:.2f} TB/s); bytes alone {floor:.0f} us ({nbytes / floor / 1e6:.2f} TB/s)")
         for form in FORMS:
-            mine = {key: v for key, v in timed.items() if key.startswith(form + "_") and key[len(form) + 1].isdigit()}
+            mine = {key: v for key, v in timed.items() if v["form"] == form}
             if not mine:
                 line += f"; no {form} tile ran"
                 continue

@@ -64,6 +64,8 @@ def moe_jobs(base: list[str], exact_extra: list[str]) -> dict[str, list[str]]:
             "26b_bnb4_exact_mb32": [*base, *exact_extra, *EXACT, ONE_MICRO],
             "26b_bnb4_exact_sleep": [*base, *exact_extra, *EXACT, *SLEEP],
             "26b_bnb4_exact_mb32_sleep": [*base, *exact_extra, *EXACT, ONE_MICRO, *SLEEP],
+            # between the two: two micro-batches of 16, the KV given back
+            "26b_bnb4_exact_mb16_sleep": [*base, *exact_extra, *EXACT, "task.micro_batch=16", *SLEEP],
             "26b_bnb4_flexgemma": [*base, *INEXACT, "task.gradient_checkpointing=true"]}
 
 
