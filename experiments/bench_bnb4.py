@@ -49,8 +49,8 @@ def run_case(overrides: list[str]) -> dict:
     from flexgemma import build_engine, compose
     from flexgemma.model.quant import storage_census
     from flexgemma.tasks.common import timed_rounds
-    from flexgemma.tracking import environment
-    from flexgemma.workload import synthetic
+    from flexgemma.run.tracking import environment
+    from flexgemma.tasks.workload import synthetic
 
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()

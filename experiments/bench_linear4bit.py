@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from flexgemma.kernels import Kernels
+    from flexgemma.config.kernels import Kernels
     from flexgemma.model.linear4bit import TILES, Linear4bitGroup
     from flexgemma.model.quant import Bnb4Settings, linear4bit_from
 

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flexgemma import build_engine, compose  # noqa: E402
 from flexgemma.tasks.common import timed_rounds  # noqa: E402
 from flexgemma.tasks.drift import perturbed  # noqa: E402
-from flexgemma.tracking import environment  # noqa: E402
-from flexgemma.workload import synthetic  # noqa: E402
+from flexgemma.run.tracking import environment  # noqa: E402
+from flexgemma.tasks.workload import synthetic  # noqa: E402
 
 GB = 1e9
 

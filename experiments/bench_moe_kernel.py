@@ -48,7 +48,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers.activations import GELUTanh
 
-    from flexgemma.kernels import Kernels
+    from flexgemma.config.kernels import Kernels
     from flexgemma.model.moe_kernel import DOWN_TILES, UP_TILES, block_m_for, decode_experts
 
     sort_above = Kernels().moe_sort_above  # steps of more entries sort them by default

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flexgemma.compiled import CompileCounter, compile_fn  # noqa: E402
+from flexgemma.model.compiled import CompileCounter, compile_fn  # noqa: E402
 from flexgemma.engine.sampler import SamplingBatch, sample  # noqa: E402
 from flexgemma.model.glue import final_logits  # noqa: E402
 from flexgemma.tasks.common import cuda_time_ms  # noqa: E402

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma import build_engine, compose  # noqa: E402
 from flexgemma.tasks.common import TimedRound, timed_rounds, weight_bytes_per_decode_step  # noqa: E402
-from flexgemma.tracking import environment  # noqa: E402
-from flexgemma.workload import synthetic  # noqa: E402
+from flexgemma.run.tracking import environment  # noqa: E402
+from flexgemma.tasks.workload import synthetic  # noqa: E402
 
 GB = 1e9
 CUDA = torch.cuda.is_available()  # the numbers are GPU numbers; on the CPU the script only smoke-tests

@@ -176,7 +176,7 @@ def decode_overrides(sweep: list[dict], min_gain: float = 0.02) -> list[str]:
 def prefill_batch(engine, cfg) -> tuple[list[Sequence], list[int]]:
     """The workload's first prompts, up to engine.max_prefill_tokens tokens, each with pages for its
     prompt and nothing computed: one packed prefill chunk, as the engine's first step of a round."""
-    from flexgemma.workload import synthetic
+    from flexgemma.tasks.workload import synthetic
 
     work = synthetic(cfg.workload, engine.spec.vocab_size)
     seqs, lens, budget = [], [], int(cfg.engine.max_prefill_tokens)

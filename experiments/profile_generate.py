@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma import build_engine, compose  # noqa: E402
-from flexgemma.compose import conf_dir  # noqa: E402
+from flexgemma.config.compose import conf_dir  # noqa: E402
 from flexgemma.engine.engine import StepStats  # noqa: E402
-from flexgemma.workload import pool_demand, synthetic  # noqa: E402
+from flexgemma.tasks.workload import pool_demand, synthetic  # noqa: E402
 
 
 def preset_overrides(model: str, batch: int, new_tokens, device: str, extra: list[str]) -> list[str]:

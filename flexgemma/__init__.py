@@ -1,7 +1,7 @@
 """flexgemma: a fast Gemma-4 generation engine on flex_attention, and the experiment framework around it.
 
     from flexgemma import compose, build_engine, SamplingParams
-    cfg = compose(["+model=tiny", "quant=bf16"])   # the typed config (flexgemma.config.Config)
+    cfg = compose(["+model=tiny", "quant=bf16"])   # the typed config (flexgemma.config.schema.Config)
     engine = build_engine(cfg)
     outs = engine.generate([[2, 18, 279], [2, 51]], SamplingParams(max_new_tokens=32, temperature=0.0))
 
@@ -11,10 +11,9 @@ set the OpenMP wait policy before torch is imported.
 
 import importlib
 
-# compose and config import no torch; compose is imported here because the submodule of the same
-# name would otherwise shadow the function once anything imports flexgemma.compose
-from flexgemma.compose import compose
-from flexgemma.config import ConfigError
+# the config layer imports no torch: these two are imported at once
+from flexgemma.config.compose import compose
+from flexgemma.config.schema import ConfigError
 
 _EXPORTS = {
     "build_engine": "flexgemma.builder",

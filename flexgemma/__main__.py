@@ -1,6 +1,6 @@
 """`python -m flexgemma [model=NAME] [overrides...]`: the Hydra entry point; nothing else.
 
-The task function is flexgemma.run.hydra_task (a module function, not one of `__main__`, so that a
+The task function is flexgemma.run.job.hydra_task (a module function, not one of `__main__`, so that a
 launcher can pickle it by reference into each job's own process).
 """
 
@@ -20,18 +20,18 @@ import sys  # noqa: E402
 
 import hydra  # noqa: E402
 
-from flexgemma.compose import (_check_model_override, check_extras, check_override_keys, conf_dir,  # noqa: E402
+from flexgemma.config.compose import (_check_model_override, check_extras, check_override_keys, conf_dir,  # noqa: E402
                                normalise_overrides)
-from flexgemma.config import ConfigError, check_moved_keys, register_configs  # noqa: E402
+from flexgemma.config.schema import ConfigError, check_moved_keys, register_configs  # noqa: E402
 from flexgemma.rl.ranks import world  # noqa: E402
-from flexgemma.run import hydra_task  # noqa: E402
+from flexgemma.run.job import hydra_task  # noqa: E402
 
 _main = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(hydra_task)
 
 
 def main() -> None:
     if {"--help", "-h"} & set(sys.argv[1:]):  # flexgemma's page; Hydra's own is --hydra-help
-        from flexgemma.help import help_text
+        from flexgemma.run.help import help_text
 
         print(help_text())
         return

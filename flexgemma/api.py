@@ -2,15 +2,15 @@
 caller has (build_engine(model=..., **overrides) is its sibling in builder.py).
 
 Both compose conf/ like the CLI (every override the CLI takes works here), and leave the caller's
-Hydra state as it was (flexgemma.compose restores an initialised GlobalHydra).
+Hydra state as it was (flexgemma.config.compose restores an initialised GlobalHydra).
 """
 
 from __future__ import annotations
 
 import torch
 
-from flexgemma.config import ConfigError
-from flexgemma.overrides import engine_config
+from flexgemma.config.schema import ConfigError
+from flexgemma.config.overrides import engine_config
 
 
 def _check_hf_model(hf_model) -> None:
@@ -32,7 +32,7 @@ def engine_from_model(hf_model, tokenizer=None, **overrides):
     unless overridden) and no LoRA is attached unless lora= is given (that wraps the model with peft).
     Quantised (bitsandbytes) models are not supported here: build those with quant=bnb4."""
     from flexgemma.builder import assemble_engine
-    from flexgemma.resolve import resolve
+    from flexgemma.config.resolve import resolve
     from flexgemma.model.quant import storage_census
 
     _check_hf_model(hf_model)

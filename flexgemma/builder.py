@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 
-from flexgemma.compiled import CompileCounter, compile_fn
-from flexgemma.config import Config, ConfigError
+from flexgemma.model.compiled import CompileCounter, compile_fn
+from flexgemma.config.schema import Config, ConfigError
 from flexgemma.engine.block_mask import MaskBuilder
 from flexgemma.engine.engine import Engine
 from flexgemma.engine.kv_cache import KVCache, PoolDemand
@@ -30,7 +30,7 @@ from flexgemma.model.load import build_model, free_memory
 from flexgemma.model.lora import attach_lora
 from flexgemma.model.projections import fuse_projections
 from flexgemma.model.spec import FULL, ModelSpec
-from flexgemma.resolve import Resolved, resolve, resolve_device
+from flexgemma.config.resolve import Resolved, resolve, resolve_device
 
 log = logging.getLogger("flexgemma")
 
@@ -111,22 +111,22 @@ def _refuse_if_too_large(cfg: Config, device: torch.device) -> None:
 
 def build_engine(cfg=None, demand: PoolDemand = PoolDemand(), *, model: Optional[str] = None,
                  quant: Optional[str] = None, lora: Optional[str] = None, **overrides) -> Engine:
-    """Builds the engine a config describes: the typed Config of flexgemma.compose (or a composed
+    """Builds the engine a config describes: the typed Config of flexgemma.config.compose (or a composed
     DictConfig, typed here once); `demand` sizes the KV pool on a GPU (the run orchestrator passes
     its workload's).
 
     Or from Python arguments, composed like the CLI's overrides (the caller's Hydra state is left
     alone): build_engine(model="e2b", quant="bnb4", lora="r16", device="cpu", **{"kv.page_size": 8});
     a key may also spell dots as double underscores (engine__max_batch_size=16)."""
-    from flexgemma.compose import to_config
-    from flexgemma.overrides import engine_config
+    from flexgemma.config.compose import to_config
+    from flexgemma.config.overrides import engine_config
 
     if isinstance(cfg, str):  # build_engine("tiny")
         model, cfg = model or cfg, None
     if cfg is None:
         cfg = engine_config(model=model, quant=quant, lora=lora, **overrides)
     elif not isinstance(cfg, (Config, DictConfig)):
-        raise TypeError(f"build_engine takes a config (flexgemma.compose) or keyword arguments, got {cfg!r}")
+        raise TypeError(f"build_engine takes a config (flexgemma.config.compose) or keyword arguments, got {cfg!r}")
     elif model or quant or lora or overrides:
         raise TypeError("build_engine: give either a config or keyword arguments, not both")
     return _build_from_config(to_config(cfg), demand)

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from flexgemma import RequestError, SamplingParams, build_engine, compose
-from flexgemma.run import run_job
-from flexgemma.workload import WorkloadError
+from flexgemma.run.job import run_job
+from flexgemma.tasks.workload import WorkloadError
 
 from conftest import SMALL, make_engine
 
@@ -114,7 +114,7 @@ def test_a_lock_whose_pid_no_process_can_have_is_stale(tmp_path, pid):
     succeeds) hold nothing: the lock is stale, taken over, and the job runs."""
     import socket
 
-    from flexgemma.joblock import JobLock, holder
+    from flexgemma.run.joblock import JobLock, holder
 
     job = tmp_path / "job"
     job.mkdir()
@@ -149,7 +149,7 @@ def test_score_names_the_argument_that_is_not_a_list(tiny_engine, sequences, pro
 
 
 def test_token_id_lines_are_not_taken_for_chat_messages():
-    from flexgemma.workload import record_problem
+    from flexgemma.tasks.workload import record_problem
 
     assert record_problem({"prompt_token_ids": [2, 7, 9]}) is None
     assert record_problem({"messages": [{"role": "user", "content": "hi"}]}) is None

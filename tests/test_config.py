@@ -85,8 +85,8 @@ def test_sweep_job_folder_names_stay_short():
     too long" on the H200); long names are now cut with a digest that still tells jobs apart."""
     from omegaconf import OmegaConf
 
-    from flexgemma.compose import conf_dir
-    from flexgemma.config import short_dirname
+    from flexgemma.config.compose import conf_dir
+    from flexgemma.config.schema import short_dirname
 
     assert short_dirname("a=1,b=2") == "a=1,b=2"
     long_a, long_b = "x" * 300 + ",k=1", "x" * 300 + ",k=2"

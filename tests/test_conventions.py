@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from flexgemma import ConfigError, compose
-from flexgemma.compose import normalise_overrides
+from flexgemma.config.compose import normalise_overrides
 
 from conftest import ROOT  # noqa: E402 - the repository
 

@@ -218,7 +218,7 @@ def test_adapter_files_that_cannot_be_parsed_name_the_file(lora_engine, tmp_path
 # -- 6. sweeps: one job's I/O failure, bad launcher options, a job directory in use -------------------
 from conftest import APP, APP_CONFIG, run_python  # noqa: E402
 
-from flexgemma.joblock import JobLock, JobLockedError, holder  # noqa: E402
+from flexgemma.run.joblock import JobLock, JobLockedError, holder  # noqa: E402
 
 
 def _app(tmp_path: Path) -> Path:
@@ -257,7 +257,7 @@ def _lock_as(job_dir: Path, pid: int, start=None) -> None:
 
 
 def test_a_job_dir_that_cannot_be_written_or_is_in_use_does_not_stop_the_sweep(tmp_path):
-    from flexgemma.joblock import _me
+    from flexgemma.run.joblock import _me
 
     sweep = _app(tmp_path)
     sweep.mkdir()
@@ -278,7 +278,7 @@ def test_a_job_dir_that_cannot_be_written_or_is_in_use_does_not_stop_the_sweep(t
 
 
 def test_job_lock_is_exclusive_and_stale_locks_are_taken_over(tmp_path):
-    from flexgemma.joblock import _me
+    from flexgemma.run.joblock import _me
 
     with JobLock(tmp_path / "a") as lock:
         assert holder(tmp_path / "a")["pid"] == os.getpid()
@@ -296,8 +296,8 @@ def test_job_lock_is_exclusive_and_stale_locks_are_taken_over(tmp_path):
 
 
 def test_run_job_in_a_locked_directory_touches_nothing(tmp_path):
-    from flexgemma.joblock import _me
-    from flexgemma.run import run_job
+    from flexgemma.run.joblock import _me
+    from flexgemma.run.job import run_job
 
     mine = _me()
     _lock_as(tmp_path / "job", mine["pid"], mine["start"])
@@ -310,10 +310,10 @@ def test_run_job_in_a_locked_directory_touches_nothing(tmp_path):
 
 
 # -- 7. jobs: checked before the build, failed when nothing ran, bounded summaries --------------------
-from flexgemma.run import run_job  # noqa: E402
+from flexgemma.run.job import run_job  # noqa: E402
 from flexgemma.tasks.common import bounded  # noqa: E402
-from flexgemma.tracking import RunDirError  # noqa: E402
-from flexgemma.workload import WorkloadError  # noqa: E402
+from flexgemma.run.tracking import RunDirError  # noqa: E402
+from flexgemma.tasks.workload import WorkloadError  # noqa: E402
 
 TINY_JOB = ["+model=tiny", "device=cpu", "logger=none", "kv.page_size=8", "kv.cpu_pages=80", "engine.max_model_len=256",
             "workload.num_prompts=2", "workload.max_new_tokens=3", "workload.rounds=1", "workload.warmup_rounds=0"]
@@ -324,7 +324,7 @@ def no_build(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was built")
 
-    monkeypatch.setattr("flexgemma.run.build_engine", refuse)
+    monkeypatch.setattr("flexgemma.run.job.build_engine", refuse)
 
 
 def test_sampling_settings_that_make_every_request_an_error_are_invalid_before_the_build(tmp_path, no_build):
@@ -368,7 +368,7 @@ def test_a_job_whose_every_request_errored_is_failed(tmp_path, monkeypatch):
             RequestOutput(i, list(p), [], [], "error", error="sampling blew up") for i, p in enumerate(prompts)]
         return engine
 
-    monkeypatch.setattr("flexgemma.run.build_engine", erroring)
+    monkeypatch.setattr("flexgemma.run.job.build_engine", erroring)
     summary = run_job(compose(TINY_JOB), tmp_path / "job", raise_errors=False)
     assert summary["status"] == "failed" and summary["requests/errors"] == summary["requests/total"] == 2
     assert "every one of the 2 requests ended in an error" in summary["error"] and "sampling blew up" in summary["error"]
@@ -426,7 +426,7 @@ OFFLINE_RUN = """
 import sys
 from pathlib import Path
 from flexgemma import compose
-from flexgemma.wandb_logger import WandbRun
+from flexgemma.run.wandb_logger import WandbRun
 
 out = Path(sys.argv[1])
 cfg = compose(["+model=tiny", "logger=wandb_offline"])
@@ -472,7 +472,7 @@ def test_offline_wandb_run_connects_to_nothing_in_any_process(tmp_path):
 def test_offline_wandb_run_with_networking_denied(tmp_path, monkeypatch):
     """In this process: name resolution and IP connects raise (and are recorded); the run still works,
     and wandb-core is started with its own telemetry off (--no-observability)."""
-    from flexgemma.wandb_logger import WandbRun, offline_runs, read_offline_run
+    from flexgemma.run.wandb_logger import WandbRun, offline_runs, read_offline_run
 
     attempts = []
 
@@ -515,7 +515,7 @@ def _safe_read(p: Path) -> bytes:
 
 
 def test_numpy_integers_are_accepted_as_prompt_token_ids():
-    from flexgemma.workload import _tokenise, record_problem
+    from flexgemma.tasks.workload import _tokenise, record_problem
 
     ids = [np.int64(2), np.int32(7), 9]
     assert record_problem({"prompt_token_ids": ids}) is None
@@ -528,7 +528,7 @@ def test_a_huge_error_message_is_bounded_in_the_summary(tmp_path, monkeypatch):
     def explode(*a, **k):
         raise RuntimeError("x" * 5_000_000)
 
-    monkeypatch.setattr("flexgemma.run.build_engine", explode)
+    monkeypatch.setattr("flexgemma.run.job.build_engine", explode)
     summary = run_job(compose(TINY_JOB), tmp_path / "job", raise_errors=False)
     assert summary["status"] == "failed" and summary["error"].startswith("RuntimeError: xxx")
     assert len(summary["error"]) < 20_100 and "chars left out" in summary["error"]

@@ -73,7 +73,7 @@ def test_core_runs_the_default_job_without_any_extra(tmp_path):
 
 def test_core_import_path_imports_no_extra(tmp_path):
     r = run_blocked("import flexgemma\nfrom flexgemma import build_engine, compose, SamplingParams\n"
-                    "import flexgemma.run, flexgemma.report.collect, flexgemma.extras\n"
+                    "import flexgemma.run.job, flexgemma.report.collect, flexgemma.config.extras\n"
                     "print('ok')", tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-4000:]
 

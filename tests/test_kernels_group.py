@@ -9,10 +9,10 @@ import torch
 import yaml
 
 from flexgemma import ConfigError, build_engine, compose
-from flexgemma.config import MOVED_KEYS, KernelsConfig
-from flexgemma.kernels import Kernels
-from flexgemma.resolve import resolve, resolve_kernels
-from flexgemma.tracking import RunRecorder
+from flexgemma.config.schema import MOVED_KEYS, KernelsConfig
+from flexgemma.config.kernels import Kernels
+from flexgemma.config.resolve import resolve, resolve_kernels
+from flexgemma.run.tracking import RunRecorder
 
 CPU = torch.device("cpu")
 # a value other than the default for each key that has no `auto`

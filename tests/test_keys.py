@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from flexgemma import ConfigError, build_engine, compose
-from flexgemma.config import validate
+from flexgemma.config.schema import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,8 +51,8 @@ def test_a_key_added_after_composition_is_refused_by_validate():
     `+kv.cpu_page=16` adds it: validate() names it (OmegaConf's typed conversion would drop it)."""
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from flexgemma.compose import conf_dir, ensure_model
-    from flexgemma.config import register_configs
+    from flexgemma.config.compose import conf_dir, ensure_model
+    from flexgemma.config.schema import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):

@@ -1,7 +1,9 @@
-"""The package's shape, read from its source with `ast`: model/ never imports engine/, module-level
-imports form no cycle, and functions (Triton kernels aside) stay under 60 lines."""
+"""The package's shape, read from its source with `ast`: its parts import one way (model/ never
+engine/, the engine nothing of workloads), module-level imports form no cycle, every part ships in the
+wheel, and functions (Triton kernels aside) stay under 60 lines."""
 
 import ast
+import tomllib
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flexgemma"
@@ -86,6 +88,35 @@ def test_model_never_imports_engine():
     assert {k: v for k, v in bad.items() if v} == {}
 
 
+# what each part may import besides itself: config/ nothing (its resolve.py the model's dtype rule),
+# model/ the config and tokenizers, the engine the model, workloads (tasks/, rl/) the engine; run/,
+# builder, api and the CLI sit on top
+MAY_IMPORT = {"config": set(), "tokenizers": set(), "model": {"config", "tokenizers"},
+              "engine": {"config", "model"}, "report": {"config"}, "rl": {"config", "engine", "model"},
+              "tasks": {"config", "engine", "model", "rl"}}
+EXCEPTIONS = {("flexgemma.config.resolve", "flexgemma.model.load")}
+
+
+def _part(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def test_parts_import_one_way():
+    mods = modules()
+    known = set(mods)
+    bad = sorted((name, t) for name, tree in mods.items() if _part(name) in MAY_IMPORT
+                 for t in imports(tree, name, known, module_level=False)
+                 if _part(t) not in MAY_IMPORT[_part(name)] | {_part(name)} and (name, t) not in EXCEPTIONS)
+    assert bad == []
+
+
+def test_every_part_ships_in_the_wheel():
+    """pyproject lists packages by hand; an editable install finds a missing one, a wheel does not."""
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    parts = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert parts - listed == set()
+
+
 def test_no_import_cycle_at_module_level():
     mods = modules()
     known = set(mods)
@@ -107,7 +138,7 @@ def test_the_import_graph_sees_imports():
     mods = modules()
     known = set(mods)
     top = imports(mods["flexgemma.builder"], "flexgemma.builder", known, module_level=True)
-    assert {"flexgemma.engine.kv_cache", "flexgemma.model.forward", "flexgemma.compiled"} <= top
+    assert {"flexgemma.engine.kv_cache", "flexgemma.model.forward", "flexgemma.model.compiled"} <= top
     anywhere = imports(mods["flexgemma.model.glue"], "flexgemma.model.glue", known, module_level=False)
     assert "flexgemma.model.moe_kernel" in anywhere  # a function-level import
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -20,7 +20,7 @@ def test_bf16_build_does_not_import_bitsandbytes():
         "import sys, json\n"
         "from flexgemma import compose, build_engine\n"
         "from flexgemma.tasks.common import memory_metrics\n"
-        "from flexgemma.tracking import environment\n"
+        "from flexgemma.run.tracking import environment\n"
         "e = build_engine(compose(['+model=tiny']))\n"
         "memory_metrics(e); env = environment()\n"
         "print(json.dumps({'bnb': 'bitsandbytes' in sys.modules, 'env': env}))\n")

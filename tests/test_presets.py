@@ -9,8 +9,8 @@ import yaml
 from hydra import compose as hydra_compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from flexgemma.compose import conf_dir
-from flexgemma.config import register_configs
+from flexgemma.config.compose import conf_dir
+from flexgemma.config.schema import register_configs
 
 from conftest import ROOT  # noqa: E402 - the repository
 
@@ -64,7 +64,7 @@ def test_the_grpo_presets_and_the_gpu_scripts_jobs_compose():
     sys.path.insert(0, str(ROOT / "experiments"))
     import grpo_gpu
 
-    from flexgemma.compose import compose
+    from flexgemma.config.compose import compose
 
     e2b = compose(["experiment=grpo_e2b"])
     assert (e2b.model.name, e2b.lora.rank, e2b.quant.method, e2b.task.name.value) == ("e2b", 32, "none", "grpo")

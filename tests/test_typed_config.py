@@ -5,9 +5,9 @@ import pytest
 from hydra import compose as hydra_compose, initialize_config_dir
 
 from flexgemma import build_engine, compose
-from flexgemma.compose import conf_dir
-from flexgemma.config import Config, register_configs
-from flexgemma.run import run_job
+from flexgemma.config.compose import conf_dir
+from flexgemma.config.schema import Config, register_configs
+from flexgemma.run.job import run_job
 
 SMALL = ["device=cpu", "workload.num_prompts=2", "workload.max_new_tokens=2", "workload.rounds=1",
          "workload.warmup_rounds=0", "logger=none"]
@@ -19,13 +19,13 @@ def typings(monkeypatch):
     import sys
 
     calls = []
-    real = sys.modules["flexgemma.config"].validate
+    real = sys.modules["flexgemma.config.schema"].validate
 
     def counted(cfg):
         calls.append(1)
         return real(cfg)
 
-    for name in ("flexgemma.config", "flexgemma.compose", "flexgemma.run"):  # the package's `compose` is the function
+    for name in ("flexgemma.config.schema", "flexgemma.config.compose", "flexgemma.run.job"):  # the package's `compose` is the function
         monkeypatch.setattr(sys.modules[name], "validate", counted)
     return calls
 

@@ -4,8 +4,8 @@ is still logged and finished, with its error and a non-zero exit code."""
 import json
 
 from flexgemma import compose
-from flexgemma.run import run_job
-from flexgemma.wandb_logger import offline_runs, read_offline_run
+from flexgemma.run.job import run_job
+from flexgemma.run.wandb_logger import offline_runs, read_offline_run
 
 from conftest import SMALL
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flexgemma import ConfigError, compose
-from flexgemma.run import run_job
+from flexgemma.run.job import run_job
 
 from conftest import SMALL
 

@@ -24,7 +24,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexgemma.engine.kv_cache import KVCache, PageGroup
 from flexgemma.engine.sequence import Sequence
 from flexgemma.engine.staged import Staged
-from flexgemma.kernels import Kernels
+from flexgemma.config.kernels import Kernels
 from flexgemma.model.invariant.attention import RowTable
 from flexgemma.model.spec import ModelSpec
 

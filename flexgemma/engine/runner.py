@@ -20,7 +20,7 @@ from flexgemma.engine.sampler import SamplingBatch, sample
 from flexgemma.engine.scheduler import StepPlan
 from flexgemma.engine.sequence import Sequence
 from flexgemma.engine.staged import Staged
-from flexgemma.kernels import Kernels
+from flexgemma.config.kernels import Kernels
 from flexgemma.model.forward import GemmaForward
 
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexgemma.compiled import CompileCounter, compile_fn
-from flexgemma.kernels import Kernels
+from flexgemma.model.compiled import CompileCounter, compile_fn
+from flexgemma.config.kernels import Kernels
 from flexgemma.model.kv_pools import KVPools
 from flexgemma.model.projections import Projection
 from flexgemma.model.spec import LayerSpec
@@ -147,7 +147,7 @@ class AttentionKernels:
             if "out of resource" not in text and "No valid triton configs" not in text \
                     and "must be divisible by BLOCK_M and BLOCK_N" not in text:
                 raise
-            from flexgemma.config import ConfigError
+            from flexgemma.config.schema import ConfigError
 
             key = f"attn.{phase}" + (".full_attention" if q.shape[-1] >= 512 else "")
             reason = text.strip().splitlines()[0][:300]

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from flexgemma.config import ConfigError
+from flexgemma.config.schema import ConfigError
 from flexgemma.model.spec import ModelSpec
 
 # Beyond this a CPU builds and runs a model too slowly to be useful (minutes to build, seconds a

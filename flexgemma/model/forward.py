@@ -17,7 +17,7 @@ import torch
 import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexgemma.kernels import Kernels
+from flexgemma.config.kernels import Kernels
 from flexgemma.model.attention import AttentionKernels, PagedAttention, kernel_options, rope_tables
 from flexgemma.model.kv_pools import KVPools
 from flexgemma.model.moe import moe_block

@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from flexgemma.compiled import compile_fn
-from flexgemma.kernels import Kernels
+from flexgemma.model.compiled import compile_fn
+from flexgemma.config.kernels import Kernels
 from flexgemma.model.moe import route
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flexgemma.kernels import Kernels
+from flexgemma.config.kernels import Kernels
 from flexgemma.model.quant import dequantize_blocks
 from flexgemma.model.triton4bit import code4, dequant_blocks, sum_rows
 

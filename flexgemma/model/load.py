@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
+from flexgemma.config.schema import FlexgemmaWarning
 from flexgemma.model.files import get_tensor, open_safetensors, read_json_object
 
 log = logging.getLogger("flexgemma")
@@ -304,8 +305,6 @@ def _weights_info(model_cfg, path: Optional[Path], reader: Optional["CheckpointR
     """Where the weights came from, for the info dict; a directory without weight files warns."""
     if reader is None:
         if path is not None:
-            from flexgemma.console import FlexgemmaWarning
-
             warnings.warn(
                 f"model.path={path} has no weight files (*.safetensors): using RANDOM weights (seed {model_cfg.seed})",
                 FlexgemmaWarning, stacklevel=3,

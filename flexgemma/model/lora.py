@@ -579,7 +579,7 @@ def randomise(adapters: LoraAdapters, seed: int, std_b: float) -> None:
 
 def attach_lora(model, lora_cfg, merge: bool) -> Optional[LoraAdapters]:
     """Wraps `model` (in place) with the configured peft adapters and merges them when `merge` (lora.merge
-    resolved: flexgemma.resolve); None for lora=none. What was attached: the adapters' build_info().
+    resolved: flexgemma.config.resolve); None for lora=none. What was attached: the adapters' build_info().
 
     Called once by build_engine, right after the model is built (and quantised), before the KV
     pool is sized and the decode graphs are captured.

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flexgemma.kernels import Kernels
+from flexgemma.config.kernels import Kernels
 from flexgemma.model.moe import route as torch_route, routed_experts
 from flexgemma.model.triton4bit import code4, dequant_blocks, nibble_products, nibble_weights, row_pairs, sum_rows
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flexgemma.kernels import Kernels
+from flexgemma.config.kernels import Kernels
 
 Projection = Callable[[torch.Tensor], Sequence[torch.Tensor]]
 

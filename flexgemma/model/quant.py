@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from flexgemma.config import ConfigError
+from flexgemma.config.schema import ConfigError
 
 log = logging.getLogger("flexgemma")
 
@@ -89,7 +89,7 @@ def require_bitsandbytes(device: torch.device):
     try:
         import bitsandbytes as bnb
     except ImportError as e:
-        from flexgemma.extras import MissingExtra, install_hint
+        from flexgemma.config.extras import MissingExtra, install_hint
 
         raise MissingExtra(f"quant=bnb4 needs bitsandbytes ({e}): {install_hint('bnb')} "
                            "(Linux/Windows, CUDA or CPU), or run with quant=bf16") from e

@@ -93,7 +93,7 @@ def glue_references(how: str) -> dict[str, Callable]:
     fns = {name: getattr(glue, name) for name in glue.ROW_ARGS}
     if how != "compiled":
         return fns
-    from flexgemma.compiled import CompileCounter, compile_fn
+    from flexgemma.model.compiled import CompileCounter, compile_fn
 
     counter = CompileCounter()
     return {name: compile_fn(fn, counter) for name, fn in fns.items()}
@@ -604,7 +604,7 @@ class TrainableForward:
     engine's own; the forward always runs the engine's kernels as built)."""
 
     def __init__(self, engine_forward, lora=None, checkpoint: bool = True, kernels=None):
-        from flexgemma.config import ConfigError
+        from flexgemma.config.schema import ConfigError
         from flexgemma.model.forward import GemmaForward
 
         f = engine_forward

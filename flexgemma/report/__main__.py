@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flexgemma.extras import MissingExtra
+from flexgemma.config.extras import MissingExtra
 from flexgemma.report.collect import ReportError
 
 

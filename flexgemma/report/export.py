@@ -2,7 +2,7 @@
 report.parquet (when pandas and pyarrow are installed), one row per job.
 
 Columns: job, directory, status, error, the swept keys (as typed), then every scalar of the jobs'
-summary.json in sorted order (the metric names of flexgemma/metrics.py). Lists and mappings
+summary.json in sorted order (the metric names of flexgemma/run/metrics.py). Lists and mappings
 (samples, choices) are left out: they do not fit a cell.
 """
 

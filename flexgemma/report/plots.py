@@ -17,7 +17,7 @@ try:
     from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 except ImportError as e:  # the [report] extra
-    from flexgemma.extras import missing_extra
+    from flexgemma.config.extras import missing_extra
 
     raise missing_extra("matplotlib", "report", "python -m flexgemma.report (its plots)", str(e)) from None
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from flexgemma.config import ConfigError
+from flexgemma.config.schema import ConfigError
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from flexgemma.config import ConfigError
+from flexgemma.config.schema import ConfigError
 
 
 class SharedModel:

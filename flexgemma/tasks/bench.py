@@ -12,7 +12,7 @@ import statistics
 import numpy as np
 import torch
 
-from flexgemma.config import Config
+from flexgemma.config.schema import Config
 from flexgemma.tasks.common import (bandwidth_metrics, bounded, memory_metrics, prefix_metrics, request_error_metrics,
                                     round_metrics, timed_rounds)
 

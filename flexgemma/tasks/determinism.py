@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from flexgemma.config import Config
+from flexgemma.config.schema import Config
 
 
 def run(engine, workload, cfg: Config, recorder) -> dict:

@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from flexgemma.config import Config, ConfigError
+from flexgemma.config.schema import Config, ConfigError
 
 
 def perturbed(state: dict[str, torch.Tensor], noise: float, seed: int) -> dict[str, torch.Tensor]:

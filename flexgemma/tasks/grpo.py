@@ -9,7 +9,7 @@ transformers instead (the same model, config and reward), for the side-by-side.
 Under torchrun / accelerate launch each rank runs this with its own engine and its share of the
 step's prompts (flexgemma/rl/ranks.py); rank 0 writes the records, its rows reducing every rank's.
 
-Rows of metrics.jsonl: one per step (grpo/*); summary: grpo/* aggregates (flexgemma/metrics.py).
+Rows of metrics.jsonl: one per step (grpo/*); summary: grpo/* aggregates (flexgemma/run/metrics.py).
 The trained adapter is saved to <job dir>/adapter (a peft directory: lora.path=... loads it).
 """
 
@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from flexgemma.config import Config, ConfigError
+from flexgemma.config.schema import Config, ConfigError
 
 log = logging.getLogger("flexgemma")
 
@@ -391,7 +391,7 @@ def _checked_generator(cfg: Config) -> str:
 
 
 def run(engine, workload, cfg: Config, recorder) -> dict:
-    from flexgemma.extras import require
+    from flexgemma.config.extras import require
 
     require("trl", "rl", "task=grpo")
     require("datasets", "rl", "task=grpo")

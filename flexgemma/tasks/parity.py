@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from flexgemma.config import Config
+from flexgemma.config.schema import Config
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

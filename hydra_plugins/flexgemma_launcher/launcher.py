@@ -59,7 +59,7 @@ _POLL_S = 0.2
 
 
 def read_summary(job_dir: Path) -> Optional[dict]:
-    from flexgemma.tracking import read_summary  # imported here: the plugin scan must stay light
+    from flexgemma.run.tracking import read_summary  # imported here: the plugin scan must stay light
 
     return read_summary(job_dir)
 
@@ -67,7 +67,7 @@ def read_summary(job_dir: Path) -> Optional[dict]:
 def write_summary(job_dir: Path, summary: dict) -> None:
     """Records a job's summary; a directory that cannot be written is logged, never raised: one job's
     I/O failure must not stop the sweep (the end table still shows the job and its error)."""
-    from flexgemma.tracking import write_summary
+    from flexgemma.run.tracking import write_summary
 
     try:
         write_summary(job_dir, summary)
@@ -89,7 +89,7 @@ def check_options(parallel_jobs: Any, params: dict) -> None:
 
 
 def _lock_holder(job_dir: Path) -> Optional[dict]:
-    from flexgemma.joblock import holder  # imported here: the plugin scan must stay light
+    from flexgemma.run.joblock import holder  # imported here: the plugin scan must stay light
 
     return holder(job_dir)
 
@@ -156,7 +156,7 @@ class _ResumableSubmititLauncher(BaseSubmititLauncher):
         failed job is recorded and the sweep goes on (the task function catches it)."""
         from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 
-        from flexgemma.extras import install_hint
+        from flexgemma.config.extras import install_hint
 
         log.info("flexgemma sweep of %d jobs in %s: launcher basic (Hydra's), every job in this process one after "
                  "another, because submitit is not installed (%s: a process a job, one per GPU)",

@@ -44,7 +44,7 @@ OFFLINE_RUN = """
 import os, sys
 from pathlib import Path
 from flexgemma import compose
-from flexgemma.wandb_logger import WandbRun
+from flexgemma.run.wandb_logger import WandbRun
 
 out = Path(sys.argv[1])
 cfg = compose(["+model=tiny", "logger=wandb_offline"])

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flexgemma.metrics import is_catalogued
-from flexgemma.wandb_logger import offline_runs, read_offline_run
+from flexgemma.run.metrics import is_catalogued
+from flexgemma.run.wandb_logger import offline_runs, read_offline_run
 
 from conftest import APP, APP_CONFIG, run_python
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from flexgemma import SamplingParams, compose
-from flexgemma.config import validate_kernels
+from flexgemma.config.schema import validate_kernels
 from flexgemma.engine.cuda_graphs import auto_buckets, resolve_buckets
-from flexgemma.kernels import attention_row_sizes
+from flexgemma.config.kernels import attention_row_sizes
 from flexgemma.engine.warm import RoundWatch, warm_up
 from flexgemma.model.attention import kernel_options
 from flexgemma.model.spec import FULL

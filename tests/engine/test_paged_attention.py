@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flexgemma.kernels import Kernels
+from flexgemma.config.kernels import Kernels
 from flexgemma.engine.block_mask import MaskBuilder
 from flexgemma.engine.kv_cache import KVCache
 from flexgemma.engine.sequence import SamplingParams, Sequence

@@ -6,11 +6,11 @@ import torch
 
 from flexgemma import compose
 from flexgemma.builder import _pool_sizes
-from flexgemma.config import ConfigError
+from flexgemma.config.schema import ConfigError
 from flexgemma.engine.kv_cache import KVCache, PoolDemand
 from flexgemma.model.load import text_config_from_dict
 from flexgemma.model.spec import ModelSpec
-from flexgemma.workload import pool_demand
+from flexgemma.tasks.workload import pool_demand
 
 CUDA = torch.device("cuda")
 

@@ -93,7 +93,7 @@ def test_compiled_top_k_top_p_sampler_on_the_gpu():
     """The sorted filter path through torch.compile (dynamic shapes) on a 262k vocabulary: torch
     2.11's split scan crashed on a per-row operand inside the cumulative sum (pytorch#180221). The
     compiled sampler draws what the eager one draws."""
-    from flexgemma.compiled import CompileCounter, compile_fn
+    from flexgemma.model.compiled import CompileCounter, compile_fn
     from flexgemma.engine.sampler import SamplingBatch, sample
 
     compiled = compile_fn(sample, CompileCounter())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flexgemma import build_engine, compose
-from flexgemma.config import ConfigError
+from flexgemma.config.schema import ConfigError
 from flexgemma.model.estimate import estimate_build, refuse_if_too_large
 
 

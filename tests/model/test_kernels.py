@@ -4,7 +4,7 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from flexgemma import compose
-from flexgemma.compiled import CompileCounter, compile_fn
+from flexgemma.model.compiled import CompileCounter, compile_fn
 from flexgemma.model.attention import kernel_options
 
 from conftest import outputs_per_setting

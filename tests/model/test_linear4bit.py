@@ -78,7 +78,7 @@ def test_kernel_takes_rl_batches_in_row_tiles_interpreted():
     kernel (kernels.linear4bit_dequant=triton) as by bitsandbytes' op (bnb)."""
     out = run_interpreted("""
         import torch
-        from flexgemma.kernels import Kernels
+        from flexgemma.config.kernels import Kernels
         from flexgemma.model.quant import Bnb4Settings, linear4bit_from
         from flexgemma.model import linear4bit as L
         torch.manual_seed(0)
@@ -268,7 +268,7 @@ def test_gpu_dequantise_kernel_and_k_steps():
     op's weights bit for bit (so steps past kernels.linear4bit_max_rows give the same output either
     way, inside a graph too), and the product kernel with several K steps a program stays within bf16
     rounding of bitsandbytes' modules."""
-    from flexgemma.kernels import Kernels
+    from flexgemma.config.kernels import Kernels
     from flexgemma.model import linear4bit as L
     from flexgemma.model.quant import Bnb4Settings, linear4bit_from
 

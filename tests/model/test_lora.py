@@ -349,7 +349,7 @@ def test_lora_config_errors(override, needle):
 # -- the drift task -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("extra", [["model.dtype=bfloat16"], ["lora.merge=false"]])
 def test_drift_task_reports_bit_identity(tmp_path, extra):
-    from flexgemma.run import run_job
+    from flexgemma.run.job import run_job
 
     cfg = compose(["+model=tiny_moe", *SMALL, "lora=r16", "task=drift", "task.cycles=3", "task.max_prompts=2",
                    "workload.num_prompts=2", "workload.max_new_tokens=6", *extra])
@@ -364,7 +364,7 @@ def test_drift_task_reports_bit_identity(tmp_path, extra):
 
 
 def test_drift_task_without_lora_is_a_clear_error(tmp_path):
-    from flexgemma.run import run_job
+    from flexgemma.run.job import run_job
 
     with pytest.raises(ConfigError, match="task=drift needs a LoRA adapter"):
         run_job(compose(["+model=tiny", *SMALL, "task=drift"]), tmp_path)

@@ -86,7 +86,7 @@ def test_pinned_cpu_pristine_merges_bit_identically():
 
 @pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
 def test_drift_task_on_gpu(tmp_path, model):
-    from flexgemma.run import run_job
+    from flexgemma.run.job import run_job
 
     cfg = compose([f"+model={model}", "device=cuda", "kv.max_pages=128", "engine.max_model_len=1024",
                    "engine.max_batch_size=8", "cudagraph.buckets=[1,2,4,8]", "lora=r16", "task=drift",

@@ -69,7 +69,7 @@ def test_big_steps_sort_their_entries_and_give_the_same_numbers_interpreted():
     out = run_interpreted("""
         import torch
         from transformers.activations import GELUTanh
-        from flexgemma.kernels import Kernels
+        from flexgemma.config.kernels import Kernels
         from flexgemma.model import moe_kernel as M
         from flexgemma.model.moe import experts_loop
         from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
@@ -120,7 +120,7 @@ def test_invariant_experts_give_a_token_the_same_bits_in_any_step_interpreted():
     out = run_interpreted("""
         import torch
         from transformers.activations import GELUTanh
-        from flexgemma.kernels import Kernels
+        from flexgemma.config.kernels import Kernels
         from flexgemma.model import moe_kernel as M
         from flexgemma.model.invariant.experts import InvariantExperts
         from flexgemma.model.moe import experts_loop
@@ -174,7 +174,7 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
     out = run_interpreted("""
         import torch
         from transformers.activations import GELUTanh
-        from flexgemma.kernels import Kernels
+        from flexgemma.config.kernels import Kernels
         from flexgemma.model import moe_kernel
         from flexgemma.model.moe import experts_grouped, experts_loop
         from flexgemma.model.moe_kernel import decode_experts
@@ -329,7 +329,7 @@ def test_gpu_decode_experts_equal_loop_inside_a_graph(quant, shape):
     graph with new routing copied in; steps past kernels.moe_sort_above take the sorted path, and 512
     rows of the wide shape (4,096 entries, past kernels.moe_fused_max_entries) 4-bit experts
     dequantised into slots."""
-    from flexgemma.kernels import Kernels
+    from flexgemma.config.kernels import Kernels
     from flexgemma.model.moe import experts_loop
     from flexgemma.model.moe_kernel import KERNEL_MAX_ENTRIES, decode_experts
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
@@ -394,7 +394,7 @@ def test_gpu_slot_dequantise_is_bitsandbytes_bit_for_bit():
     kernels.moe_dequant=triton) at 26B-A4B's expert shapes in bf16, double-quantised or not:
     bitsandbytes' weights bit for bit, inside a CUDA graph too, padding slots left alone; torch's path
     gives the same output either way."""
-    from flexgemma.kernels import Kernels
+    from flexgemma.config.kernels import Kernels
     from flexgemma.model import moe_kernel
     from flexgemma.model.moe import experts_grouped
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight

@@ -214,7 +214,7 @@ def test_peft_wraps_the_4bit_linears_not_the_packed_experts():
 
 
 def test_bad_quant_settings_are_clear():
-    from flexgemma.config import ConfigError
+    from flexgemma.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match="quant.block_size"):
         build_engine(compose(["+model=tiny", "quant=bnb4", "quant.block_size=48", *SMALL]))

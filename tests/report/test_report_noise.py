@@ -12,7 +12,7 @@ from flexgemma import compose
 from flexgemma.report import build_report
 from flexgemma.report.collect import collect
 from flexgemma.report.noise import inert_keys
-from flexgemma.run import run_job
+from flexgemma.run.job import run_job
 from test_report import GPU_FACTS
 
 from conftest import BASE, cpu_summary, write_job

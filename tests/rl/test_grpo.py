@@ -23,15 +23,15 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from flexgemma import build_engine, compose  # noqa: E402
 from flexgemma.engine.sequence import SamplingParams  # noqa: E402
-from flexgemma.metrics import is_catalogued  # noqa: E402
+from flexgemma.run.metrics import is_catalogued  # noqa: E402
 from flexgemma.rl.rewards import AnswerMatch, CopyTail, TargetTokens, final_answer  # noqa: E402
 from flexgemma.rl.rollout import EngineRollout, mismatch_stats  # noqa: E402
 from flexgemma.rl.shared import SharedModel  # noqa: E402
 from flexgemma.rl.tokenizer import ids_to_text, tiny_tokenizer  # noqa: E402
-from flexgemma.run import run_job  # noqa: E402
+from flexgemma.run.job import run_job  # noqa: E402
 from flexgemma.tasks import grpo  # noqa: E402
-from flexgemma.tracking import RunRecorder  # noqa: E402
-from flexgemma.workload import build_workload  # noqa: E402
+from flexgemma.run.tracking import RunRecorder  # noqa: E402
+from flexgemma.tasks.workload import build_workload  # noqa: E402
 
 LEARN = ["lora=r16", "task=grpo", "device=cpu", "model.dtype=float32", "logger=none", "workload.max_prompt_len=16",
          "model.hf_config.initializer_range=0.2", "task.learning_rate=2e-2"]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from flexgemma import ConfigError, compose  # noqa: E402
 from flexgemma.rl.rewards import TargetTokens  # noqa: E402
-from flexgemma.run import run_job  # noqa: E402
+from flexgemma.run.job import run_job  # noqa: E402
 from flexgemma.tasks.grpo import RecordedReward, RewardError, checkpoints  # noqa: E402
 
 LEARN = ["+model=tiny", "lora=r16", "task=grpo", "device=cpu", "model.dtype=float32", "logger=none",

@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("trl")
 
 from flexgemma import compose  # noqa: E402
-from flexgemma.config import ConfigError  # noqa: E402
+from flexgemma.config.schema import ConfigError  # noqa: E402
 from flexgemma.rl import ranks  # noqa: E402
-from flexgemma.run import run_job  # noqa: E402
+from flexgemma.run.job import run_job  # noqa: E402
 from flexgemma.tasks import grpo  # noqa: E402
 
 from conftest import ROOT  # noqa: E402 - the repository

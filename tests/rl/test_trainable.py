@@ -73,7 +73,7 @@ def test_the_trainer_calls_the_glue_with_the_engines_layouts():
     an offset); torch.compile guards on sizes, strides and offsets, so the trainer's copies keep all
     three and hit the engine's graph (contiguous copies compiled a second graph on the H200, whose
     norm+RoPE put 2 rows in 349 a bit apart)."""
-    from flexgemma.compiled import CompileCounter, compile_fn
+    from flexgemma.model.compiled import CompileCounter, compile_fn
     from flexgemma.model import glue
     from flexgemma.model.invariant.rows import serial
     from flexgemma.model.trainable import as_the_engine_calls, same_layout_copy
@@ -102,8 +102,8 @@ def test_the_invariant_engine_on_a_gpu_compiles_its_glue():
     """Eager torch norms on a GPU reduce a row in an order that depends on the row count (on the H200:
     scored logprobs 0.15 nats from the rollout's with engine.compile=false)."""
     from flexgemma import ConfigError, compose
-    from flexgemma.compose import to_config
-    from flexgemma.resolve import resolve
+    from flexgemma.config.compose import to_config
+    from flexgemma.config.resolve import resolve
 
     cfg = to_config(compose(["+model=tiny", INV, "engine.compile=false"]))
     with pytest.raises(ConfigError, match="engine.compile"):
@@ -466,7 +466,7 @@ def _rows(path):
                                                           ("tiny_moe", "bfloat16", "separate")])
 def test_grpo_trainer_and_rollout_agree_exactly(tmp_path, model, dtype, ratio_forward):
     from flexgemma import compose
-    from flexgemma.run import run_job
+    from flexgemma.run.job import run_job
 
     summary = run_job(compose([f"+model={model}", *EXACT, f"model.dtype={dtype}", "task.steps=3", "task.micro_batch=4",
                                f"task.ratio_forward={ratio_forward}"]), tmp_path)
@@ -489,7 +489,7 @@ def test_the_loss_forwards_ratio_trains_as_the_separate_forwards(tmp_path, monke
 
     from flexgemma import compose
     from flexgemma.rl import rollout
-    from flexgemma.run import run_job
+    from flexgemma.run.job import run_job
 
     real = rollout.engine_logps
 
@@ -522,7 +522,7 @@ def test_engine_sleep_between_rollouts_trains_the_same_adapter(tmp_path):
     from safetensors.torch import load_file
 
     from flexgemma import ConfigError, compose
-    from flexgemma.run import run_job
+    from flexgemma.run.job import run_job
 
     out = {}
     for sleep in (False, True):
@@ -548,8 +548,8 @@ def test_a_failed_step_leaves_the_sleeping_engine_awake(tmp_path, monkeypatch):
     from flexgemma import build_engine, compose
     from flexgemma.engine.sequence import SamplingParams
     from flexgemma.tasks import grpo
-    from flexgemma.tracking import RunRecorder
-    from flexgemma.workload import build_workload
+    from flexgemma.run.tracking import RunRecorder
+    from flexgemma.tasks.workload import build_workload
 
     def reward(completion_ids, **kw):
         if grpo_step[0] == 2:
@@ -589,7 +589,7 @@ def test_ratio_forward_loss_needs_the_engines_forward():
 @pytest.mark.slow
 def test_grpo_with_the_engines_forward_learns(tmp_path):
     from flexgemma import compose
-    from flexgemma.run import run_job
+    from flexgemma.run.job import run_job
 
     # 20 steps: the reward takes off somewhere in steps 8-14 depending on torch's random streams
     summary = run_job(compose(["+model=tiny", *EXACT, "model.dtype=float32", "task.steps=20"]), tmp_path)
@@ -643,7 +643,7 @@ def test_router_flip_rate():
 
 def test_grpo_routing_replay_on_tiny_moe(tmp_path):
     from flexgemma import compose
-    from flexgemma.run import run_job
+    from flexgemma.run.job import run_job
 
     summary = run_job(compose(["+model=tiny_moe", *EXACT, "model.dtype=bfloat16", "task.steps=2",
                                "task.routing_replay=true"]), tmp_path)

@@ -3,7 +3,7 @@
 The `logger` group picks the mode: `wandb_offline` (the default: the run is written under the
 job's own directory, `<job dir>/wandb/offline-run-*`, and can be uploaded later with
 `wandb sync`), `wandb_online`, or `none`. The names logged are the flat `group/name` keys of
-summary.json (see flexgemma/metrics.py); per-round rows are the rows of metrics.jsonl.
+summary.json (see flexgemma/run/metrics.py); per-round rows are the rows of metrics.jsonl.
 
 `read_offline_run` reads a run back with wandb's own reader (`wandb leet inspect`), which the
 tests use to check what was logged.
@@ -42,7 +42,7 @@ class WandbRun:
     @classmethod
     def start(cls, cfg, out_dir: Path, identity: dict[str, Any],
               environment: dict[str, Any]) -> Optional["WandbRun"]:
-        """`cfg` the composed config (DictConfig) or the typed one (flexgemma.compose)."""
+        """`cfg` the composed config (DictConfig) or the typed one (flexgemma.config.compose)."""
         cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
         kind = logger_kind(cfg)
         if kind not in _MODES:
@@ -50,7 +50,7 @@ class WandbRun:
         try:
             import wandb
         except ImportError:
-            from flexgemma.extras import install_hint
+            from flexgemma.config.extras import install_hint
 
             log.warning("logger=%s but wandb is not installed (%s): the job goes on without W&B and is recorded "
                         "in %s; logger=none silences this.", kind, install_hint("wandb"), out_dir)

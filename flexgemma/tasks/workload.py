@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from flexgemma.config import ConfigError
+from flexgemma.config.schema import ConfigError
 from flexgemma.engine.kv_cache import PoolDemand
 from flexgemma.engine.sequence import SamplingParams
 from flexgemma.engine.text import messages_problem, text_problem

@@ -2,7 +2,7 @@
 
 Hydra refuses an unknown key without `+` (with a hint to add one) and takes it with `+`, where
 OmegaConf's typed conversion then drops it: `+attn.decode.blockn=16` would run as if never given.
-Here a key is known when the schema dataclasses (flexgemma/config.py) declare it; what lies under
+Here a key is known when the schema dataclasses (flexgemma/config/schema.py) declare it; what lies under
 a field typed `Any` or `dict` (model.hf_config, task.reward, attn.*.extra) is free-form. The top
 level stays open to `+NAME=...` (a sweep axis such as `+repeat=0,1`).
 """

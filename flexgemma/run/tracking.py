@@ -103,7 +103,7 @@ def unwritable(path: Path, e: OSError) -> RunDirError:
 
 class RunRecorder:
     """Writes a job's files into its own directory (the Hydra run dir), and mirrors rows and the
-    summary to a W&B run (flexgemma.wandb_logger.WandbRun) when one is given."""
+    summary to a W&B run (flexgemma.run.wandb_logger.WandbRun) when one is given."""
 
     def __init__(self, out_dir: str | Path, cfg: DictConfig, wandb_run=None):
         self.dir = Path(out_dir)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flexgemma.compose import conf_dir
+from flexgemma.config.compose import conf_dir
 
 GROUPS = {  # group -> what it picks (its options are the files of conf/<group>/)
     "model": "the architecture: random weights, or a checkpoint with model.path=DIR",

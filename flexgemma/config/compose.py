@@ -10,14 +10,14 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from flexgemma.config import DEFAULT_MODEL, Config, ConfigError, check_moved_keys, register_configs, validate
+from flexgemma.config.schema import DEFAULT_MODEL, Config, ConfigError, check_moved_keys, register_configs, validate
 
 log = logging.getLogger("flexgemma")
 
 
 def conf_dir() -> Path:
     """conf/ beside the package in a checkout; flexgemma/conf inside an installed wheel."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the package: this module is in its config/
     for candidate in (here.parent / "conf", here / "conf"):
         if (candidate / "config.yaml").is_file():
             return candidate
@@ -133,8 +133,8 @@ def compose(overrides: Optional[Sequence[str]] = None, config_name: str = "confi
 
 def check_override_keys(overrides: list[str]) -> None:
     """A key no config group declares is an error with a did-you-mean, with or without `+`."""
-    from flexgemma.config import Config
-    from flexgemma.keys import override_problems
+    from flexgemma.config.schema import Config
+    from flexgemma.config.keys import override_problems
 
     problems = override_problems(overrides, Config)
     if problems:
@@ -158,7 +158,7 @@ _SUBMITIT_LAUNCHERS = ("flexgemma_slurm", "submitit_local", "submitit_slurm")
 def check_extras(overrides: list[str]) -> None:
     """Raises MissingExtra when the overrides pick a sweeper whose extra is not installed (Hydra's own
     error would only say that the config group option is missing)."""
-    from flexgemma.extras import installed, missing_extra
+    from flexgemma.config.extras import installed, missing_extra
 
     for o in overrides:
         key, _, value = o.partition("=")

@@ -2,7 +2,7 @@
 other libraries (transformers' FutureWarnings, TRL's experimental-API notice, bitsandbytes' optional
 kernels) go to the job's log file only (<job dir>/flexgemma.log), where nothing is lost.
 
-Only the CLI's task function routes them (flexgemma.run.hydra_task): a program that imports
+Only the CLI's task function routes them (flexgemma.run.job.hydra_task): a program that imports
 flexgemma keeps its own warning and logging setup.
 """
 
@@ -11,12 +11,10 @@ from __future__ import annotations
 import logging
 import warnings
 
+from flexgemma.config.schema import FlexgemmaWarning
+
 # loggers whose records reach the console below ERROR: flexgemma's, Hydra's and its launchers'
 _OWN = ("flexgemma", "hydra", "hydra_plugins", "__main__")
-
-
-class FlexgemmaWarning(UserWarning):
-    """A warning flexgemma itself gives: a CLI job shows it on the console."""
 
 
 def _console_filter(record: logging.LogRecord) -> bool:

@@ -31,6 +31,10 @@ class ConfigError(ValueError):
     """A configuration value that composes but cannot run; the message names the key."""
 
 
+class FlexgemmaWarning(UserWarning):
+    """A warning flexgemma itself gives: a CLI job shows it on the console (run/console.py)."""
+
+
 class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -249,7 +253,7 @@ class KernelsConfig:
     """Which implementation computes each part of a step (conf/kernels/default.yaml). Every choice
     computes the same maths (up to rounding); the defaults are what measured fastest on the H200
     (experiments/RESULTS.md). resolve.resolve_kernels decides each `auto` for the device and hands
-    the result, a flexgemma.kernels.Kernels (this dataclass and the decode attention row counts), to
+    the result, a flexgemma.config.kernels.Kernels (this dataclass and the decode attention row counts), to
     the constructors. A new key: a field here with its check and its line in
     conf/kernels/default.yaml; resolve copies it over, and a constructor reads it from its Kernels."""
 
@@ -632,7 +636,7 @@ def _check_preset_model(cfg: DictConfig) -> None:
 def validate(cfg: DictConfig) -> Config:
     """The composed config as typed dataclasses, made once: every group checks itself
     (`__post_init__`), then `Config` checks the rules across groups. Raises ConfigError naming the key."""
-    from flexgemma.keys import config_problems
+    from flexgemma.config.keys import config_problems
 
     _check_preset_model(cfg)
     unknown = config_problems(cfg, Config) if isinstance(cfg, DictConfig) else []

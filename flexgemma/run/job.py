@@ -25,15 +25,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from flexgemma.builder import build_engine
-from flexgemma.compose import ensure_model
-from flexgemma.config import Config, ConfigError, validate
+from flexgemma.config.compose import ensure_model
+from flexgemma.config.schema import Config, ConfigError, validate
 from flexgemma.tasks import bench, determinism, drift, grpo, parity
 from flexgemma.tasks.common import bounded
-from flexgemma.joblock import JobLock, JobLockedError
+from flexgemma.run.joblock import JobLock, JobLockedError
 from flexgemma.rl import ranks
-from flexgemma.tracking import RunRecorder, environment, format_table, read_summary, unwritable
-from flexgemma.wandb_logger import WandbRun
-from flexgemma.workload import build_workload, check_workload, pool_demand
+from flexgemma.run.tracking import RunRecorder, environment, format_table, read_summary, unwritable
+from flexgemma.run.wandb_logger import WandbRun
+from flexgemma.tasks.workload import build_workload, check_workload, pool_demand
 
 log = logging.getLogger("flexgemma")
 
@@ -52,7 +52,7 @@ def task_name(cfg) -> str:
 def run_job(cfg: Config | DictConfig, out_dir: str | Path, identity: Optional[dict] = None,
             raise_errors: bool = True) -> dict:
     """Runs cfg.task into out_dir (summary.json, metrics.jsonl, config_resolved.yaml, W&B run). `cfg`:
-    the typed Config (flexgemma.compose), or a composed DictConfig (Hydra's), typed inside the job.
+    the typed Config (flexgemma.config.compose), or a composed DictConfig (Hydra's), typed inside the job.
 
     raise_errors: re-raise the job's error after recording it (a single run); False returns the
     summary with status invalid/failed instead (a sweep job). Raises JobLockedError, touching
@@ -149,7 +149,7 @@ def hydra_task(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from flexgemma.console import route_third_party_to_log_file
+    from flexgemma.run.console import route_third_party_to_log_file
 
     route_third_party_to_log_file()  # other libraries' warnings: the job's log file, not the console
     hc = HydraConfig.get()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from flexgemma.config import ConfigError
+from flexgemma.config.schema import ConfigError
 
 
 class MissingExtra(ConfigError, ImportError):

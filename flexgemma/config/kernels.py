@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from flexgemma.config import KernelsConfig
+from flexgemma.config.schema import KernelsConfig
 
 # each row count flex decode attention is compiled at is this factor below the next: a step padded to
 # more rows gets fewer KV splits a row (torch's flex decoding splits a row's KV over SMs // (rows x KV

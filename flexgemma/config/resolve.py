@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from flexgemma.config import ConfigError, KernelsConfig, validate_kernels
-from flexgemma.kernels import Kernels, attention_row_sizes
+from flexgemma.config.schema import ConfigError, KernelsConfig, validate_kernels
+from flexgemma.config.kernels import Kernels, attention_row_sizes
 from flexgemma.model.load import model_dtype
 
 

@@ -31,8 +31,8 @@ def model_overrides(model: str) -> list[str]:
     """model= of the Python API: a variant (conf/model/NAME.yaml), or a checkpoint directory (as
     vLLM's LLM(model=DIR)): the directory as model.path, named after it, on the schema of the
     default variant (a checkpoint's config.json and tokenizer replace the variant's)."""
-    from flexgemma.compose import model_names
-    from flexgemma.config import DEFAULT_MODEL
+    from flexgemma.config.compose import model_names
+    from flexgemma.config.schema import DEFAULT_MODEL
 
     if model in model_names() or not ("/" in model or Path(model).expanduser().is_dir()):
         return [f"+model={model}"]  # a variant, or an unknown name: compose lists the variants
@@ -55,6 +55,6 @@ def override_list(model: Optional[str] = None, quant: Optional[str] = None, lora
 
 def engine_config(model: Optional[str] = None, quant: Optional[str] = None, lora: Optional[str] = None,
                   **overrides):
-    from flexgemma.compose import compose
+    from flexgemma.config.compose import compose
 
     return compose(override_list(model, quant, lora, **overrides))
