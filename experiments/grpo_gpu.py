@@ -83,6 +83,8 @@ SMOKE_JOBS = {**e2b_jobs(["+model=tiny", "lora=r32", *SMOKE], "task.micro_batch=
               **moe_jobs(["+model=tiny_moe", "quant=bnb4", "lora=r16", GEN, *SMOKE], ["model.dtype=bfloat16"])}
 COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_median"),
            ("rollout s", "grpo/rollout_s_median"), ("train s", "grpo/train_s_median"),
+           ("warm step s", "grpo/step_s_median_warm"), ("warm train s", "grpo/train_s_median_warm"),
+           ("compiling steps", "grpo/compiling_steps"),
            ("refresh ms", "grpo/refresh_ms_median"), ("rollout share", "grpo/rollout_share"),
            ("rollout tok/s", "grpo/rollout_tok_s_median"), ("|dlogp| mean", "grpo/logprob_absdiff_mean"),
            ("|dlogp| max", "grpo/logprob_absdiff_max"), ("kl_k3", "grpo/kl_k3"), ("IS max", "grpo/is_ratio_max"),

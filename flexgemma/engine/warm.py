@@ -22,6 +22,7 @@ import torch
 
 from flexgemma.engine.kv_cache import PoolDemand
 from flexgemma.engine.sequence import SamplingParams
+from flexgemma.model.compiled import dynamo_graphs
 
 log = logging.getLogger("flexgemma")
 
@@ -32,12 +33,7 @@ def compiled_graphs(engine) -> int:
     """Graphs torch.compile has built so far: the engine's own counter, or dynamo's count of unique
     graphs in this process where that is larger (a compile outside the engine's counter)."""
     own = engine.compile_counter.count if getattr(engine, "compile_counter", None) is not None else 0
-    try:
-        from torch._dynamo.utils import counters
-        dynamo = int(counters["stats"]["unique_graphs"])
-    except Exception:  # noqa: BLE001 - a torch without the counter: the engine's own is the count
-        dynamo = 0
-    return max(own, dynamo)
+    return max(own, dynamo_graphs())
 
 
 def _reserved(engine) -> int:

@@ -64,6 +64,8 @@ ROUND_METRICS: dict[str, str] = {
     "memory/rollout_peak_gib": "task=grpo row: peak allocated during the rollout (adapter refresh + generate; GiB; GPU)",
     "memory/train_peak_gib": "task=grpo row: peak allocated from the rollout's end to the step's end (rewards, the "
                              "trainer's forward and backward, the optimizer; GiB; GPU)",
+    "grpo/compiled_graphs": "task=grpo row: graphs torch.compile built during the step (its time includes them)",
+    "grpo/compiled_kernels": "task=grpo row: Triton kernels JIT-compiled during the step (its time includes them)",
     "grpo/wake_ms": "task.engine_sleep: engine.wake() before the step's rollout (ms; 0 on the first)",
 }
 
@@ -183,6 +185,9 @@ METRICS: dict[str, str] = {
     "memory/rollout_peak_gib": "largest rollout peak of the run (GiB; GPU)",
     "memory/train_peak_gib": "largest training peak of the run (GiB; GPU): with memory/rollout_peak_gib, which "
                              "phase sets the job's memory/peak_allocated_gib",
+    "grpo/compiling_steps": "steps that compiled a graph or a Triton kernel (each new shape compiles once)",
+    "grpo/step_s_median_warm": "median step time (s) of the steps that compiled nothing: the steady state",
+    "grpo/train_s_median_warm": "median training time (s) of the steps that compiled nothing",
     "grpo/wake_ms_median": "median engine.wake() before a rollout (ms; task.engine_sleep)",
     "grpo/ranks": "processes that trained (torchrun/accelerate world size): one engine and one shard of prompts each",
     "grpo/wall_s": "wall time of trainer.train() (s)",

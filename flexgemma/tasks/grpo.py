@@ -200,16 +200,33 @@ def _memory_fields(rollout) -> dict:
     return out
 
 
+def _compile_fields(compiled: dict, step: int) -> dict:
+    """What this rank compiled during the step (its time includes it); said on the console after step 1,
+    where every new shape should have been seen."""
+    out = {"grpo/compiled_graphs": compiled["graphs"]}
+    if compiled["kernels"] >= 0:
+        out["grpo/compiled_kernels"] = compiled["kernels"]
+    if step > 1 and (compiled["graphs"] or compiled["kernels"] > 0):
+        names = ", ".join(f"{k} x{n}" for k, n in sorted(compiled["kernel_names"].items()))
+        log.info("grpo step %d compiled %d torch.compile graphs and %d Triton kernels%s: its time includes them",
+                 step, compiled["graphs"], max(compiled["kernels"], 0), f" ({names})" if names else "")
+    return out
+
+
 def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: list):
     """A TrainerCallback writing one metrics.jsonl row per optimizer step (rank 0; the row reduces every
     rank's part) and checking the ranks' adapters equal after the step (ranks.jsonl: shards, digests)."""
     from transformers import TrainerCallback
 
+    from flexgemma.model.compiled import CompileWatch
     from flexgemma.rl import ranks
 
     class StepLogger(TrainerCallback):
+        compiles = CompileWatch()
+
         def on_step_begin(self, args, state, control, **kw):
             _sync()
+            self.compiles.start()
             self.t0 = time.perf_counter()
             reward.step = state.global_step + 1
 
@@ -247,6 +264,7 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
                       "router_flip_rate"):
                 row[f"grpo/{k}"] = red[k]
             row.update(_memory_fields(rollout))
+            row.update(_compile_fields(self.compiles.stop(), state.global_step))
             rows.append(row)
             recorder.log_round(row)
             if w.size > 1 and w.is_main:  # who generated what, and the adapter every rank ended the step with
@@ -360,6 +378,12 @@ def summarise(rows: list[dict]) -> dict:
             out[k] = max(logged(k))
     if logged("grpo/wake_ms"):
         out["grpo/wake_ms_median"] = statistics.median(logged("grpo/wake_ms"))
+    # the steady state: steps that compiled nothing (the first steps compile each new shape they meet)
+    warm = [r for r in rows if r.get("grpo/compiled_graphs", 1) == 0 and r.get("grpo/compiled_kernels", 0) <= 0]
+    out["grpo/compiling_steps"] = len(rows) - len(warm)
+    for k in ("step_s", "train_s"):
+        v = [r[f"grpo/{k}"] for r in warm if r[f"grpo/{k}"] == r[f"grpo/{k}"]]
+        out[f"grpo/{k}_median_warm"] = statistics.median(v) if v else float("nan")
     return out
 
 

@@ -62,6 +62,8 @@ def test_grpo_learns_on_tiny_and_the_saved_adapter_reloads(tmp_path):
     assert [r["grpo/step"] for r in rows] == list(range(1, 31))
     assert all(k in r and r[k] == r[k] for r in rows for k in ROW_KEYS)  # present, not NaN
     assert all(r["grpo/refresh_ms"] > 0 for r in rows)
+    assert all(r["grpo/compiled_graphs"] >= 0 for r in rows) and summary["grpo/compiling_steps"] < 30
+    assert summary["grpo/step_s_median_warm"] > 0  # some step compiled nothing
     # the engine ends with the trained adapter; a fresh engine loading the saved one agrees
     prompts = workload.prompts[:4]
     trained = greedy(engine, prompts)
