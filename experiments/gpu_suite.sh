@@ -138,8 +138,8 @@ run prefix_26b 570 bash -c 'sweep prefix_26b model=26b_a4b experiment=grpo_rollo
 # GRPO through TRL (issue 17): one job a stage (build + 10-12 steps, 2-5 min each); the table of every
 # finished job is printed after each stage (experiments/grpo_gpu.py --collect)
 export TRL_EXPERIMENTAL_SILENCE=1
-grpo_job() {  # name steps
-  python3 experiments/grpo_gpu.py --only "$1" --steps "$2" --out "$WORK/grpo"
+grpo_job() {  # name steps (GRPO_STEPS=N: every job of the call N steps)
+  python3 experiments/grpo_gpu.py --only "$1" --steps "${GRPO_STEPS:-$2}" --out "$WORK/grpo"
   python3 experiments/grpo_gpu.py --collect "$WORK"/grpo/*/ --out "$WORK/grpo_table" | tail -6
 }
 export -f grpo_job
