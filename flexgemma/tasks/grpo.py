@@ -200,6 +200,22 @@ def _memory_fields(rollout) -> dict:
     return out
 
 
+def _step_fields(red: dict) -> dict:
+    """A step's row from every rank's reduced part (flexgemma/rl/ranks.py: reduce_step)."""
+    vals, rollout_s, step_s = red["rewards"], red["rollout_s"], red["step_s"]
+    row = {
+        "grpo/reward_mean": statistics.fmean(vals) if vals else float("nan"),
+        "grpo/reward_std": statistics.pstdev(vals) if len(vals) > 1 else 0.0,
+        "grpo/rollout_s": rollout_s, "grpo/train_s": step_s - rollout_s, "grpo/step_s": step_s,
+        "grpo/rollout_tok_s": red["rollout_tokens"] / rollout_s if rollout_s > 0 else float("nan"),
+        "grpo/refresh_ms": red["refresh_ms"],
+    }
+    for k in ("logprob_absdiff_mean", "logprob_absdiff_max", "kl_k3", "is_ratio_p99", "is_ratio_max",
+              "router_flip_rate"):
+        row[f"grpo/{k}"] = red[k]
+    return row
+
+
 def _compile_fields(compiled: dict, step: int) -> dict:
     """What this rank compiled during the step (its time includes it); said on the console after step 1,
     where every new shape should have been seen."""
@@ -251,19 +267,8 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
             digests = [p["digest"] for p in parts]
             ranks.check_equal(state.global_step, digests)
             red = ranks.reduce_step(parts)
-            vals, rollout_s, step_s = red["rewards"], red["rollout_s"], red["step_s"]
-            row = {
-                "grpo/step": state.global_step,
-                "grpo/reward_mean": statistics.fmean(vals) if vals else float("nan"),
-                "grpo/reward_std": statistics.pstdev(vals) if len(vals) > 1 else 0.0,
-                "grpo/rollout_s": rollout_s, "grpo/train_s": step_s - rollout_s, "grpo/step_s": step_s,
-                "grpo/rollout_tok_s": red["rollout_tokens"] / rollout_s if rollout_s > 0 else float("nan"),
-                "grpo/refresh_ms": red["refresh_ms"],
-            }
-            for k in ("logprob_absdiff_mean", "logprob_absdiff_max", "kl_k3", "is_ratio_p99", "is_ratio_max",
-                      "router_flip_rate"):
-                row[f"grpo/{k}"] = red[k]
-            row.update(_memory_fields(rollout))
+            step_s, rollout_s = red["step_s"], red["rollout_s"]
+            row = {"grpo/step": state.global_step, **_step_fields(red), **_memory_fields(rollout)}
             row.update(_compile_fields(self.compiles.stop(), state.global_step))
             rows.append(row)
             recorder.log_round(row)
