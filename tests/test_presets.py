@@ -59,7 +59,8 @@ def test_optuna_preset_returns_throughput_and_reports_the_best(tmp_path):
 
 def test_the_grpo_presets_and_the_gpu_scripts_jobs_compose():
     """experiment=grpo_e2b is on-policy by construction (invariant rollout, the engine's forward in the
-    trainer, the step as one micro-batch); grpo_26b_a4b the 4-bit job in micro-batches of 8; each job of
+    trainer, the step as one micro-batch); grpo_26b_a4b too, the 4-bit job in micro-batches of 16 with the
+    KV given back; each job of
     experiments/grpo_gpu.py composes over them and says which trainer forward it runs."""
     sys.path.insert(0, str(ROOT / "experiments"))
     import grpo_gpu
@@ -71,10 +72,14 @@ def test_the_grpo_presets_and_the_gpu_scripts_jobs_compose():
     assert e2b.engine.batch_invariant and e2b.task.trainer_forward == "engine" and e2b.task.micro_batch is None
     assert (e2b.task.prompts_per_step, e2b.task.num_generations, e2b.task.max_new_tokens) == (8, 8, 256)
     moe = compose(["experiment=grpo_26b_a4b"])
-    assert (moe.model.name, moe.lora.rank, moe.quant.method, moe.task.micro_batch) == ("26b_a4b", 16, "bnb4", 8)
-    assert not moe.engine.batch_invariant and moe.task.trainer_forward == "transformers"
+    assert (moe.model.name, moe.lora.rank, moe.quant.method, moe.task.micro_batch) == ("26b_a4b", 16, "bnb4", 16)
+    assert moe.engine.batch_invariant and moe.task.trainer_forward == "engine"
+    assert moe.task.engine_sleep and moe.engine.sleep_mode
     for name, overrides in grpo_gpu.JOBS.items():
         cfg = compose([*grpo_gpu.COMMON, *overrides])
         exact = "exact" in name
         assert (cfg.engine.batch_invariant, cfg.task.trainer_forward) == (exact, "engine" if exact else "transformers"), name
         assert cfg.model.name == ("e2b" if name.startswith("e2b") else "26b_a4b"), name
+        if name.startswith("26b"):  # the name says its micro-batch and whether the KV is given back
+            assert cfg.task.micro_batch == (16 if "mb16" in name else None if "mb32" in name else 8), name
+            assert cfg.task.engine_sleep == cfg.engine.sleep_mode == ("sleep" in name), name
