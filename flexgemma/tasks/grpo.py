@@ -276,9 +276,9 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
                 with open(recorder.dir / "ranks.jsonl", "a") as f:
                     f.write(json.dumps({"step": state.global_step, "adapter_sha256": digests,
                                         "shards": [p["shard"] for p in parts]}) + "\n")
-            log.info("grpo step %d/%d: reward %.3f, step %.2f s (rollout %.2f s, refresh %.1f ms), |dlogp| %.2g",
-                     state.global_step, state.max_steps, row["grpo/reward_mean"], step_s, rollout_s,
-                     row["grpo/refresh_ms"], row["grpo/logprob_absdiff_mean"])
+            log.info("grpo step %d/%d: reward %.3f, step %.2f s (rollout %.2f s, train %.2f s, refresh %.1f ms), "
+                     "|dlogp| %.2g", state.global_step, state.max_steps, row["grpo/reward_mean"], step_s, rollout_s,
+                     row["grpo/train_s"], row["grpo/refresh_ms"], row["grpo/logprob_absdiff_mean"])
 
     return StepLogger()
 
