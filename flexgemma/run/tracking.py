@@ -200,6 +200,9 @@ def format_table(summary: dict[str, Any]) -> str:
         ("parity token match %", summary.get("parity/token_match_pct")),
         ("GRPO reward, first / last 5 steps", _pair(summary, "grpo/reward_first5", "grpo/reward_last5")),
         ("GRPO steps, step s (median)", _steps(summary)),
+        ("GRPO rollout / train s (medians)", _pair(summary, "grpo/rollout_s_median", "grpo/train_s_median")),
+        ("GRPO step s, steps that compiled nothing", _finite(summary.get("grpo/step_s_median_warm"))),
+        ("GRPO engine vs trainer: |dlogp| mean / max, IS max", _mismatch(summary)),
         ("LoRA refresh ms", summary.get("lora/refresh_ms", summary.get("engine/lora_refresh_ms"))),
         ("drift: base / merge / tokens identical", _triple(summary)),
         ("error", summary.get("error")),
@@ -220,6 +223,18 @@ def _steps(s: dict):
     if s.get("grpo/steps") is None:
         return None
     return f"{s['grpo/steps']}, {s.get('grpo/step_s_median', float('nan')):.2f}"
+
+
+def _finite(v):
+    return v if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def _mismatch(s: dict):
+    """The rollout-vs-trainer gap (task=grpo with the engine generating); exactly 0 / 0, 1 when on-policy."""
+    keys = ("grpo/logprob_absdiff_mean", "grpo/logprob_absdiff_max", "grpo/is_ratio_max")
+    if any(_finite(s.get(k)) is None for k in keys):
+        return None
+    return "{:.3g} / {:.3g}, {:.3g}".format(*(s[k] for k in keys))
 
 
 def _triple(s: dict):

@@ -247,6 +247,7 @@ def test_cli_grpo_tiny_with_a_text_reward_is_quiet_and_reports_the_reward(tmp_pa
     for noise in ("Warning", "experimental", "bitsandbytes", "kernels"):
         assert noise not in console, console[-4000:]
     assert "GRPO reward, first / last 5 steps" in r.stdout and "grpo step 2/2" in console
+    assert "GRPO engine vs trainer: |dlogp| mean / max, IS max" in r.stdout
     assert "rollout_func" in (tmp_path / "run" / "flexgemma.log").read_text()  # TRL's notice: kept in the log
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "ok" and 0 < summary["grpo/reward_first5"] < 1
@@ -277,3 +278,18 @@ def test_phase_peaks_split_the_step_and_keep_the_jobs_peak(monkeypatch):
     peaks.close("train")
     assert peaks.gib == {"before_rollout": 9.0, "rollout": 5.0, "train": 7.0}
     assert peaks.overall == 9 * 2**30 and counter["peak"] == 2**30
+
+
+def test_the_end_table_shows_the_grpo_times_and_the_gap():
+    from flexgemma.run.tracking import format_table
+
+    exact = {"grpo/steps": 6, "grpo/step_s_median": 12.3, "grpo/rollout_s_median": 7.56, "grpo/train_s_median": 4.73,
+             "grpo/step_s_median_warm": 12.2, "grpo/logprob_absdiff_mean": 0.0, "grpo/logprob_absdiff_max": 0.0,
+             "grpo/is_ratio_max": 1.0}
+    table = format_table(exact)
+    assert "GRPO engine vs trainer: |dlogp| mean / max, IS max  0 / 0, 1" in table
+    assert "7.56 / 4.73" in table and "12.20" in table
+    # TRL generating: no engine logprobs, no gap to show; no step without compiling: no steady state
+    trl = {**exact, "grpo/logprob_absdiff_mean": float("nan"), "grpo/step_s_median_warm": float("nan")}
+    table = format_table(trl)
+    assert "|dlogp|" not in table and "compiled nothing" not in table
