@@ -57,15 +57,16 @@ def e2b_jobs(base: list[str], half_micro: str) -> dict[str, list[str]]:
     }
 
 
-def moe_jobs(base: list[str], exact_extra: list[str]) -> dict[str, list[str]]:
-    """The 26B-A4B bnb4 jobs over `base` (`exact_extra`: what the exact ones add)."""
+def moe_jobs(base: list[str], exact_extra: list[str], double_micro: str) -> dict[str, list[str]]:
+    """The 26B-A4B bnb4 jobs over `base` (`exact_extra`: what the exact ones add; `double_micro`: twice its
+    micro-batch)."""
     return {"26b_bnb4_exact": [*base, *exact_extra, *EXACT],
             "26b_bnb4_exact_reference": [*base, *exact_extra, *EXACT, *REFERENCE],
             "26b_bnb4_exact_mb32": [*base, *exact_extra, *EXACT, ONE_MICRO],
             "26b_bnb4_exact_sleep": [*base, *exact_extra, *EXACT, *SLEEP],
             "26b_bnb4_exact_mb32_sleep": [*base, *exact_extra, *EXACT, ONE_MICRO, *SLEEP],
             # between the two: two micro-batches of 16, the KV given back
-            "26b_bnb4_exact_mb16_sleep": [*base, *exact_extra, *EXACT, "task.micro_batch=16", *SLEEP],
+            "26b_bnb4_exact_mb16_sleep": [*base, *exact_extra, *EXACT, double_micro, *SLEEP],
             "26b_bnb4_flexgemma": [*base, *INEXACT, "task.gradient_checkpointing=true"]}
 
 
@@ -74,16 +75,15 @@ def moe_jobs(base: list[str], exact_extra: list[str]) -> dict[str, list[str]]:
 # with the KV kept (the preset: 16, the KV given back, = 26b_bnb4_exact_mb16_sleep)
 E2B = ["experiment=grpo_e2b", "task.micro_batch=16"]
 B26 = ["experiment=grpo_26b_a4b", GEN, "task.micro_batch=8", "task.engine_sleep=false", "engine.sleep_mode=false"]
-JOBS = {**e2b_jobs(E2B, "task.micro_batch=8"), **moe_jobs(B26, [])}
+JOBS = {**e2b_jobs(E2B, "task.micro_batch=8"), **moe_jobs(B26, [], "task.micro_batch=16")}
 # --smoke: the same jobs on the CPU test models (a script that crashes on the H200 wastes device time); the
 # presets are written for the real models, so these spell the task out
 SMOKE = ["task=grpo", "device=cpu", "model.dtype=float32", "workload.num_prompts=8", "workload.min_prompt_len=8",
          "workload.max_prompt_len=16", "task.prompts_per_step=2", "task.num_generations=4", "task.max_new_tokens=4",
          "task.micro_batch=4", "task.reward.high=67", "task.learning_rate=1e-5"]
 SMOKE_JOBS = {**e2b_jobs(["+model=tiny", "lora=r32", *SMOKE], "task.micro_batch=2"),
-              **moe_jobs(["+model=tiny_moe", "quant=bnb4", "lora=r16", GEN, *SMOKE], ["model.dtype=bfloat16"])}
-# a smoke step is 8 completions: a micro-batch of 16 becomes the whole step
-SMOKE_JOBS = {k: ["task.micro_batch=8" if o == "task.micro_batch=16" else o for o in v] for k, v in SMOKE_JOBS.items()}
+              **moe_jobs(["+model=tiny_moe", "quant=bnb4", "lora=r16", GEN, *SMOKE], ["model.dtype=bfloat16"],
+                         "task.micro_batch=8")}
 COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_median"),
            ("rollout s", "grpo/rollout_s_median"), ("train s", "grpo/train_s_median"),
            ("warm step s", "grpo/step_s_median_warm"), ("warm train s", "grpo/train_s_median_warm"),
