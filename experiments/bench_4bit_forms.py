@@ -28,6 +28,7 @@ same alone and in the step (what engine.batch_invariant would need).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
@@ -40,7 +41,8 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma.model.moe_kernel import (  # noqa: E402
-    UP_TILES, _entry_lists, _nibble_block, _routed_up_kernel, _store_up, _weight_operands)
+    UP_TILES, _entry_lists, _nibble_block, _routed_up_kernel, _store_up, _weight_operands, decode_experts,
+    invariant_experts)
 
 
 @triton.jit
@@ -96,9 +98,10 @@ def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
 
 @triton.jit
 def _up_bytes_kernel(starts_ptr, w_ptr, absmax_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, stride_we,
-                     stride_ae, QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+                     stride_ae, QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, KBLOCKS: tl.constexpr):
     """Program (e, j): the bytes and scales the up kernels read for features [j*BLOCK_N, ...) of expert e
-    (if it has entries), summed: the memory traffic alone."""
+    (if it has entries), summed: the memory traffic alone, KBLOCKS quantisation blocks a step (H must be
+    a multiple of KBLOCKS blocks)."""
     expert = tl.program_id(0)
     count = tl.load(starts_ptr + expert + 1) - tl.load(starts_ptr + expert)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,13 +109,15 @@ def _up_bytes_kernel(starts_ptr, w_ptr, absmax_ptr, out_ptr, I: tl.constexpr, H:
     kb = tl.arange(0, QBLOCK // 2)
     acc = tl.zeros((BLOCK_N, QBLOCK // 2), dtype=tl.int32)
     if count > 0:
-        for k0 in range(0, H, QBLOCK):
+        for k0 in range(0, H, QBLOCK * KBLOCKS):
             for part in tl.static_range(2):
                 rows = cols + part * I
-                b = tl.load(w_ptr + expert * stride_we + rows[:, None] * (H // 2) + k0 // 2 + kb[None, :],
-                            mask=ok[:, None], other=0)
-                s = tl.load(absmax_ptr + expert * stride_ae + rows * (H // QBLOCK) + k0 // QBLOCK, mask=ok, other=0)
-                acc += b.to(tl.int32) + s.to(tl.int32)[:, None]
+                for u in tl.static_range(KBLOCKS):
+                    b = tl.load(w_ptr + expert * stride_we + rows[:, None] * (H // 2) + (k0 + u * QBLOCK) // 2
+                                + kb[None, :], mask=ok[:, None], other=0)
+                    s = tl.load(absmax_ptr + expert * stride_ae + rows * (H // QBLOCK) + (k0 + u * QBLOCK) // QBLOCK,
+                                mask=ok, other=0)
+                    acc += b.to(tl.int32) + s.to(tl.int32)[:, None]
     tl.store(out_ptr + expert * I + cols, tl.sum(acc, axis=1).to(tl.float32), mask=ok)
 
 
@@ -128,10 +133,10 @@ def up_dot(x, gate_up, index, order, starts, i, topk, tiles, code_lookup="table"
 
 def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, warps):
     """The gate_up projection in one of FORMS (entries: BLOCK_M for the production kernel's)."""
-    if form in ("dot", "dot_sel"):
+    if form in ("dot", "dot_sel", "dot4"):
         return up_dot(x, gate_up, index, order, starts, i, topk,
-                      {**UP_TILES, "BLOCK_M": entries, "BLOCK_N": block_n, "num_warps": warps},
-                      "select" if form == "dot_sel" else "table")
+                      {**UP_TILES, "BLOCK_M": entries, "BLOCK_N": block_n, "num_warps": warps,
+                       "KBLOCKS": 4 if form == "dot4" else 1}, "select" if form == "dot_sel" else "table")
     swap = FORMS[form]
     ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup="table")
     out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
@@ -144,16 +149,38 @@ def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, w
     return out
 
 
-# each form's SWAP for _up_forms_kernel; dot / dot_sel: the production kernel at other tiles, its code
-# table read from memory (L1) or held as scalars (kernels.moe_code_lookup=select)
-FORMS = {"dot": None, "dot_sel": None, "fma": False, "dot_w": True}
+# each form's SWAP for _up_forms_kernel; dot / dot_sel / dot4: the production kernel at other tiles, its code
+# table read from memory (L1) or held as scalars (kernels.moe_code_lookup=select), or four blocks' bytes
+# loaded a step (the KBLOCKS=4 tile: the same bits as dot)
+FORMS = {"dot": None, "dot_sel": None, "dot4": None, "fma": False, "dot_w": True}
 
 
-def up_bytes(gate_up, starts, i, h, block_n, warps):
+def up_bytes(gate_up, starts, i, h, block_n, warps, kblocks=1):
     out = torch.empty(gate_up.shape[0], i, dtype=torch.float32, device=gate_up.packed.device)
     _up_bytes_kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
         starts, gate_up.packed, gate_up.absmax, out, I=i, H=h, stride_we=gate_up.packed.stride(0),
-        stride_ae=gate_up.absmax.stride(0), QBLOCK=gate_up.block_size, BLOCK_N=block_n, num_warps=warps)
+        stride_ae=gate_up.absmax.stride(0), QBLOCK=gate_up.block_size, BLOCK_N=block_n, KBLOCKS=kblocks,
+        num_warps=warps)
+    return out
+
+
+def layer_times(x, index, gate_up, down, us) -> dict:
+    """A whole routed-experts layer (decode_experts: up, down, the sum; and invariant_experts, the
+    batch-invariant mode's) with its 4-bit blocks loaded one or four a step (the KBLOCKS tile): median us,
+    and whether the output is bitwise that of KBLOCKS=1."""
+    weights = torch.softmax(torch.randn(index.shape, device=x.device), -1)
+    out = {}
+    for name, fn in (("decode", decode_experts), ("invariant", invariant_experts)):
+        ref = None
+        for kb in (1, 4):
+            tiles = {"KBLOCKS": kb}
+            if name == "decode":
+                run = functools.partial(fn, x, index, weights, gate_up, down, up_tiles=tiles, down_tiles=dict(tiles))
+            else:
+                run = functools.partial(fn, x, index, weights, gate_up, down, kblocks=kb)
+            got = run()
+            ref = got if ref is None else ref
+            out[f"{name}_kblocks{kb}"] = {"us": us(run), "equal": bool(torch.equal(got, ref))}
     return out
 
 
@@ -178,6 +205,7 @@ def main() -> None:
     # Triton's CPU interpreter computes bf16 products wrongly (numpy has no bf16): --check there takes fp16
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--check", action="store_true", help="no timing: a tile of each form against dot, a row alone")
+    ap.add_argument("--forms", default="dot,dot4", help=f"of {','.join(FORMS)}")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
@@ -187,16 +215,19 @@ def main() -> None:
     e, h, i, k = args.experts, args.hidden, args.intermediate, args.top_k
     torch.manual_seed(0)
     dt = getattr(torch, args.dtype)
-    gate_up = PackedExpertWeight.pack((torch.randn(e, 2 * i, h, device=dev) * 0.02).to(dt),
-                                      Bnb4Settings(double_quant=bool(args.double_quant)), dev)
+    settings = Bnb4Settings(double_quant=bool(args.double_quant))
+    gate_up = PackedExpertWeight.pack((torch.randn(e, 2 * i, h, device=dev) * 0.02).to(dt), settings, dev)
+    down = PackedExpertWeight.pack((torch.randn(e, h, i, device=dev) * 0.02).to(dt), settings, dev)
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name() if dev.type == "cuda" else dev,
           flush=True)
+    forms = args.forms.split(",")
     # (form, entries a program takes at a time, BLOCK_N, warps)
-    grid = [(f, 16, *c) for f in ("dot", "dot_sel") for c in itertools.product((32, 64, 128), (4, 8))] + \
-        [("fma", *c) for c in itertools.product((1, 2, 4, 8), (32, 64), (4,))] + \
-        [("dot_w", 16, *c) for c in itertools.product((32, 64, 128), (4, 8))]
+    grid = [(f, 16, *c) for f in ("dot", "dot_sel", "dot4") if f in forms
+            for c in itertools.product((32, 64, 128), (4, 8))] + \
+        [("fma", *c) for c in itertools.product((1, 2, 4, 8), (32, 64), (4,)) if "fma" in forms] + \
+        [("dot_w", 16, *c) for c in itertools.product((32, 64, 128), (4, 8)) if "dot_w" in forms]
     if args.check:
-        grid = [("dot_sel", 16, 64, 4), ("fma", 1, 16, 4), ("fma", 4, 32, 4), ("dot_w", 16, 32, 4)]
+        grid = [("dot_sel", 16, 64, 4), ("dot4", 16, 32, 4), ("fma", 1, 16, 4), ("fma", 4, 32, 4), ("dot_w", 16, 32, 4)]
     rows = []
     for t in (int(b) for b in args.batch_sizes.split(",")):
         x = torch.randn(t, h, device=dev, dtype=dt)
@@ -210,9 +241,9 @@ def main() -> None:
         ref = up_dot(x, gate_up, index, order, starts, i, k, {**UP_TILES, "BLOCK_M": 16})
         res = {"batch": t, "experts_used": used, "mb": nbytes / 1e6}
         res["dot_us"] = us(lambda: up_dot(x, gate_up, index, order, starts, i, k, {**UP_TILES, "BLOCK_M": 16}))
-        for bn, warps in [(32, 4)] if args.check else itertools.product((32, 64, 128), (4, 8)):
-            up_bytes(gate_up, starts, i, h, bn, warps)
-            res[f"bytes_{bn}_{warps}_us"] = us(lambda: up_bytes(gate_up, starts, i, h, bn, warps))
+        for bn, warps, kb in [(32, 4, 1)] if args.check else itertools.product((32, 64, 128), (4, 8), (1, 4)):
+            up_bytes(gate_up, starts, i, h, bn, warps, kb)
+            res[f"bytes{kb}_{bn}_{warps}_us"] = us(lambda: up_bytes(gate_up, starts, i, h, bn, warps, kb))
         for form, entries, bn, warps in grid:
             try:
                 out = up_form(form, x, gate_up, index, order, starts, i, k, entries, bn, warps)
@@ -228,14 +259,17 @@ def main() -> None:
                 "max_diff_vs_dot": float((out.float() - ref.float()).abs().max()),
                 "row_alone_equal": bool(torch.equal(alone, out[:k]))}
         timed = {key: v for key, v in res.items() if isinstance(v, dict) and "us" in v}
-        floor = min(v for key, v in res.items() if key.startswith("bytes_"))
+        floors = {kb: min(v for key, v in res.items() if key.startswith(f"bytes{kb}_")) for kb in (1, 4)
+                  if any(key.startswith(f"bytes{kb}_") for key in res)}
+        floor = floors[1]
         if args.check:
             print(f"batch {t}: " + "; ".join(f"{key} max diff {v['max_diff_vs_dot']:.2e} row alone equal "
                                              f"{v['row_alone_equal']}" for key, v in timed.items()), flush=True)
             rows.append(res)
             continue
         line = (f"batch {t}: {used} experts, {nbytes / 1e6:.0f} MB; dot {res['dot_us']:.0f} us "
-                f"({nbytes / res['dot_us'] / 1e6:.2f} TB/s); bytes alone {floor:.0f} us ({nbytes / floor / 1e6:.2f} TB/s)")
+                f"({nbytes / res['dot_us'] / 1e6:.2f} TB/s); bytes alone " + ", ".join(
+                    f"{f:.0f} us ({nbytes / f / 1e6:.2f} TB/s) {kb} block(s) a step" for kb, f in floors.items()))
         for form in FORMS:
             mine = {key: v for key, v in timed.items() if v["form"] == form}
             if not mine:
@@ -245,6 +279,9 @@ def main() -> None:
             line += (f"; best {best} {mine[best]['us']:.0f} us ({nbytes / mine[best]['us'] / 1e6:.2f} TB/s, max diff "
                      f"{mine[best]['max_diff_vs_dot']:.2e}, row alone equal {mine[best]['row_alone_equal']})")
         print(line, flush=True)
+        res["layer"] = layer_times(x, index.reshape(t, k), gate_up, down, us)
+        print(f"batch {t}: whole layer (up + down + sum, decode_experts / invariant_experts): " + "; ".join(
+            f"{key} {v['us']:.0f} us, bitwise KBLOCKS=1 {v['equal']}" for key, v in res["layer"].items()), flush=True)
         rows.append(res)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -50,13 +50,26 @@ def row_pairs(row_ptrs, k0, valid, QBLOCK: tl.constexpr):
 
 
 @triton.jit
+def block_bytes(w_ptr, rows, ok, k0, K: tl.constexpr, QBLOCK: tl.constexpr):
+    """The packed bytes of W[rows, k0:k0+QBLOCK] ([len(rows), QBLOCK/2], as stored: converted only where
+    decoded, so that loads of several blocks are all in flight before the first is used)."""
+    kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
+    return tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=ok[:, None], other=0)
+
+
+@triton.jit
+def nibble_codes(byte, code_ptr, SELECT: tl.constexpr):
+    """The code values of a block's high and low nibbles (block_bytes), in the code table's dtype."""
+    byte = byte.to(tl.int32)
+    return code_values(byte >> 4, code_ptr, SELECT), code_values(byte & 15, code_ptr, SELECT)
+
+
+@triton.jit
 def nibble_weights(w_ptr, rows, ok, k0, K: tl.constexpr, code_ptr, QBLOCK: tl.constexpr, SELECT: tl.constexpr):
     """The code values of W[rows, k0:k0+QBLOCK]'s high and low nibbles ([len(rows), QBLOCK/2] each, before
     the block's scale), for the 4-bit matrix whose bytes start at w_ptr (rows of K weights, so a block
     never straddles two); the code table is in the rows' dtype."""
-    kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
-    byte = tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    return code_values(byte >> 4, code_ptr, SELECT), code_values(byte & 15, code_ptr, SELECT)
+    return nibble_codes(block_bytes(w_ptr, rows, ok, k0, K, QBLOCK), code_ptr, SELECT)
 
 
 @triton.jit
