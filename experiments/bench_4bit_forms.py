@@ -40,6 +40,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flexgemma.model.triton4bit import code4  # noqa: E402
 from flexgemma.model.moe_kernel import (  # noqa: E402
     UP_TILES, _entry_lists, _nibble_block, _routed_up_kernel, _store_up, _weight_operands, decode_experts,
     invariant_experts)
@@ -94,6 +95,74 @@ def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
             acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
         _store_up(out_ptr, flat, valid, cols, acc_g, acc_u, I, dt)
         m0 += ENTRIES
+
+
+@triton.jit
+def _ablate_codes(byte, code_ptr, pair_ptr, dt: tl.constexpr, LOOKUP: tl.constexpr):
+    """A block's bytes -> its high and low nibbles' weights: LOOKUP 1 the production table (a load per
+    nibble), 2 one load per byte from a 256-entry table of both nibbles' code bits (int32: high nibble's
+    in the upper half; the same values), 0 no table (the nibble itself: what decoding costs without it)."""
+    if LOOKUP == 2:
+        v = tl.load(pair_ptr + byte.to(tl.int32))
+        return (v >> 16).to(tl.int16).to(dt, bitcast=True), (v & 65535).to(tl.int16).to(dt, bitcast=True)
+    elif LOOKUP == 1:
+        b = byte.to(tl.int32)
+        return tl.load(code_ptr + (b >> 4)), tl.load(code_ptr + (b & 15))
+    else:
+        b = byte.to(tl.int32)
+        return (b >> 4).to(dt), (b & 15).to(dt)
+
+
+@triton.jit
+def _up_ablate_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, pair_ptr, out_ptr, I: tl.constexpr,
+                      H: tl.constexpr, TOPK: tl.constexpr, stride_we, stride_ae, QBLOCK: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOKUP: tl.constexpr, DOT: tl.constexpr,
+                      SPLIT: tl.constexpr):
+    """The production up kernel's one-tile 4-bit loop (sorted entries, plain float32 scales) with one part
+    swapped at a time, to see where its time goes: LOOKUP (_ablate_codes); DOT False: no products, each
+    decoded block summed into the accumulator instead; SPLIT: a row's even and odd elements from one
+    contiguous load split in registers instead of two stride-2 loads. LOOKUP 1-2 with DOT gives the
+    production kernel's bits."""
+    expert = tl.program_id(0)
+    dt: tl.constexpr = x_ptr.dtype.element_ty
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < I
+    start = tl.load(starts_ptr + expert)
+    count = tl.load(starts_ptr + expert + 1) - start
+    kb = tl.arange(0, QBLOCK // 2)
+    m0 = 0
+    while m0 < count:
+        want = m0 + tl.arange(0, BLOCK_M)
+        valid = want < count
+        flat = tl.load(order_ptr + start + want, mask=valid, other=0)
+        row = x_ptr + (flat // TOPK)[:, None] * H
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, QBLOCK):
+            if SPLIT:
+                a = tl.load(row + k0 + tl.arange(0, QBLOCK)[None, :], mask=valid[:, None], other=0.0)
+                xe, xo = tl.split(tl.reshape(a, (BLOCK_M, QBLOCK // 2, 2)))
+            else:
+                xe = tl.load(row + k0 + 2 * kb[None, :], mask=valid[:, None], other=0.0)
+                xo = tl.load(row + k0 + 2 * kb[None, :] + 1, mask=valid[:, None], other=0.0)
+            for part in tl.static_range(2):
+                rows = cols + part * I
+                byte = tl.load(w_ptr + expert * stride_we + rows[:, None] * (H // 2) + k0 // 2 + kb[None, :],
+                               mask=ok[:, None], other=0)
+                scale = tl.load(absmax_ptr + expert * stride_ae + rows * (H // QBLOCK) + k0 // QBLOCK, mask=ok,
+                                other=0.0)
+                hi, lo = _ablate_codes(byte, code_ptr, pair_ptr, dt, LOOKUP)
+                if DOT:
+                    prod = (tl.dot(xe, tl.trans(hi)) + tl.dot(xo, tl.trans(lo))) * scale[None, :]
+                else:
+                    prod = (tl.sum(hi.to(tl.float32) + lo.to(tl.float32), 1) * scale)[None, :] \
+                        + tl.sum(xe.to(tl.float32) + xo.to(tl.float32), 1)[:, None]
+                if part == 0:
+                    acc_g += prod
+                else:
+                    acc_u += prod
+        _store_up(out_ptr, flat, valid, cols, acc_g, acc_u, I, dt)
+        m0 += BLOCK_M
 
 
 @triton.jit
@@ -184,6 +253,47 @@ def layer_times(x, index, gate_up, down, us) -> dict:
     return out
 
 
+# where the production kernel's time goes (_up_ablate_kernel): name -> (LOOKUP, DOT, SPLIT)
+ABLATIONS = {"table_dot_pairs": (1, True, False), "pair_dot_pairs": (2, True, False),
+             "table_dot_split": (1, True, True), "pair_dot_split": (2, True, True),
+             "none_dot_pairs": (0, True, False), "table_sum_pairs": (1, False, False),
+             "pair_sum_pairs": (2, False, False), "none_sum_pairs": (0, False, False)}
+
+
+def pair_table(code: torch.Tensor) -> torch.Tensor:
+    """int32 [256]: for a byte b, the bits of code[b >> 4] (upper half) and code[b & 15] (lower half)."""
+    bits = code.view(torch.int16).to(torch.int32) & 0xFFFF
+    b = torch.arange(256, device=code.device)
+    return ((bits[b >> 4] << 16) | bits[b & 15]).to(torch.int32).contiguous()
+
+
+def up_ablate(name, x, gate_up, order, starts, i, topk):
+    """gate_up's up kernel with ABLATIONS[name]; plain float32 scales (the experts packed without double
+    quantisation)."""
+    lookup, dot, split = ABLATIONS[name]
+    code = code4(gate_up.quant_type, x.device, x.dtype)
+    out = torch.empty(order.numel(), i, dtype=x.dtype, device=x.device)
+    _up_ablate_kernel[(gate_up.shape[0], triton.cdiv(i, 32))](
+        x, order, starts, gate_up.packed, gate_up.absmax, code, pair_table(code), out, I=i, H=x.shape[1], TOPK=topk,
+        stride_we=gate_up.packed.stride(0), stride_ae=gate_up.absmax.stride(0), QBLOCK=gate_up.block_size,
+        BLOCK_M=16, BLOCK_N=32, LOOKUP=lookup, DOT=dot, SPLIT=split, num_warps=4)
+    return out
+
+
+def ablations(x, gate_up, order, starts, i, topk, us) -> dict:
+    """Each ABLATIONS variant of one gate_up projection (its own plain-scale copy of the weights): median
+    us, and for those that compute the products whether they are bitwise the production kernel's."""
+    ref = up_dot(x, gate_up, order, order, starts, i, topk, {**UP_TILES, "BLOCK_M": 16})
+    out = {"production": {"us": us(lambda: up_dot(x, gate_up, order, order, starts, i, topk,
+                                                    {**UP_TILES, "BLOCK_M": 16}))}}
+    for name, (lookup, dot, _) in ABLATIONS.items():
+        got = up_ablate(name, x, gate_up, order, starts, i, topk)
+        out[name] = {"us": us(lambda: up_ablate(name, x, gate_up, order, starts, i, topk))}
+        if lookup and dot:
+            out[name]["equal"] = bool(torch.equal(got, ref))
+    return out
+
+
 def routing(t, e, k, device, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     idx = torch.rand(t, e, generator=g).topk(k, dim=-1).indices.to(device)
@@ -206,6 +316,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--check", action="store_true", help="no timing: a tile of each form against dot, a row alone")
     ap.add_argument("--forms", default="dot,dot4", help=f"of {','.join(FORMS)}")
+    ap.add_argument("--ablate", action="store_true",
+                    help="only the production kernel with one part swapped at a time (ABLATIONS)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
@@ -220,6 +332,8 @@ def main() -> None:
     down = PackedExpertWeight.pack((torch.randn(e, h, i, device=dev) * 0.02).to(dt), settings, dev)
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name() if dev.type == "cuda" else dev,
           flush=True)
+    if args.ablate:
+        return run_ablations(args, dev, dt)
     forms = args.forms.split(",")
     # (form, entries a program takes at a time, BLOCK_N, warps)
     grid = [(f, 16, *c) for f in ("dot", "dot_sel", "dot4") if f in forms
@@ -283,6 +397,27 @@ def main() -> None:
         print(f"batch {t}: whole layer (up + down + sum, decode_experts / invariant_experts): " + "; ".join(
             f"{key} {v['us']:.0f} us, bitwise KBLOCKS=1 {v['equal']}" for key, v in res["layer"].items()), flush=True)
         rows.append(res)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+def run_ablations(args, dev, dt) -> None:
+    """--ablate: ABLATIONS at each batch size, printed and written to --out."""
+    from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+    from flexgemma.tasks.common import cuda_time_ms
+
+    e, h, i, k = args.experts, args.hidden, args.intermediate, args.top_k
+    gate_up = PackedExpertWeight.pack((torch.randn(e, 2 * i, h, device=dev) * 0.02).to(dt),
+                                      Bnb4Settings(double_quant=False), dev)
+    rows = []
+    for t in (int(b) for b in args.batch_sizes.split(",")):
+        x = torch.randn(t, h, device=dev, dtype=dt)
+        _, order, starts = routing(t, e, k, dev)
+        res = ablations(x, gate_up, order, starts, i, k, lambda fn: float("nan") if args.check
+                        else cuda_time_ms(fn, iters=args.iters) * 1e3)
+        print(f"ablate batch {t}: " + "; ".join(f"{n} {v['us']:.0f} us" + (f" (bits {v['equal']})" if "equal" in v
+                                                                          else "") for n, v in res.items()), flush=True)
+        rows.append({"batch": t, **res})
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 
