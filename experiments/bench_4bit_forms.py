@@ -40,6 +40,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flexgemma.config.kernels import Kernels  # noqa: E402
 from flexgemma.model.triton4bit import code4  # noqa: E402
 from flexgemma.model.moe_kernel import (  # noqa: E402
     UP_TILES, _entry_lists, _nibble_block, _routed_up_kernel, _store_up, _weight_operands, decode_experts,
@@ -202,10 +203,10 @@ def up_dot(x, gate_up, index, order, starts, i, topk, tiles, code_lookup="table"
 
 def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, warps):
     """The gate_up projection in one of FORMS (entries: BLOCK_M for the production kernel's)."""
-    if form in ("dot", "dot_sel", "dot4"):
+    if form in ("dot", "dot_sel", "dot_pf"):
         return up_dot(x, gate_up, index, order, starts, i, topk,
                       {**UP_TILES, "BLOCK_M": entries, "BLOCK_N": block_n, "num_warps": warps,
-                       "KBLOCKS": 4 if form == "dot4" else 1}, "select" if form == "dot_sel" else "table")
+                       "PREFETCH": form == "dot_pf"}, "select" if form == "dot_sel" else "table")
     swap = FORMS[form]
     ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup="table")
     out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
@@ -218,10 +219,10 @@ def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, w
     return out
 
 
-# each form's SWAP for _up_forms_kernel; dot / dot_sel / dot4: the production kernel at other tiles, its code
-# table read from memory (L1) or held as scalars (kernels.moe_code_lookup=select), or four blocks' bytes
-# loaded a step (the KBLOCKS=4 tile: the same bits as dot)
-FORMS = {"dot": None, "dot_sel": None, "dot4": None, "fma": False, "dot_w": True}
+# each form's SWAP for _up_forms_kernel; dot / dot_sel / dot_pf: the production kernel at other tiles, its code
+# table read from memory (L1) or held as scalars (kernels.moe_code_lookup=select), or each block's bytes
+# loaded a step ahead (kernels.moe_4bit_prefetch: the same bits as dot)
+FORMS = {"dot": None, "dot_sel": None, "dot_pf": None, "fma": False, "dot_w": True}
 
 
 def up_bytes(gate_up, starts, i, h, block_n, warps, kblocks=1):
@@ -235,62 +236,21 @@ def up_bytes(gate_up, starts, i, h, block_n, warps, kblocks=1):
 
 def layer_times(x, index, gate_up, down, us) -> dict:
     """A whole routed-experts layer (decode_experts: up, down, the sum; and invariant_experts, the
-    batch-invariant mode's) with its 4-bit blocks loaded one or four a step (the KBLOCKS tile): median us,
-    and whether the output is bitwise that of KBLOCKS=1."""
+    batch-invariant mode's) with and without kernels.moe_4bit_prefetch: median us, and whether the output
+    is bitwise that without it."""
     weights = torch.softmax(torch.randn(index.shape, device=x.device), -1)
     out = {}
-    for name, fn in (("decode", decode_experts), ("invariant", invariant_experts)):
+    for name in ("decode", "invariant"):
         ref = None
-        for kb in (1, 4):
-            tiles = {"KBLOCKS": kb}
+        for prefetch in (False, True):
             if name == "decode":
-                run = functools.partial(fn, x, index, weights, gate_up, down, up_tiles=tiles, down_tiles=dict(tiles))
+                run = functools.partial(decode_experts, x, index, weights, gate_up, down,
+                                        kernels=Kernels(moe_4bit_prefetch=prefetch))
             else:
-                run = functools.partial(fn, x, index, weights, gate_up, down, kblocks=kb)
+                run = functools.partial(invariant_experts, x, index, weights, gate_up, down, prefetch=prefetch)
             got = run()
             ref = got if ref is None else ref
-            out[f"{name}_kblocks{kb}"] = {"us": us(run), "equal": bool(torch.equal(got, ref))}
-    return out
-
-
-# where the production kernel's time goes (_up_ablate_kernel): name -> (LOOKUP, DOT, SPLIT)
-ABLATIONS = {"table_dot_pairs": (1, True, False), "pair_dot_pairs": (2, True, False),
-             "table_dot_split": (1, True, True), "pair_dot_split": (2, True, True),
-             "none_dot_pairs": (0, True, False), "table_sum_pairs": (1, False, False),
-             "pair_sum_pairs": (2, False, False), "none_sum_pairs": (0, False, False)}
-
-
-def pair_table(code: torch.Tensor) -> torch.Tensor:
-    """int32 [256]: for a byte b, the bits of code[b >> 4] (upper half) and code[b & 15] (lower half)."""
-    bits = code.view(torch.int16).to(torch.int32) & 0xFFFF
-    b = torch.arange(256, device=code.device)
-    return ((bits[b >> 4] << 16) | bits[b & 15]).to(torch.int32).contiguous()
-
-
-def up_ablate(name, x, gate_up, order, starts, i, topk):
-    """gate_up's up kernel with ABLATIONS[name]; plain float32 scales (the experts packed without double
-    quantisation)."""
-    lookup, dot, split = ABLATIONS[name]
-    code = code4(gate_up.quant_type, x.device, x.dtype)
-    out = torch.empty(order.numel(), i, dtype=x.dtype, device=x.device)
-    _up_ablate_kernel[(gate_up.shape[0], triton.cdiv(i, 32))](
-        x, order, starts, gate_up.packed, gate_up.absmax, code, pair_table(code), out, I=i, H=x.shape[1], TOPK=topk,
-        stride_we=gate_up.packed.stride(0), stride_ae=gate_up.absmax.stride(0), QBLOCK=gate_up.block_size,
-        BLOCK_M=16, BLOCK_N=32, LOOKUP=lookup, DOT=dot, SPLIT=split, num_warps=4)
-    return out
-
-
-def ablations(x, gate_up, order, starts, i, topk, us) -> dict:
-    """Each ABLATIONS variant of one gate_up projection (its own plain-scale copy of the weights): median
-    us, and for those that compute the products whether they are bitwise the production kernel's."""
-    ref = up_dot(x, gate_up, order, order, starts, i, topk, {**UP_TILES, "BLOCK_M": 16})
-    out = {"production": {"us": us(lambda: up_dot(x, gate_up, order, order, starts, i, topk,
-                                                    {**UP_TILES, "BLOCK_M": 16}))}}
-    for name, (lookup, dot, _) in ABLATIONS.items():
-        got = up_ablate(name, x, gate_up, order, starts, i, topk)
-        out[name] = {"us": us(lambda: up_ablate(name, x, gate_up, order, starts, i, topk))}
-        if lookup and dot:
-            out[name]["equal"] = bool(torch.equal(got, ref))
+            out[f"{name}_prefetch_{prefetch}"] = {"us": us(run), "equal": bool(torch.equal(got, ref))}
     return out
 
 
@@ -315,7 +275,7 @@ def main() -> None:
     # Triton's CPU interpreter computes bf16 products wrongly (numpy has no bf16): --check there takes fp16
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--check", action="store_true", help="no timing: a tile of each form against dot, a row alone")
-    ap.add_argument("--forms", default="dot,dot4", help=f"of {','.join(FORMS)}")
+    ap.add_argument("--forms", default="dot,dot_pf", help=f"of {','.join(FORMS)}")
     ap.add_argument("--ablate", action="store_true",
                     help="only the production kernel with one part swapped at a time (ABLATIONS)")
     ap.add_argument("--out", default=None)
@@ -336,12 +296,12 @@ def main() -> None:
         return run_ablations(args, dev, dt)
     forms = args.forms.split(",")
     # (form, entries a program takes at a time, BLOCK_N, warps)
-    grid = [(f, 16, *c) for f in ("dot", "dot_sel", "dot4") if f in forms
+    grid = [(f, 16, *c) for f in ("dot", "dot_sel", "dot_pf") if f in forms
             for c in itertools.product((32, 64, 128), (4, 8))] + \
         [("fma", *c) for c in itertools.product((1, 2, 4, 8), (32, 64), (4,)) if "fma" in forms] + \
         [("dot_w", 16, *c) for c in itertools.product((32, 64, 128), (4, 8)) if "dot_w" in forms]
     if args.check:
-        grid = [("dot_sel", 16, 64, 4), ("dot4", 16, 32, 4), ("fma", 1, 16, 4), ("fma", 4, 32, 4), ("dot_w", 16, 32, 4)]
+        grid = [("dot_sel", 16, 64, 4), ("dot_pf", 16, 32, 4), ("fma", 1, 16, 4), ("fma", 4, 32, 4), ("dot_w", 16, 32, 4)]
     rows = []
     for t in (int(b) for b in args.batch_sizes.split(",")):
         x = torch.randn(t, h, device=dev, dtype=dt)
@@ -395,7 +355,7 @@ def main() -> None:
         print(line, flush=True)
         res["layer"] = layer_times(x, index.reshape(t, k), gate_up, down, us)
         print(f"batch {t}: whole layer (up + down + sum, decode_experts / invariant_experts): " + "; ".join(
-            f"{key} {v['us']:.0f} us, bitwise KBLOCKS=1 {v['equal']}" for key, v in res["layer"].items()), flush=True)
+            f"{key} {v['us']:.0f} us, bitwise without prefetch {v['equal']}" for key, v in res["layer"].items()), flush=True)
         rows.append(res)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -177,51 +177,68 @@ def _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK: tl.conste
 
 
 @triton.jit
-def _four_blocks(acc, a_rows, valid, w_ptr, widx, rows, ok, k0, K: tl.constexpr, stride_we, absmax_ptr, code_ptr,
-                 ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK: tl.constexpr,
-                 NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr):
-    """acc plus blocks k0 .. k0 + 3*QBLOCK of a 4-bit matrix (kernels' KBLOCKS=4): the four blocks' bytes and
-    scales are all loaded before the first is decoded (four times the bytes in flight, a row's 128
-    consecutive bytes requested together), then the blocks are taken in order with the one-block step's
-    operations, so the result is bitwise that of four one-block steps."""
-    b0, s0 = _block_load(w_ptr, widx, rows, ok, k0, K, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
-                         stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
-    b1, s1 = _block_load(w_ptr, widx, rows, ok, k0 + QBLOCK, K, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
-                         noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
-    b2, s2 = _block_load(w_ptr, widx, rows, ok, k0 + 2 * QBLOCK, K, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
-                         noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
-    b3, s3 = _block_load(w_ptr, widx, rows, ok, k0 + 3 * QBLOCK, K, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
-                         noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
-    acc = _block_step(acc, a_rows, valid, b0, s0, k0, code_ptr, QBLOCK, SELECT)
-    acc = _block_step(acc, a_rows, valid, b1, s1, k0 + QBLOCK, code_ptr, QBLOCK, SELECT)
-    acc = _block_step(acc, a_rows, valid, b2, s2, k0 + 2 * QBLOCK, code_ptr, QBLOCK, SELECT)
-    return _block_step(acc, a_rows, valid, b3, s3, k0 + 3 * QBLOCK, code_ptr, QBLOCK, SELECT)
+def _scaled_products(acc, a_even, a_odd, hi, lo, scale):
+    """acc plus one row tile's products with a decoded block times the block's scale."""
+    return acc + nibble_products(a_even, a_odd, hi, lo) * scale[None, :]
+
+
+@triton.jit
+def _next_block(k0, K: tl.constexpr, QBLOCK: tl.constexpr):
+    """The block a prefetching loop loads while it computes block k0: the next one, or k0 itself at the last
+    step (loaded again, never used: every load stays inside the matrix)."""
+    return tl.where(k0 + QBLOCK < K, k0 + QBLOCK, k0)
 
 
 @triton.jit
 def _packed_products(acc, a_rows, valid, w_ptr, widx, rows, ok, K: tl.constexpr, stride_we, absmax_ptr, code_ptr,
                      ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK: tl.constexpr,
                      NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
-                     KBLOCKS: tl.constexpr):
+                     PREFETCH: tl.constexpr):
     """acc plus a_rows [BLOCK_M, K] @ W[rows].T of a 4-bit matrix, a quantisation block at a time in order
-    (each block's nibble products times its scale): KBLOCKS=4 loads four blocks a step (the tail, K not a
-    multiple of four blocks, one at a time), KBLOCKS=1 one; the same bits either way."""
-    k_four = (K - K % (4 * QBLOCK)) * (KBLOCKS // 4)  # a constexpr: 0 with KBLOCKS=1
-    for k0 in range(0, k_four, 4 * QBLOCK):
-        acc = _four_blocks(acc, a_rows, valid, w_ptr, widx, rows, ok, k0, K, stride_we, absmax_ptr, code_ptr,
-                           ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT,
-                           SELECT)
-    for k0 in range(k_four, K, QBLOCK):
-        byte, scale = _block_load(w_ptr, widx, rows, ok, k0, K, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
+    (each block's nibble products times its scale). PREFETCH (kernels.moe_4bit_prefetch): the next block's
+    bytes and scales are loaded before this block is computed, so a step's HBM latency overlaps the
+    previous step's work instead of following it (the loop is otherwise a chain of load, wait, decode,
+    product); the same operations on the same values, so the same bits."""
+    if PREFETCH:
+        byte, scale = _block_load(w_ptr, widx, rows, ok, 0, K, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
                                   noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
-        acc = _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK, SELECT)
+        for k0 in range(0, K, QBLOCK):
+            byte_n, scale_n = _block_load(w_ptr, widx, rows, ok, _next_block(k0, K, QBLOCK), K, stride_we, absmax_ptr,
+                                          ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
+                                          DOUBLE_QUANT)
+            acc = _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK, SELECT)
+            byte, scale = byte_n, scale_n
+    else:
+        for k0 in range(0, K, QBLOCK):
+            byte, scale = _block_load(w_ptr, widx, rows, ok, k0, K, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
+                                      noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
+            acc = _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK, SELECT)
     return acc
 
 
 @triton.jit
-def _scaled_products(acc, a_even, a_odd, hi, lo, scale):
-    """acc plus one row tile's products with a decoded block times the block's scale."""
-    return acc + nibble_products(a_even, a_odd, hi, lo) * scale[None, :]
+def _up_prefetched(acc_g, acc_u, x_rows, valid, w_ptr, widx, cols, ok, I: tl.constexpr, H: tl.constexpr,
+                   stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne,
+                   QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr):
+    """The up kernel's one-tile 4-bit loop with the next block of gate and of up prefetched (as
+    _packed_products), the rows' halves of a block shared by both."""
+    bg, sg = _block_load(w_ptr, widx, cols, ok, 0, H, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
+                         stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
+    bu, su = _block_load(w_ptr, widx, cols + I, ok, 0, H, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
+                         stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
+    for k0 in range(0, H, QBLOCK):
+        nxt = _next_block(k0, H, QBLOCK)
+        bg_n, sg_n = _block_load(w_ptr, widx, cols, ok, nxt, H, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
+                                 noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
+        bu_n, su_n = _block_load(w_ptr, widx, cols + I, ok, nxt, H, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
+                                 noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
+        a_even, a_odd = row_pairs(x_rows, k0, valid, QBLOCK)
+        hi, lo = nibble_codes(bg, code_ptr, SELECT)
+        acc_g = _scaled_products(acc_g, a_even, a_odd, hi, lo, sg)
+        hi, lo = nibble_codes(bu, code_ptr, SELECT)
+        acc_u = _scaled_products(acc_u, a_even, a_odd, hi, lo, su)
+        bg, sg, bu, su = bg_n, sg_n, bu_n, su_n
+    return acc_g, acc_u
 
 
 @triton.jit
@@ -230,14 +247,14 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
                       stride_we, stride_wn, stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr,
                       QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
                       SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SUBTILES: tl.constexpr = 1, KBLOCKS: tl.constexpr = 1):
+                      BLOCK_K: tl.constexpr, SUBTILES: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
     """Program (e, j): for every (token, choice) routed to expert e, features [j*BLOCK_N, (j+1)*BLOCK_N)
     of act(x @ gate.T) * (x @ up.T), written at the entry's flat row of out [T*TOPK, I]. gate is rows
     [0, I) of the expert's gate_up, up rows [I, 2I): both tiles of a feature slice are read together.
     The expert's matrix is w[e], w[slots[e]] (4-bit experts dequantised into slots), or with PACKED
     the 4-bit bytes of expert e themselves, decoded a quantisation block (QBLOCK elements) at a time,
     with SUBTILES=4 once for four BLOCK_M-row tiles, each of which runs the same operations as alone;
-    KBLOCKS=4: a tile's blocks loaded four at a time (_packed_products), the same bits."""
+    PREFETCH: each block's bytes loaded a step ahead (_packed_products), the same bits."""
     expert = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
     offs, match, rank, start, count = _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED, NFLAT)
@@ -257,14 +274,10 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
         token = flat // TOPK
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if PACKED and KBLOCKS == 4:
-            ok = cols < I
-            acc_g = _packed_products(acc_g, x_ptr + token[:, None] * stride_x, valid, w_ptr, widx, cols, ok, H,
-                                     stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae,
-                                     stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT, KBLOCKS)
-            acc_u = _packed_products(acc_u, x_ptr + token[:, None] * stride_x, valid, w_ptr, widx, cols + I, ok, H,
-                                     stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae,
-                                     stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT, KBLOCKS)
+        if PACKED and PREFETCH:
+            acc_g, acc_u = _up_prefetched(acc_g, acc_u, x_ptr + token[:, None] * stride_x, valid, w_ptr, widx, cols,
+                                          cols < I, I, H, stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr,
+                                          noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT)
         elif PACKED:  # one block a step, its row halves shared by gate and up
             ok = cols < I
             for k0 in range(0, H, QBLOCK):
@@ -343,10 +356,10 @@ def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr
                         stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr, QBLOCK: tl.constexpr,
                         NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
                         SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SUBTILES: tl.constexpr = 1, KBLOCKS: tl.constexpr = 1):
+                        BLOCK_K: tl.constexpr, SUBTILES: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
     """Program (e, j): out[f, j-slice] = (inter[f] @ down_e.T) x router weight of f, for every flat
     entry f routed to expert e; out is float32 [T*TOPK, H], summed over the choices afterwards. The
-    weights as in the up kernel: plain, through slots, or PACKED 4-bit (SUBTILES, KBLOCKS as there)."""
+    weights as in the up kernel: plain, through slots, or PACKED 4-bit (SUBTILES, PREFETCH as there)."""
     expert = tl.program_id(0)
     dt = inter_ptr.dtype.element_ty
     offs, match, rank, start, count = _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED, NFLAT)
@@ -367,7 +380,7 @@ def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr
         if PACKED:
             acc = _packed_products(acc, inter_ptr + flat[:, None] * I, valid, w_ptr, widx, cols, cols < H, I,
                                    stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae,
-                                   stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT, KBLOCKS)
+                                   stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT, PREFETCH)
         else:
             for k0 in range(0, I, BLOCK_K):
                 k = k0 + ks
@@ -619,7 +632,7 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     packed_mode = _packed_mode(gate_up, down, packed_mode, n_flat, kernels.moe_fused_max_entries) if packed \
         else packed_mode
     fused, slotted = packed and packed_mode == "fused", packed and packed_mode == "slots"
-    block_m = {"BLOCK_M": block_m_for(n_flat, e, fused), "KBLOCKS": kernels.moe_4bit_blocks_per_step}
+    block_m = {"BLOCK_M": block_m_for(n_flat, e, fused), "PREFETCH": kernels.moe_4bit_prefetch}
     up_tiles = {**UP_TILES, **block_m, **(up_tiles or {})}
     down_tiles = {**DOWN_TILES, **block_m, **(down_tiles or {})}
     x = x.contiguous()
@@ -710,7 +723,7 @@ def invariant_block_m(n_flat: int, experts: int, packed: bool) -> int:
 
 
 def invariant_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up,
-                      down, subtiles: int = 4, kblocks: int = 1) -> torch.Tensor:
+                      down, subtiles: int = 4, prefetch: bool = False) -> torch.Tensor:
     """The routed experts of any step, decode or prefill, with a row's bits independent of the step
     (engine.batch_invariant, kernels.invariant_experts=triton): decode_experts' two kernels with each
     expert's entries listed by a sort (never the matching, whose width follows the step), tiles of
@@ -718,15 +731,15 @@ def invariant_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights:
     where their rows are not whole quantisation blocks: the two give other bits). subtiles
     (kernels.invariant_4bit_subtiles): 4 lets a step with at least 64 entries an expert on average
     decode each 4-bit block once for four 16-row tiles, each tile's operations unchanged. A row's output
-    is its K steps in order and its choices summed in order, as at decode in the default mode. kblocks
-    (kernels.moe_4bit_blocks_per_step): 4-bit blocks loaded a step, the same bits."""
+    is its K steps in order and its choices summed in order, as at decode in the default mode. prefetch
+    (kernels.moe_4bit_prefetch): each 4-bit block's bytes loaded a step ahead, the same bits."""
     if subtiles not in (1, 4):
         raise ValueError(f"subtiles={subtiles}: 1 or 4 (kernels.invariant_4bit_subtiles)")
     packed = not isinstance(gate_up, torch.Tensor)
     packed_mode = ("fused" if fused_4bit_fits(gate_up, down) else "slots") if packed else None
     fused = packed_mode == "fused"
     n_flat, experts = top_k_index.numel(), gate_up.shape[0]
-    tiles = {"BLOCK_M": invariant_block_m(n_flat, experts, fused), "KBLOCKS": kblocks}
+    tiles = {"BLOCK_M": invariant_block_m(n_flat, experts, fused), "PREFETCH": prefetch}
     if fused and subtiles == 4 and n_flat >= 4 * BLOCK_M * experts:
         tiles["SUBTILES"] = 4
     return decode_experts(x, top_k_index, top_k_weights, gate_up, down, up_tiles=tiles, down_tiles=tiles,

@@ -245,10 +245,10 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
     assert "fits False" in out and "refused packed_mode=fused needs rows of whole quantisation blocks" in out, out
 
 
-def test_4bit_blocks_loaded_four_a_step_give_the_same_bits_interpreted():
-    """kernels.moe_4bit_blocks_per_step=4 (four quantisation blocks' bytes loaded before the first is decoded)
-    changes no bit of the fused 4-bit kernels: up (H) and down (I) rows of five blocks (a step of four
-    and a one-block tail), decode and invariant steps, with and without double quantisation."""
+def test_4bit_blocks_prefetched_give_the_same_bits_interpreted():
+    """kernels.moe_4bit_prefetch (each quantisation block's bytes loaded a step ahead) changes no bit of the
+    fused 4-bit kernels: up and down, one block a row and several, decode and invariant steps, with and
+    without double quantisation."""
     out = run_interpreted("""
         import torch
         from flexgemma.config.kernels import Kernels
@@ -256,23 +256,23 @@ def test_4bit_blocks_loaded_four_a_step_give_the_same_bits_interpreted():
         from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
         torch.manual_seed(0)
         cpu = torch.device("cpu")
-        e, h, i = 4, 320, 320
-        gate_up, down = (torch.randn(e, 2 * i, h) * 0.1).half(), (torch.randn(e, h, i) * 0.1).half()
-        x = torch.randn(6, h).half()
-        w, idx = torch.softmax(torch.randn(6, e), -1).topk(2, dim=-1)
-        for dq in (False, True):
-            s = Bnb4Settings(double_quant=dq, compute_dtype=torch.float16)
-            pg, pd = PackedExpertWeight.pack(gate_up, s, cpu), PackedExpertWeight.pack(down, s, cpu)
-            one, four = Kernels(), Kernels(moe_4bit_blocks_per_step=4)
-            a = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=one)
-            b = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=four)
-            print("decode", dq, torch.equal(a, b))
-            a = invariant_experts(x, idx, w, pg, pd, kblocks=1)
-            print("invariant", dq, torch.equal(a, invariant_experts(x, idx, w, pg, pd, kblocks=4)))
-            print("nonzero", bool(a.abs().min() > 0))
+        e = 4
+        for h, i in ((320, 192), (64, 64)):
+            gate_up, down = (torch.randn(e, 2 * i, h) * 0.1).half(), (torch.randn(e, h, i) * 0.1).half()
+            x = torch.randn(6, h).half()
+            w, idx = torch.softmax(torch.randn(6, e), -1).topk(2, dim=-1)
+            for dq in (False, True):
+                s = Bnb4Settings(double_quant=dq, compute_dtype=torch.float16)
+                pg, pd = PackedExpertWeight.pack(gate_up, s, cpu), PackedExpertWeight.pack(down, s, cpu)
+                a = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels())
+                b = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels(moe_4bit_prefetch=True))
+                print("decode", h, dq, torch.equal(a, b))
+                a = invariant_experts(x, idx, w, pg, pd, prefetch=False)
+                print("invariant", h, dq, torch.equal(a, invariant_experts(x, idx, w, pg, pd, prefetch=True)))
+                print("nonzero", h, dq, bool(a.abs().min() > 0))
     """)
     results = [line.split()[-1] for line in out.splitlines() if line.split()[0] in ("decode", "invariant", "nonzero")]
-    assert results == ["True"] * 6, out
+    assert results == ["True"] * 12, out
 
 
 def test_router_kernel_equals_torchs_route_interpreted():

@@ -44,7 +44,7 @@ class InvariantExperts:
         self.moe_dequant = kernels.moe_dequant if kernels is not None else "bnb"
         self.how = kernels.invariant_experts if kernels is not None else "grouped"
         self.subtiles = kernels.invariant_4bit_subtiles if kernels is not None else 4
-        self.kblocks = kernels.moe_4bit_blocks_per_step if kernels is not None else 1
+        self.prefetch = kernels.moe_4bit_prefetch if kernels is not None else False
 
     def takes(self, *args) -> bool:
         return True
@@ -65,7 +65,7 @@ class InvariantExperts:
             # an engine's rows, activation and weights never change, so every step takes the same path
             if moe_kernel.kernels_compute(x, act, gate_up, down):
                 return moe_kernel.invariant_experts(x, top_k_index, top_k_weights, gate_up, down,
-                                                   self.subtiles, self.kblocks)
+                                                   self.subtiles, self.prefetch)
         t, k = top_k_index.shape
         n_exp = gate_up.shape[0]
         flat = top_k_index.reshape(-1)
