@@ -198,7 +198,8 @@ def _packed_products(acc, a_rows, valid, w_ptr, widx, rows, ok, K: tl.constexpr,
     (each block's nibble products times its scale). PREFETCH (kernels.moe_4bit_prefetch): the next block's
     bytes and scales are loaded before this block is computed, so a step's HBM latency overlaps the
     previous step's work instead of following it (the loop is otherwise a chain of load, wait, decode,
-    product); the same operations on the same values, so the same bits."""
+    product); the same operations on the same values (a GPU's compiler may contract them otherwise: other
+    rounding)."""
     if PREFETCH:
         byte, scale = _block_load(w_ptr, widx, rows, ok, 0, K, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
                                   noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
@@ -254,7 +255,7 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
     The expert's matrix is w[e], w[slots[e]] (4-bit experts dequantised into slots), or with PACKED
     the 4-bit bytes of expert e themselves, decoded a quantisation block (QBLOCK elements) at a time,
     with SUBTILES=4 once for four BLOCK_M-row tiles, each of which runs the same operations as alone;
-    PREFETCH: each block's bytes loaded a step ahead (_packed_products), the same bits."""
+    PREFETCH: each block's bytes loaded a step ahead (_packed_products)."""
     expert = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
     offs, match, rank, start, count = _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED, NFLAT)
@@ -723,7 +724,7 @@ def invariant_block_m(n_flat: int, experts: int, packed: bool) -> int:
 
 
 def invariant_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up,
-                      down, subtiles: int = 4, prefetch: bool = False) -> torch.Tensor:
+                      down, subtiles: int = 4, prefetch: bool = True) -> torch.Tensor:
     """The routed experts of any step, decode or prefill, with a row's bits independent of the step
     (engine.batch_invariant, kernels.invariant_experts=triton): decode_experts' two kernels with each
     expert's entries listed by a sort (never the matching, whose width follows the step), tiles of
@@ -732,7 +733,7 @@ def invariant_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights:
     (kernels.invariant_4bit_subtiles): 4 lets a step with at least 64 entries an expert on average
     decode each 4-bit block once for four 16-row tiles, each tile's operations unchanged. A row's output
     is its K steps in order and its choices summed in order, as at decode in the default mode. prefetch
-    (kernels.moe_4bit_prefetch): each 4-bit block's bytes loaded a step ahead, the same bits."""
+    (kernels.moe_4bit_prefetch): each 4-bit block's bytes loaded a step ahead."""
     if subtiles not in (1, 4):
         raise ValueError(f"subtiles={subtiles}: 1 or 4 (kernels.invariant_4bit_subtiles)")
     packed = not isinstance(gate_up, torch.Tensor)

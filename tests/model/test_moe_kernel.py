@@ -246,9 +246,12 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
 
 
 def test_4bit_blocks_prefetched_give_the_same_bits_interpreted():
-    """kernels.moe_4bit_prefetch (each quantisation block's bytes loaded a step ahead) changes no bit of the
-    fused 4-bit kernels: up and down, one block a row and several, decode and invariant steps, with and
-    without double quantisation."""
+    """kernels.moe_4bit_prefetch (each quantisation block's bytes loaded a step ahead) computes the same
+    products of the same blocks in the same order as the loop without it: with no floating-point
+    contraction (the interpreter) the bits are equal, for up and down, one block a row and several,
+    decode and invariant steps, with and without double quantisation. (A GPU's compiler may contract the
+    two loops' multiply-adds differently: there they differ by rounding, and engine and trainer share
+    the key.)"""
     out = run_interpreted("""
         import torch
         from flexgemma.config.kernels import Kernels

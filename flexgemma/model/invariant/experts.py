@@ -44,7 +44,7 @@ class InvariantExperts:
         self.moe_dequant = kernels.moe_dequant if kernels is not None else "bnb"
         self.how = kernels.invariant_experts if kernels is not None else "grouped"
         self.subtiles = kernels.invariant_4bit_subtiles if kernels is not None else 4
-        self.prefetch = kernels.moe_4bit_prefetch if kernels is not None else False
+        self.prefetch = kernels.moe_4bit_prefetch if kernels is not None else True
 
     def takes(self, *args) -> bool:
         return True
