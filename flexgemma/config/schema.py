@@ -301,7 +301,9 @@ class KernelsConfig:
     # and products (Nsight Compute, H100, one gate_up at 32 rows without it: 0.48 TB/s, 45% of stalls on
     # loads). H100, one 26B-A4B bnb4 layer: 474 -> 418 us at 8 rows, 847 -> 745 at 32; the bnb4 round at 128
     # 3,164 -> 3,241 tok/s. The same products in the same order; the compiler rounds them otherwise (FMA
-    # contraction, 1 bf16 ulp), so the two settings give other bits, each batch-invariant
+    # contraction, 1 bf16 ulp), so the two settings give other bits, each batch-invariant. The invariant
+    # experts prefetch only with invariant_4bit_subtiles=1 (their four-tile loop does not, and a row must
+    # get the same bits from both loops)
     moe_4bit_prefetch: bool = True
     # engine.batch_invariant (model/invariant/): each sets a row's summation order, so each is part of the
     # result (any value is batch-invariant): the K elements a product sums before adding the next chunk,

@@ -733,14 +733,16 @@ def invariant_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights:
     (kernels.invariant_4bit_subtiles): 4 lets a step with at least 64 entries an expert on average
     decode each 4-bit block once for four 16-row tiles, each tile's operations unchanged. A row's output
     is its K steps in order and its choices summed in order, as at decode in the default mode. prefetch
-    (kernels.moe_4bit_prefetch): each 4-bit block's bytes loaded a step ahead."""
+    (kernels.moe_4bit_prefetch): each 4-bit block's bytes loaded a step ahead, with subtiles=1 only."""
     if subtiles not in (1, 4):
         raise ValueError(f"subtiles={subtiles}: 1 or 4 (kernels.invariant_4bit_subtiles)")
     packed = not isinstance(gate_up, torch.Tensor)
     packed_mode = ("fused" if fused_4bit_fits(gate_up, down) else "slots") if packed else None
     fused = packed_mode == "fused"
     n_flat, experts = top_k_index.numel(), gate_up.shape[0]
-    tiles = {"BLOCK_M": invariant_block_m(n_flat, experts, fused), "PREFETCH": prefetch}
+    # the four-tile loop does not prefetch, and a row must get the same bits from it and from the one-tile
+    # loop (the two loops round otherwise on a GPU): with subtiles=4 neither prefetches
+    tiles = {"BLOCK_M": invariant_block_m(n_flat, experts, fused), "PREFETCH": prefetch and subtiles == 1}
     if fused and subtiles == 4 and n_flat >= 4 * BLOCK_M * experts:
         tiles["SUBTILES"] = 4
     return decode_experts(x, top_k_index, top_k_weights, gate_up, down, up_tiles=tiles, down_tiles=tiles,

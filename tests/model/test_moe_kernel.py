@@ -278,6 +278,29 @@ def test_4bit_blocks_prefetched_give_the_same_bits_interpreted():
     assert results == ["True"] * 12, out
 
 
+def test_invariant_experts_prefetch_only_where_every_loop_does(monkeypatch):
+    """On a GPU the prefetching loop rounds otherwise than the four-tile loop (which does not prefetch), and
+    a batch-invariant row must get the same bits whichever loop its step takes: with
+    kernels.invariant_4bit_subtiles=4 no step prefetches, with 1 every step may (the H100 tests failed,
+    alone vs in a batch, before this rule)."""
+    from flexgemma.model import moe_kernel
+    from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+
+    seen = []
+    monkeypatch.setattr(moe_kernel, "decode_experts", lambda *a, up_tiles, down_tiles, **kw: seen.append(
+        (up_tiles.get("PREFETCH"), down_tiles.get("PREFETCH"), up_tiles.get("SUBTILES"))))
+    w = PackedExpertWeight.pack(torch.randn(2, 128, 64).half(), Bnb4Settings(compute_dtype=torch.float16),
+                                torch.device("cpu"))
+    d = PackedExpertWeight.pack(torch.randn(2, 64, 64).half(), Bnb4Settings(compute_dtype=torch.float16),
+                                torch.device("cpu"))
+    for rows in (1, 200):  # a decode step, and one of the four-tile size (>= 64 entries an expert)
+        idx = torch.zeros(rows, 1, dtype=torch.long)
+        for subtiles in (4, 1):
+            moe_kernel.invariant_experts(torch.zeros(rows, 64).half(), idx, torch.ones(rows, 1), w, d,
+                                         subtiles=subtiles, prefetch=True)
+    assert seen == [(False, False, None), (True, True, None), (False, False, 4), (True, True, None)]
+
+
 def test_router_kernel_equals_torchs_route_interpreted():
     """The router's Triton kernel (softmax, top-k, renormalise, per-expert scale) picks transformers'
     experts in transformers' order and weights them to float32 rounding, for Gemma-4's 128 / top-8
