@@ -48,6 +48,16 @@ from flexgemma.model.moe_kernel import (  # noqa: E402
 
 
 @triton.jit
+def _sorted_tile(x_ptr, order_ptr, start, m0, count, H: tl.constexpr, TOPK: tl.constexpr, ROWS: tl.constexpr):
+    """An expert's entries m0 .. m0+ROWS-1 (its range of the sorted entries): their flat ids, which exist,
+    and their token rows' pointers."""
+    want = m0 + tl.arange(0, ROWS)
+    valid = want < count
+    flat = tl.load(order_ptr + start + want, mask=valid, other=0)
+    return flat, valid, x_ptr + (flat // TOPK)[:, None] * H
+
+
+@triton.jit
 def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
                      out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_we, stride_ae, stride_ne,
                      QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, ENTRIES: tl.constexpr,
@@ -65,10 +75,7 @@ def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
     dt = x_ptr.dtype.element_ty
     m0 = 0
     while m0 < count:
-        want = m0 + tl.arange(0, ENTRIES)
-        valid = want < count
-        flat = tl.load(order_ptr + start + want, mask=valid, other=0)
-        row = x_ptr + (flat // TOPK)[:, None] * H
+        flat, valid, row = _sorted_tile(x_ptr, order_ptr, start, m0, count, H, TOPK, ENTRIES)
         if SWAP:
             acc_g = tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
@@ -133,10 +140,7 @@ def _up_ablate_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr,
     kb = tl.arange(0, QBLOCK // 2)
     m0 = 0
     while m0 < count:
-        want = m0 + tl.arange(0, BLOCK_M)
-        valid = want < count
-        flat = tl.load(order_ptr + start + want, mask=valid, other=0)
-        row = x_ptr + (flat // TOPK)[:, None] * H
+        flat, valid, row = _sorted_tile(x_ptr, order_ptr, start, m0, count, H, TOPK, BLOCK_M)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, QBLOCK):
@@ -254,6 +258,47 @@ def layer_times(x, index, gate_up, down, us) -> dict:
     return out
 
 
+# where the production kernel's time goes (_up_ablate_kernel): name -> (LOOKUP, DOT, SPLIT)
+ABLATIONS = {"table_dot_pairs": (1, True, False), "pair_dot_pairs": (2, True, False),
+             "table_dot_split": (1, True, True), "pair_dot_split": (2, True, True),
+             "none_dot_pairs": (0, True, False), "table_sum_pairs": (1, False, False),
+             "pair_sum_pairs": (2, False, False), "none_sum_pairs": (0, False, False)}
+
+
+def pair_table(code: torch.Tensor) -> torch.Tensor:
+    """int32 [256]: for a byte b, the bits of code[b >> 4] (upper half) and code[b & 15] (lower half)."""
+    bits = code.view(torch.int16).to(torch.int32) & 0xFFFF
+    b = torch.arange(256, device=code.device)
+    return ((bits[b >> 4] << 16) | bits[b & 15]).to(torch.int32).contiguous()
+
+
+def up_ablate(name, x, gate_up, order, starts, i, topk):
+    """gate_up's up kernel with ABLATIONS[name]; plain float32 scales (the experts packed without double
+    quantisation)."""
+    lookup, dot, split = ABLATIONS[name]
+    code = code4(gate_up.quant_type, x.device, x.dtype)
+    out = torch.empty(order.numel(), i, dtype=x.dtype, device=x.device)
+    _up_ablate_kernel[(gate_up.shape[0], triton.cdiv(i, 32))](
+        x, order, starts, gate_up.packed, gate_up.absmax, code, pair_table(code), out, I=i, H=x.shape[1], TOPK=topk,
+        stride_we=gate_up.packed.stride(0), stride_ae=gate_up.absmax.stride(0), QBLOCK=gate_up.block_size,
+        BLOCK_M=16, BLOCK_N=32, LOOKUP=lookup, DOT=dot, SPLIT=split, num_warps=4)
+    return out
+
+
+def ablations(x, gate_up, order, starts, i, topk, us) -> dict:
+    """Each ABLATIONS variant of one gate_up projection (its own plain-scale copy of the weights): median
+    us, and for those that compute the products whether they are bitwise the production kernel's."""
+    ref = up_dot(x, gate_up, order, order, starts, i, topk, {**UP_TILES, "BLOCK_M": 16})
+    out = {"production": {"us": us(lambda: up_dot(x, gate_up, order, order, starts, i, topk,
+                                                    {**UP_TILES, "BLOCK_M": 16}))}}
+    for name, (lookup, dot, _) in ABLATIONS.items():
+        got = up_ablate(name, x, gate_up, order, starts, i, topk)
+        out[name] = {"us": us(lambda: up_ablate(name, x, gate_up, order, starts, i, topk))}
+        if lookup and dot:
+            out[name]["equal"] = bool(torch.equal(got, ref))
+    return out
+
+
 def routing(t, e, k, device, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     idx = torch.rand(t, e, generator=g).topk(k, dim=-1).indices.to(device)
@@ -262,7 +307,7 @@ def routing(t, e, k, device, seed=0):
     return index, order, starts
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", default="8,32,128")
     ap.add_argument("--experts", type=int, default=128)
@@ -279,7 +324,11 @@ def main() -> None:
     ap.add_argument("--ablate", action="store_true",
                     help="only the production kernel with one part swapped at a time (ABLATIONS)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
     from flexgemma.tasks.common import cuda_time_ms
 
@@ -312,53 +361,65 @@ def main() -> None:
         def us(fn):
             return float("nan") if args.check else cuda_time_ms(fn, iters=args.iters) * 1e3
 
-        ref = up_dot(x, gate_up, index, order, starts, i, k, {**UP_TILES, "BLOCK_M": 16})
-        res = {"batch": t, "experts_used": used, "mb": nbytes / 1e6}
-        res["dot_us"] = us(lambda: up_dot(x, gate_up, index, order, starts, i, k, {**UP_TILES, "BLOCK_M": 16}))
-        for bn, warps, kb in [(32, 4, 1)] if args.check else itertools.product((32, 64, 128), (4, 8), (1, 4)):
-            up_bytes(gate_up, starts, i, h, bn, warps, kb)
-            res[f"bytes{kb}_{bn}_{warps}_us"] = us(lambda: up_bytes(gate_up, starts, i, h, bn, warps, kb))
-        for form, entries, bn, warps in grid:
-            try:
-                out = up_form(form, x, gate_up, index, order, starts, i, k, entries, bn, warps)
-            except Exception as err:  # a tile that does not compile is reported, not fatal
-                res[f"{form}_{entries}_{bn}_{warps}"] = {"form": form, "error": f"{type(err).__name__}: {str(err)[:120]}"}
-                continue
-            # a row alone (token 0's choices, the same expert order) against the same row in the step
-            o0, s0, _ = _entry_lists(index[:k], e, True)
-            alone = up_form(form, x[:1], gate_up, index[:k], o0, s0, i, k, entries, bn, warps)
-            res[f"{form}_{entries}_{bn}_{warps}"] = {
-                "form": form,
-                "us": us(lambda: up_form(form, x, gate_up, index, order, starts, i, k, entries, bn, warps)),
-                "max_diff_vs_dot": float((out.float() - ref.float()).abs().max()),
-                "row_alone_equal": bool(torch.equal(alone, out[:k]))}
-        timed = {key: v for key, v in res.items() if isinstance(v, dict) and "us" in v}
-        floors = {kb: min(v for key, v in res.items() if key.startswith(f"bytes{kb}_")) for kb in (1, 4)
-                  if any(key.startswith(f"bytes{kb}_") for key in res)}
-        floor = floors[1]
-        if args.check:
-            print(f"batch {t}: " + "; ".join(f"{key} max diff {v['max_diff_vs_dot']:.2e} row alone equal "
-                                             f"{v['row_alone_equal']}" for key, v in timed.items()), flush=True)
-            rows.append(res)
-            continue
-        line = (f"batch {t}: {used} experts, {nbytes / 1e6:.0f} MB; dot {res['dot_us']:.0f} us "
-                f"({nbytes / res['dot_us'] / 1e6:.2f} TB/s); bytes alone " + ", ".join(
-                    f"{f:.0f} us ({nbytes / f / 1e6:.2f} TB/s) {kb} block(s) a step" for kb, f in floors.items()))
-        for form in FORMS:
-            mine = {key: v for key, v in timed.items() if v["form"] == form}
-            if not mine:
-                line += f"; no {form} tile ran"
-                continue
-            best = min(mine, key=lambda key: mine[key]["us"])
-            line += (f"; best {best} {mine[best]['us']:.0f} us ({nbytes / mine[best]['us'] / 1e6:.2f} TB/s, max diff "
-                     f"{mine[best]['max_diff_vs_dot']:.2e}, row alone equal {mine[best]['row_alone_equal']})")
-        print(line, flush=True)
-        res["layer"] = layer_times(x, index.reshape(t, k), gate_up, down, us)
-        print(f"batch {t}: whole layer (up + down + sum, decode_experts / invariant_experts): " + "; ".join(
-            f"{key} {v['us']:.0f} us, bitwise without prefetch {v['equal']}" for key, v in res["layer"].items()), flush=True)
+        res = {"batch": t, "experts_used": used, "mb": nbytes / 1e6,
+               **form_results(x, gate_up, index, order, starts, i, k, grid, us, args.check)}
+        print(batch_line(res, nbytes, args.check), flush=True)
+        if not args.check:
+            res["layer"] = layer_times(x, index.reshape(t, k), gate_up, down, us)
+            print(f"batch {t}: whole layer (up + down + sum, decode_experts / invariant_experts): " + "; ".join(
+                f"{key} {v['us']:.0f} us, bitwise without prefetch {v['equal']}" for key, v in res["layer"].items()),
+                flush=True)
         rows.append(res)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+def form_results(x, gate_up, index, order, starts, i, k, grid, us, check) -> dict:
+    """One batch's timings: the production kernel (dot_us), the bytes alone at each tile and 1 or 4 blocks a
+    step (bytes{kb}_{BLOCK_N}_{warps}_us), and each form of the grid with its largest difference from the
+    production kernel and whether a row alone gives the same bits as in the step."""
+    e, h = gate_up.shape[0], x.shape[1]
+    ref = up_dot(x, gate_up, index, order, starts, i, k, {**UP_TILES, "BLOCK_M": 16})
+    res = {"dot_us": us(lambda: up_dot(x, gate_up, index, order, starts, i, k, {**UP_TILES, "BLOCK_M": 16}))}
+    for bn, warps, kb in [(32, 4, 1)] if check else itertools.product((32, 64, 128), (4, 8), (1, 4)):
+        up_bytes(gate_up, starts, i, h, bn, warps, kb)
+        res[f"bytes{kb}_{bn}_{warps}_us"] = us(lambda: up_bytes(gate_up, starts, i, h, bn, warps, kb))
+    for form, entries, bn, warps in grid:
+        try:
+            out = up_form(form, x, gate_up, index, order, starts, i, k, entries, bn, warps)
+        except Exception as err:  # a tile that does not compile is reported, not fatal
+            res[f"{form}_{entries}_{bn}_{warps}"] = {"form": form, "error": f"{type(err).__name__}: {str(err)[:120]}"}
+            continue
+        # a row alone (token 0's choices, the same expert order) against the same row in the step
+        o0, s0, _ = _entry_lists(index[:k], e, True)
+        alone = up_form(form, x[:1], gate_up, index[:k], o0, s0, i, k, entries, bn, warps)
+        res[f"{form}_{entries}_{bn}_{warps}"] = {
+            "form": form,
+            "us": us(lambda: up_form(form, x, gate_up, index, order, starts, i, k, entries, bn, warps)),
+            "max_diff_vs_dot": float((out.float() - ref.float()).abs().max()),
+            "row_alone_equal": bool(torch.equal(alone, out[:k]))}
+    return res
+
+
+def batch_line(res: dict, nbytes: float, check: bool) -> str:
+    """form_results' batch in one line: each form's best tile (with --check, each form's bits)."""
+    timed = {key: v for key, v in res.items() if isinstance(v, dict) and "us" in v}
+    if check:
+        return f"batch {res['batch']}: " + "; ".join(f"{key} max diff {v['max_diff_vs_dot']:.2e} row alone equal "
+                                                     f"{v['row_alone_equal']}" for key, v in timed.items())
+    floors = {kb: min(v for key, v in res.items() if key.startswith(f"bytes{kb}_")) for kb in (1, 4)}
+    line = (f"batch {res['batch']}: {res['experts_used']} experts, {nbytes / 1e6:.0f} MB; dot {res['dot_us']:.0f} us "
+            f"({nbytes / res['dot_us'] / 1e6:.2f} TB/s); bytes alone " + ", ".join(
+                f"{f:.0f} us ({nbytes / f / 1e6:.2f} TB/s) {kb} block(s) a step" for kb, f in floors.items()))
+    for form in FORMS:
+        mine = {key: v for key, v in timed.items() if v["form"] == form}
+        if not mine:
+            line += f"; no {form} tile ran"
+            continue
+        best = min(mine, key=lambda key: mine[key]["us"])
+        line += (f"; best {best} {mine[best]['us']:.0f} us ({nbytes / mine[best]['us'] / 1e6:.2f} TB/s, max diff "
+                 f"{mine[best]['max_diff_vs_dot']:.2e}, row alone equal {mine[best]['row_alone_equal']})")
+    return line
 
 
 def run_ablations(args, dev, dt) -> None:

@@ -126,3 +126,13 @@ def test_bench_4bit_forms_check_on_the_cpu():
         for part in ln.split(": ", 1)[1].split("; "):
             diff, alone = part.split(" max diff ")[1].split(" row alone equal ")
             assert float(diff) < 1e-3 and alone == "True", ln
+    # --ablate: the production kernel with one part swapped at a time; those that keep the products give its bits
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "bench_4bit_forms.py"), "--device", "cpu", "--check", "--ablate",
+         "--dtype", "float16", "--hidden", "128", "--intermediate", "64", "--experts", "6", "--top-k", "2",
+         "--batch-sizes", "5"], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("ablate batch 5: "))
+    assert line.count("(bits True)") == 4 and "False" not in line and line.count(" us") == 9, line
