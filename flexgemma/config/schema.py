@@ -296,14 +296,13 @@ class KernelsConfig:
     # gather, the scales decoded by torch, bitsandbytes' op) or triton (the slot kernel in one pass: 340
     # vs 658 us for 26B-A4B's 128 gate_up matrices on the H200, bit for bit; not yet timed through the engine)
     moe_dequant: str = "bnb"
-    # the fused 4-bit expert kernels (decode; the invariant experts' every step) load each quantisation
-    # block's bytes and scales one step ahead, so that a step's HBM load overlaps the previous step's decode
-    # and products (Nsight Compute, H100, one gate_up at 32 rows without it: 0.48 TB/s, 45% of stalls on
-    # loads). H100, one 26B-A4B bnb4 layer: 474 -> 418 us at 8 rows, 847 -> 745 at 32; the bnb4 round at 128
-    # 3,164 -> 3,241 tok/s. The same products in the same order; the compiler rounds them otherwise (FMA
-    # contraction, 1 bf16 ulp), so the two settings give other bits, each batch-invariant. The invariant
-    # experts prefetch only with invariant_4bit_subtiles=1 (their four-tile loop does not, and a row must
-    # get the same bits from both loops)
+    # the fused 4-bit expert kernels (decode steps; the invariant experts', see below) load each quantisation
+    # block's bytes and scales one step ahead, so that a block's HBM load overlaps the previous block's
+    # decode and products. H100, one 26B-A4B bnb4 layer: 474 -> 418 us at 8 rows, 847 -> 745 at 32, 1,071
+    # -> 1,049 at 128; the bnb4 round at 128 3,164 -> 3,241 tok/s. The same products in the same order,
+    # which the GPU's compiler rounds otherwise (1 bf16 ulp): each setting is batch-invariant, not the same
+    # bits. The invariant experts prefetch only with invariant_4bit_subtiles=1 (their four-tile loop does
+    # not, and a row must get the same bits from both loops)
     moe_4bit_prefetch: bool = True
     # engine.batch_invariant (model/invariant/): each sets a row's summation order, so each is part of the
     # result (any value is batch-invariant): the K elements a product sums before adding the next chunk,

@@ -51,25 +51,19 @@ def row_pairs(row_ptrs, k0, valid, QBLOCK: tl.constexpr):
 
 @triton.jit
 def block_bytes(w_ptr, rows, ok, k0, K: tl.constexpr, QBLOCK: tl.constexpr):
-    """The packed bytes of W[rows, k0:k0+QBLOCK] ([len(rows), QBLOCK/2], as stored: converted only where
-    decoded, so that loads of several blocks are all in flight before the first is used)."""
+    """The packed bytes of W[rows, k0:k0+QBLOCK] ([len(rows), QBLOCK/2]) of the 4-bit matrix whose bytes start
+    at w_ptr (rows of K weights, so a block never straddles two), as stored: a prefetched block stays
+    bytes until its step decodes it (nibble_codes)."""
     kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
     return tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=ok[:, None], other=0)
 
 
 @triton.jit
 def nibble_codes(byte, code_ptr, SELECT: tl.constexpr):
-    """The code values of a block's high and low nibbles (block_bytes), in the code table's dtype."""
+    """The code values of a block's high and low nibbles (block_bytes), [len(rows), QBLOCK/2] each, before
+    the block's scale, in the code table's dtype (the rows' dtype)."""
     byte = byte.to(tl.int32)
     return code_values(byte >> 4, code_ptr, SELECT), code_values(byte & 15, code_ptr, SELECT)
-
-
-@triton.jit
-def nibble_weights(w_ptr, rows, ok, k0, K: tl.constexpr, code_ptr, QBLOCK: tl.constexpr, SELECT: tl.constexpr):
-    """The code values of W[rows, k0:k0+QBLOCK]'s high and low nibbles ([len(rows), QBLOCK/2] each, before
-    the block's scale), for the 4-bit matrix whose bytes start at w_ptr (rows of K weights, so a block
-    never straddles two); the code table is in the rows' dtype."""
-    return nibble_codes(block_bytes(w_ptr, rows, ok, k0, K, QBLOCK), code_ptr, SELECT)
 
 
 @triton.jit
