@@ -125,12 +125,13 @@ run ab_31b_bnb4_dequant 570 bash -c 'sweep ab_31b_bnb4_dequant experiment=rl_bat
 run ab_26b_sort 570 bash -c 'sweep ab_26b_sort experiment=rl_batch_26b_a4b kernels.moe_sort_above=512,0'
 run ab_26b_bnb4_slots 570 bash -c 'sweep ab_26b_bnb4_slots experiment=rl_batch_26b_a4b quant=bnb4 \
   kernels.moe_fused_max_entries=2048,512'
-# the fused 4-bit expert kernels with each block's bytes loaded a step ahead (kernels.moe_4bit_prefetch; the same
-# bits), the default first: the default mode's 128-row round, then the invariant mode's
+# the fused 4-bit expert kernels with each block's bytes loaded a step ahead (kernels.moe_4bit_prefetch; other
+# rounding) against not, the default mode's 128-row round; then the invariant mode, where only one-tile loops
+# prefetch: the default (four-tile prefill loop, no prefetch) against one-tile loops that prefetch
 run ab_26b_bnb4_prefetch 570 bash -c 'sweep ab_26b_bnb4_prefetch experiment=rl_batch_26b_a4b quant=bnb4 \
   kernels.moe_4bit_prefetch=false,true'
 run ab_inv_26b_bnb4_prefetch 570 bash -c 'sweep ab_inv_26b_bnb4_prefetch experiment=rl_batch_26b_a4b quant=bnb4 \
-  engine.batch_invariant=true kernels.moe_4bit_prefetch=false,true'
+  engine.batch_invariant=true kernels.invariant_4bit_subtiles=4,1'
 run ab_26b_bnb4_dequant 570 bash -c 'sweep ab_26b_bnb4_dequant experiment=rl_batch_26b_a4b quant=bnb4 \
   kernels.moe_dequant=bnb,triton'
 # any other sweep: SWEEP="experiment=... key=a,b ..."
