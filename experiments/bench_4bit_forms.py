@@ -382,6 +382,8 @@ def form_results(x, gate_up, index, order, starts, i, k, grid, us, check) -> dic
     ref = up_dot(x, gate_up, index, order, starts, i, k, {**UP_TILES, "BLOCK_M": 16})
     res = {"dot_us": us(lambda: up_dot(x, gate_up, index, order, starts, i, k, {**UP_TILES, "BLOCK_M": 16}))}
     for bn, warps, kb in [(32, 4, 1)] if check else itertools.product((32, 64, 128), (4, 8), (1, 4)):
+        if h % (kb * gate_up.block_size):  # the bytes kernel takes whole steps of kb blocks
+            continue
         up_bytes(gate_up, starts, i, h, bn, warps, kb)
         res[f"bytes{kb}_{bn}_{warps}_us"] = us(lambda: up_bytes(gate_up, starts, i, h, bn, warps, kb))
     for form, entries, bn, warps in grid:
@@ -407,7 +409,8 @@ def batch_line(res: dict, nbytes: float, check: bool) -> str:
     if check:
         return f"batch {res['batch']}: " + "; ".join(f"{key} max diff {v['max_diff_vs_dot']:.2e} row alone equal "
                                                      f"{v['row_alone_equal']}" for key, v in timed.items())
-    floors = {kb: min(v for key, v in res.items() if key.startswith(f"bytes{kb}_")) for kb in (1, 4)}
+    floors = {kb: min(v for key, v in res.items() if key.startswith(f"bytes{kb}_")) for kb in (1, 4)
+              if any(key.startswith(f"bytes{kb}_") for key in res)}
     line = (f"batch {res['batch']}: {res['experts_used']} experts, {nbytes / 1e6:.0f} MB; dot {res['dot_us']:.0f} us "
             f"({nbytes / res['dot_us'] / 1e6:.2f} TB/s); bytes alone " + ", ".join(
                 f"{f:.0f} us ({nbytes / f / 1e6:.2f} TB/s) {kb} block(s) a step" for kb, f in floors.items()))
