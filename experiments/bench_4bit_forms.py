@@ -41,6 +41,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma.config.kernels import Kernels  # noqa: E402
+from ptx_lookup import lookup_asm  # noqa: E402
 from flexgemma.model.triton4bit import code4  # noqa: E402
 from flexgemma.model.moe_kernel import (  # noqa: E402
     UP_TILES, _entry_lists, _nibble_block, _routed_up_kernel, _store_up, _weight_operands, decode_experts,
@@ -106,11 +107,15 @@ def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
 
 
 @triton.jit
-def _ablate_codes(byte, code_ptr, pair_ptr, dt: tl.constexpr, LOOKUP: tl.constexpr):
+def _ablate_codes(byte, code_ptr, pair_ptr, dt: tl.constexpr, LOOKUP: tl.constexpr, ASM: tl.constexpr):
     """A block's bytes -> its high and low nibbles' weights: LOOKUP 1 the production table (a load per
     nibble), 2 one load per byte from a 256-entry table of both nibbles' code bits (int32: high nibble's
-    in the upper half; the same values), 0 no table (the nibble itself: what decoding costs without it)."""
-    if LOOKUP == 2:
+    in the upper half; the same values), 3 the table held in registers and looked up by `prmt` (ASM:
+    experiments/ptx_lookup.py; the same values, a GPU only), 0 no table (the nibble itself: what decoding
+    costs without it)."""
+    if LOOKUP == 3:
+        return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [byte], dtype=(dt, dt), is_pure=True, pack=4)
+    elif LOOKUP == 2:
         v = tl.load(pair_ptr + byte.to(tl.int32))
         return (v >> 16).to(tl.int16).to(dt, bitcast=True), (v & 65535).to(tl.int16).to(dt, bitcast=True)
     elif LOOKUP == 1:
@@ -125,7 +130,7 @@ def _ablate_codes(byte, code_ptr, pair_ptr, dt: tl.constexpr, LOOKUP: tl.constex
 def _up_ablate_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, pair_ptr, out_ptr, I: tl.constexpr,
                       H: tl.constexpr, TOPK: tl.constexpr, stride_we, stride_ae, QBLOCK: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOKUP: tl.constexpr, DOT: tl.constexpr,
-                      SPLIT: tl.constexpr):
+                      SPLIT: tl.constexpr, ASM: tl.constexpr):
     """The production up kernel's one-tile 4-bit loop (sorted entries, plain float32 scales) with one part
     swapped at a time, to see where its time goes: LOOKUP (_ablate_codes); DOT False: no products, each
     decoded block summed into the accumulator instead; SPLIT: a row's even and odd elements from one
@@ -156,7 +161,7 @@ def _up_ablate_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr,
                                mask=ok[:, None], other=0)
                 scale = tl.load(absmax_ptr + expert * stride_ae + rows * (H // QBLOCK) + k0 // QBLOCK, mask=ok,
                                 other=0.0)
-                hi, lo = _ablate_codes(byte, code_ptr, pair_ptr, dt, LOOKUP)
+                hi, lo = _ablate_codes(byte, code_ptr, pair_ptr, dt, LOOKUP, ASM)
                 if DOT:
                     prod = (tl.dot(xe, tl.trans(hi)) + tl.dot(xo, tl.trans(lo))) * scale[None, :]
                 else:
@@ -262,7 +267,8 @@ def layer_times(x, index, gate_up, down, us) -> dict:
 ABLATIONS = {"table_dot_pairs": (1, True, False), "pair_dot_pairs": (2, True, False),
              "table_dot_split": (1, True, True), "pair_dot_split": (2, True, True),
              "none_dot_pairs": (0, True, False), "table_sum_pairs": (1, False, False),
-             "pair_sum_pairs": (2, False, False), "none_sum_pairs": (0, False, False)}
+             "pair_sum_pairs": (2, False, False), "none_sum_pairs": (0, False, False),
+             "prmt_dot_pairs": (3, True, False), "prmt_sum_pairs": (3, False, False)}
 
 
 def pair_table(code: torch.Tensor) -> torch.Tensor:
@@ -281,7 +287,8 @@ def up_ablate(name, x, gate_up, order, starts, i, topk):
     _up_ablate_kernel[(gate_up.shape[0], triton.cdiv(i, 32))](
         x, order, starts, gate_up.packed, gate_up.absmax, code, pair_table(code), out, I=i, H=x.shape[1], TOPK=topk,
         stride_we=gate_up.packed.stride(0), stride_ae=gate_up.absmax.stride(0), QBLOCK=gate_up.block_size,
-        BLOCK_M=16, BLOCK_N=32, LOOKUP=lookup, DOT=dot, SPLIT=split, num_warps=4)
+        BLOCK_M=16, BLOCK_N=32, LOOKUP=lookup, DOT=dot, SPLIT=split, ASM=lookup_asm(code) if lookup == 3 else "",
+        num_warps=4)
     return out
 
 
@@ -292,6 +299,8 @@ def ablations(x, gate_up, order, starts, i, topk, us) -> dict:
     out = {"production": {"us": us(lambda: up_dot(x, gate_up, order, order, starts, i, topk,
                                                     {**UP_TILES, "BLOCK_M": 16}))}}
     for name, (lookup, dot, _) in ABLATIONS.items():
+        if lookup == 3 and x.device.type != "cuda":  # inline PTX: ptx_lookup's emulator checks it on the CPU
+            continue
         got = up_ablate(name, x, gate_up, order, starts, i, topk)
         out[name] = {"us": us(lambda: up_ablate(name, x, gate_up, order, starts, i, topk))}
         if lookup and dot:
