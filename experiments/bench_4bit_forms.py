@@ -114,7 +114,8 @@ def _ablate_codes(byte, code_ptr, pair_ptr, dt: tl.constexpr, LOOKUP: tl.constex
     experiments/ptx_lookup.py; the same values, a GPU only), 0 no table (the nibble itself: what decoding
     costs without it)."""
     if LOOKUP == 3:
-        return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [byte], dtype=(dt, dt), is_pure=True, pack=4)
+        out_ty = code_ptr.dtype.element_ty  # the rows' dtype, the table's
+        return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [byte], dtype=(out_ty, out_ty), is_pure=True, pack=4)
     elif LOOKUP == 2:
         v = tl.load(pair_ptr + byte.to(tl.int32))
         return (v >> 16).to(tl.int16).to(dt, bitcast=True), (v & 65535).to(tl.int16).to(dt, bitcast=True)
