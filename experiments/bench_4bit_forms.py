@@ -41,7 +41,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma.config.kernels import Kernels  # noqa: E402
-from ptx_lookup import lookup_asm  # noqa: E402
+from flexgemma.model.ptx_lookup import lookup_asm  # noqa: E402
 from flexgemma.model.triton4bit import code4  # noqa: E402
 from flexgemma.model.moe_kernel import (  # noqa: E402
     UP_TILES, _entry_lists, _nibble_block, _routed_up_kernel, _store_up, _weight_operands, decode_experts,
@@ -111,7 +111,7 @@ def _ablate_codes(byte, code_ptr, pair_ptr, dt: tl.constexpr, LOOKUP: tl.constex
     """A block's bytes -> its high and low nibbles' weights: LOOKUP 1 the production table (a load per
     nibble), 2 one load per byte from a 256-entry table of both nibbles' code bits (int32: high nibble's
     in the upper half; the same values), 3 the table held in registers and looked up by `prmt` (ASM:
-    experiments/ptx_lookup.py; the same values, a GPU only), 0 no table (the nibble itself: what decoding
+    flexgemma/model/ptx_lookup.py; the same values, a GPU only), 0 no table (the nibble itself: what decoding
     costs without it)."""
     if LOOKUP == 3:
         out_ty = code_ptr.dtype.element_ty  # the rows' dtype, the table's
@@ -213,10 +213,10 @@ def up_dot(x, gate_up, index, order, starts, i, topk, tiles, code_lookup="table"
 
 def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, warps):
     """The gate_up projection in one of FORMS (entries: BLOCK_M for the production kernel's)."""
-    if form in ("dot", "dot_sel", "dot_pf"):
+    if form in ("dot", "dot_sel", "dot_pf", "dot_prmt"):
         return up_dot(x, gate_up, index, order, starts, i, topk,
                       {**UP_TILES, "BLOCK_M": entries, "BLOCK_N": block_n, "num_warps": warps,
-                       "PREFETCH": form == "dot_pf"}, "select" if form == "dot_sel" else "table")
+                       "PREFETCH": form in ("dot_pf", "dot_prmt")}, DOT_LOOKUP.get(form, "table"))
     swap = FORMS[form]
     ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup="table")
     out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
@@ -229,10 +229,12 @@ def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, w
     return out
 
 
-# each form's SWAP for _up_forms_kernel; dot / dot_sel / dot_pf: the production kernel at other tiles, its code
-# table read from memory (L1) or held as scalars (kernels.moe_code_lookup=select), or each block's bytes
-# loaded a step ahead (kernels.moe_4bit_prefetch: the same bits as dot)
-FORMS = {"dot": None, "dot_sel": None, "dot_pf": None, "fma": False, "dot_w": True}
+# each form's SWAP for _up_forms_kernel; dot / dot_sel / dot_pf / dot_prmt: the production kernel at other
+# tiles, its code table read from memory (L1) or held as scalars (kernels.moe_code_lookup=select), each block's
+# bytes loaded a step ahead (kernels.moe_4bit_prefetch: the same bits as dot), or that with the table looked up
+# by prmt (kernels.moe_code_lookup=prmt, a GPU only: the same bits as dot_pf)
+FORMS = {"dot": None, "dot_sel": None, "dot_pf": None, "dot_prmt": None, "fma": False, "dot_w": True}
+DOT_LOOKUP = {"dot_sel": "select", "dot_prmt": "prmt"}
 
 
 def up_bytes(gate_up, starts, i, h, block_n, warps, kblocks=1):
@@ -246,25 +248,33 @@ def up_bytes(gate_up, starts, i, h, block_n, warps, kblocks=1):
 
 def layer_times(x, index, gate_up, down, us) -> dict:
     """A whole routed-experts layer (decode_experts: up, down, the sum; and invariant_experts, the
-    batch-invariant mode's) with and without kernels.moe_4bit_prefetch: median us, and whether the output
-    is bitwise that without it."""
+    batch-invariant mode's, four-tile loops without prefetch, the default, and one-tile loops that prefetch)
+    under each of LAYER_KERNELS: median us, and whether the output is bitwise that of the first kernels of its
+    kind with the same prefetch (the code lookups give the same values)."""
     weights = torch.softmax(torch.randn(index.shape, device=x.device), -1)
-    out = {}
-    for name in ("decode", "invariant"):
-        ref = None
-        for prefetch in (False, True):
-            if name == "decode":
-                run = functools.partial(decode_experts, x, index, weights, gate_up, down,
-                                        kernels=Kernels(moe_4bit_prefetch=prefetch))
-            else:
-                run = functools.partial(invariant_experts, x, index, weights, gate_up, down, prefetch=prefetch)
-            got = run()
-            ref = got if ref is None else ref
-            out[f"{name}_prefetch_{prefetch}"] = {"us": us(run), "equal": bool(torch.equal(got, ref))}
+    out, refs = {}, {}
+    for name, kind, kernels in LAYER_KERNELS:
+        if kernels.moe_code_lookup == "prmt" and x.device.type != "cuda":
+            continue
+        fn = decode_experts if kind == "decode" else invariant_experts
+        run = functools.partial(fn, x, index, weights, gate_up, down, kernels=kernels)
+        got = run()
+        ref = refs.setdefault((kind, kernels.moe_4bit_prefetch, kernels.invariant_4bit_subtiles), got)
+        out[name] = {"us": us(run), "equal": bool(torch.equal(got, ref))}
     return out
 
 
-# where the production kernel's time goes (_up_ablate_kernel): name -> (LOOKUP, DOT, SPLIT)
+LAYER_KERNELS = [
+    ("decode_prefetch_False", "decode", Kernels(moe_4bit_prefetch=False)),
+    ("decode_prefetch_True", "decode", Kernels()),
+    ("decode_prmt", "decode", Kernels(moe_code_lookup="prmt")),
+    ("invariant_subtiles4", "invariant", Kernels()),
+    ("invariant_subtiles4_prmt", "invariant", Kernels(moe_code_lookup="prmt")),
+    ("invariant_subtiles1_prefetch", "invariant", Kernels(invariant_4bit_subtiles=1)),
+    ("invariant_subtiles1_prefetch_prmt", "invariant", Kernels(invariant_4bit_subtiles=1, moe_code_lookup="prmt")),
+]
+
+
 ABLATIONS = {"table_dot_pairs": (1, True, False), "pair_dot_pairs": (2, True, False),
              "table_dot_split": (1, True, True), "pair_dot_split": (2, True, True),
              "none_dot_pairs": (0, True, False), "table_sum_pairs": (1, False, False),
@@ -330,7 +340,7 @@ def parse_args() -> argparse.Namespace:
     # Triton's CPU interpreter computes bf16 products wrongly (numpy has no bf16): --check there takes fp16
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--check", action="store_true", help="no timing: a tile of each form against dot, a row alone")
-    ap.add_argument("--forms", default="dot,dot_pf", help=f"of {','.join(FORMS)}")
+    ap.add_argument("--forms", default="dot,dot_pf,dot_prmt", help=f"of {','.join(FORMS)}")
     ap.add_argument("--ablate", action="store_true",
                     help="only the production kernel with one part swapped at a time (ABLATIONS)")
     ap.add_argument("--out", default=None)
@@ -355,7 +365,8 @@ def main() -> None:
         return run_ablations(args, dev, dt)
     forms = args.forms.split(",")
     # (form, entries a program takes at a time, BLOCK_N, warps)
-    grid = [(f, 16, *c) for f in ("dot", "dot_sel", "dot_pf") if f in forms
+    dots = ("dot", "dot_sel", "dot_pf") + (("dot_prmt",) if dev.type == "cuda" else ())
+    grid = [(f, 16, *c) for f in dots if f in forms
             for c in itertools.product((32, 64, 128), (4, 8))] + \
         [("fma", *c) for c in itertools.product((1, 2, 4, 8), (32, 64), (4,)) if "fma" in forms] + \
         [("dot_w", 16, *c) for c in itertools.product((32, 64, 128), (4, 8)) if "dot_w" in forms]
@@ -377,7 +388,7 @@ def main() -> None:
         if not args.check:
             res["layer"] = layer_times(x, index.reshape(t, k), gate_up, down, us)
             print(f"batch {t}: whole layer (up + down + sum, decode_experts / invariant_experts): " + "; ".join(
-                f"{key} {v['us']:.0f} us, bitwise without prefetch {v['equal']}" for key, v in res["layer"].items()),
+                f"{key} {v['us']:.0f} us (bits {v['equal']})" for key, v in res["layer"].items()),
                 flush=True)
         rows.append(res)
     if args.out:

@@ -67,8 +67,8 @@ def main() -> None:
     # (up BLOCK_N, down BLOCK_N, BLOCK_K, num_warps, num_stages); the up kernel reads a gate and an up
     # tile per step, so its BLOCK_N streams twice as many weight rows
     grid = list(itertools.product((32, 64), (64, 128), (128, 256), (4, 8), (3,), ("table",)))
-    # fused 4-bit steps are one quantisation block each (BLOCK_K unused); both ways of decoding a value
-    grid_4bit = list(itertools.product((32, 64), (64, 128), (64,), (4, 8), (3,), ("table", "select")))
+    # fused 4-bit steps are one quantisation block each (BLOCK_K unused); each kernels.moe_code_lookup
+    grid_4bit = list(itertools.product((32, 64), (64, 128), (64,), (4, 8), (3,), ("table", "select", "prmt")))
     grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
     grid_quants = set(args.grid_quants.split(","))
     res: dict = {"shape": {"experts": e, "hidden": h, "intermediate": i, "top_k": k},
@@ -101,13 +101,13 @@ def main() -> None:
                             lambda: decode_experts(x, idx, w, gate_up, down, tiles, tiles, sort_entries=sort))
             if quant == "bnb4":  # the default is the fused 4-bit GEMMs; the other mode dequantises into slots
                 row["slots_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, packed_mode="slots"))
-                row["select_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, code_lookup="select"))
+                row["select_us"] = time_us(lambda: decode_experts(x, idx, w, gate_up, down, kernels=Kernels(moe_code_lookup="select")))
             configs = []
             for ubn, dbn, bk, warps, stages, lookup in (grid_4bit if quant == "bnb4" else grid) \
                     if quant in grid_quants and bs in grid_sizes else []:
                 up = dict(BLOCK_N=ubn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 dn = dict(BLOCK_N=dbn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-                fn = lambda: decode_experts(x, idx, w, gate_up, down, up, dn, code_lookup=lookup)  # noqa: E731
+                fn = lambda: decode_experts(x, idx, w, gate_up, down, up, dn, kernels=Kernels(moe_code_lookup=lookup))  # noqa: E731
                 c = {"up": up, "down": dn, "code_lookup": lookup}
                 try:
                     got = fn().float()

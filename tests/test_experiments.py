@@ -136,27 +136,3 @@ def test_bench_4bit_forms_check_on_the_cpu():
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("ablate batch 5: "))
     assert line.count("(bits True)") == 4 and "False" not in line and line.count(" us") == 9, line
-
-
-def test_ptx_lookup_of_4bit_codes_is_the_table_for_every_byte():
-    """experiments/ptx_lookup.py's inline PTX (the 4-bit code table held in registers and looked up by prmt,
-    the ablation `prmt_*` of bench_4bit_forms on a GPU), executed by its emulator: every byte value gives
-    its high and low nibbles' entries, for nf4 and fp4 tables in bf16 and fp16; a swapped byte selector in
-    the assembly is caught (the check can fail)."""
-    import pytest
-    import torch
-
-    bf = pytest.importorskip("bitsandbytes.functional")
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import ptx_lookup
-
-    for quant_type in ("nf4", "fp4"):
-        for dtype in (torch.bfloat16, torch.float16):
-            ptx_lookup.check(bf.get_4bit_type(quant_type, device="cpu").to(dtype))
-    code = bf.get_4bit_type("nf4", device="cpu").bfloat16()
-    asm = ptx_lookup.lookup_asm(code)
-    assert sum(1 for ln in asm.splitlines() if ln[:1].isalpha() and not ln.startswith("mov")) == 26
-    with pytest.raises(AssertionError, match="byte 0x00"):
-        ptx_lookup.check(code, asm.replace("0x7351", "0x7315", 1))
-    with pytest.raises(ValueError, match="not in the emulated subset"):
-        ptx_lookup.run(asm.replace("lop3.b32", "lop4.b32", 1), 0)

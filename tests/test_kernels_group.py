@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 # a value other than the default for each key that has no `auto`
 OTHER = {"fuse_projections": False, "fused_kv_write": True, "prefill_full_blocks": False, "linear4bit_max_rows": 32,
          "linear4bit_dequant": "bnb", "moe_sort_above": 0, "moe_fused_max_entries": 16, "moe_dequant": "triton",
-         "moe_4bit_prefetch": False,
+         "moe_4bit_prefetch": False, "moe_code_lookup": "select",
          "invariant_k_chunk": 256, "invariant_split_tokens": 512, "invariant_block_n": 32,
          "invariant_split_below_tiles": 0, "invariant_flatten": True, "invariant_4bit_subtiles": 1,
          "trainer_vocab_slice": 4096, "trainer_glue_backward": "compiled",

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from flexgemma.config.kernels import Kernels
 from flexgemma.model.moe import route as torch_route, routed_experts
+from flexgemma.model.ptx_lookup import code_lookup_asm
 from flexgemma.model.triton4bit import (block_bytes, code4, dequant_blocks, nibble_codes, nibble_products, row_pairs,
                                         sum_rows)
 
@@ -159,20 +160,20 @@ def _block_load(w_ptr, widx, rows, ok, k0, K: tl.constexpr, stride_we, absmax_pt
 @triton.jit
 def _nibble_block(w_ptr, widx, rows, ok, k0, K: tl.constexpr, stride_we, absmax_ptr, code_ptr, ncode_ptr,
                   nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
-                  DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr):
+                  DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr):
     """Block k0 of rows `rows` of 4-bit expert widx, decoded: its high and low nibbles' code values and
     its float32 scale per row."""
     byte, scale = _block_load(w_ptr, widx, rows, ok, k0, K, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
                               noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
-    hi, lo = nibble_codes(byte, code_ptr, SELECT)
+    hi, lo = nibble_codes(byte, code_ptr, LOOKUP)
     return hi, lo, scale
 
 
 @triton.jit
-def _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK: tl.constexpr, SELECT: tl.constexpr):
+def _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK: tl.constexpr, LOOKUP: tl.constexpr):
     """acc plus rows a_rows' products with one loaded block (k0) of a 4-bit matrix, times its scale."""
     a_even, a_odd = row_pairs(a_rows, k0, valid, QBLOCK)
-    hi, lo = nibble_codes(byte, code_ptr, SELECT)
+    hi, lo = nibble_codes(byte, code_ptr, LOOKUP)
     return _scaled_products(acc, a_even, a_odd, hi, lo, scale)
 
 
@@ -192,7 +193,7 @@ def _next_block(k0, K: tl.constexpr, QBLOCK: tl.constexpr):
 @triton.jit
 def _packed_products(acc, a_rows, valid, w_ptr, widx, rows, ok, K: tl.constexpr, stride_we, absmax_ptr, code_ptr,
                      ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK: tl.constexpr,
-                     NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
+                     NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr,
                      PREFETCH: tl.constexpr):
     """acc plus a_rows [BLOCK_M, K] @ W[rows].T of a 4-bit matrix, a quantisation block at a time in order
     (each block's nibble products times its scale). PREFETCH (kernels.moe_4bit_prefetch): the next block's
@@ -207,20 +208,20 @@ def _packed_products(acc, a_rows, valid, w_ptr, widx, rows, ok, K: tl.constexpr,
             byte_n, scale_n = _block_load(w_ptr, widx, rows, ok, _next_block(k0, K, QBLOCK), K, stride_we, absmax_ptr,
                                           ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
                                           DOUBLE_QUANT)
-            acc = _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK, SELECT)
+            acc = _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK, LOOKUP)
             byte, scale = byte_n, scale_n
     else:
         for k0 in range(0, K, QBLOCK):
             byte, scale = _block_load(w_ptr, widx, rows, ok, k0, K, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
                                       noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
-            acc = _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK, SELECT)
+            acc = _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK, LOOKUP)
     return acc
 
 
 @triton.jit
 def _up_prefetched(acc_g, acc_u, x_rows, valid, w_ptr, widx, cols, ok, I: tl.constexpr, H: tl.constexpr,
                    stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne,
-                   QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr):
+                   QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr):
     """The up kernel's one-tile 4-bit loop with the next block of gate and of up prefetched (as
     _packed_products), the rows' halves of a block shared by both."""
     bg, sg = _block_load(w_ptr, widx, cols, ok, 0, H, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
@@ -234,9 +235,9 @@ def _up_prefetched(acc_g, acc_u, x_rows, valid, w_ptr, widx, cols, ok, I: tl.con
         bu_n, su_n = _block_load(w_ptr, widx, cols + I, ok, nxt, H, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
                                  noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
         a_even, a_odd = row_pairs(x_rows, k0, valid, QBLOCK)
-        hi, lo = nibble_codes(bg, code_ptr, SELECT)
+        hi, lo = nibble_codes(bg, code_ptr, LOOKUP)
         acc_g = _scaled_products(acc_g, a_even, a_odd, hi, lo, sg)
-        hi, lo = nibble_codes(bu, code_ptr, SELECT)
+        hi, lo = nibble_codes(bu, code_ptr, LOOKUP)
         acc_u = _scaled_products(acc_u, a_even, a_odd, hi, lo, su)
         bg, sg, bu, su = bg_n, sg_n, bu_n, su_n
     return acc_g, acc_u
@@ -246,7 +247,7 @@ def _up_prefetched(acc_g, acc_u, x_rows, valid, w_ptr, widx, cols, ok, I: tl.con
 def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr,
                       noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_x,
                       stride_we, stride_wn, stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr,
-                      QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
+                      QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr,
                       SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SUBTILES: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
     """Program (e, j): for every (token, choice) routed to expert e, features [j*BLOCK_N, (j+1)*BLOCK_N)
@@ -267,7 +268,7 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
         while m0 < count:
             _up_4bit_four_tiles(x_ptr, order_ptr, offs, match, rank, start, m0, count, w_ptr, widx, cols, absmax_ptr,
                                 code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, I, H, TOPK, stride_x,
-                                stride_we, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT, SORTED, BLOCK_M,
+                                stride_we, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP, SORTED, BLOCK_M,
                                 BLOCK_N)
             m0 += 4 * BLOCK_M
     while m0 < count:
@@ -278,18 +279,18 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
         if PACKED and PREFETCH:
             acc_g, acc_u = _up_prefetched(acc_g, acc_u, x_ptr + token[:, None] * stride_x, valid, w_ptr, widx, cols,
                                           cols < I, I, H, stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr,
-                                          noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT)
+                                          noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP)
         elif PACKED:  # one block a step, its row halves shared by gate and up
             ok = cols < I
             for k0 in range(0, H, QBLOCK):
                 a_even, a_odd = row_pairs(x_ptr + token[:, None] * stride_x, k0, valid, QBLOCK)
                 hi, lo, sc = _nibble_block(w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr, code_ptr, ncode_ptr,
                                            nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT,
-                                           SELECT)
+                                           LOOKUP)
                 acc_g = _scaled_products(acc_g, a_even, a_odd, hi, lo, sc)
                 hi, lo, sc = _nibble_block(w_ptr, widx, cols + I, ok, k0, H, stride_we, absmax_ptr, code_ptr,
                                            ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
-                                           DOUBLE_QUANT, SELECT)
+                                           DOUBLE_QUANT, LOOKUP)
                 acc_u = _scaled_products(acc_u, a_even, a_odd, hi, lo, sc)
         else:
             for k0 in range(0, H, BLOCK_K):
@@ -317,7 +318,7 @@ def _store_up(out_ptr, flat, valid, cols, acc_g, acc_u, I: tl.constexpr, dt):
 def _up_4bit_four_tiles(x_ptr, order_ptr, offs, match, rank, start, m0, count, w_ptr, widx, cols, absmax_ptr,
                         code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr,
                         TOPK: tl.constexpr, stride_x, stride_we, stride_ae, stride_ne, QBLOCK: tl.constexpr,
-                        NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr, SORTED: tl.constexpr,
+                        NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr, SORTED: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The up kernel's 4-bit step for the expert's entries m0 .. m0 + 4*BLOCK_M - 1 as four BLOCK_M-row tiles
     that share each decoded block: every tile's products, scales, sums and rounding are those of the
@@ -334,9 +335,9 @@ def _up_4bit_four_tiles(x_ptr, order_ptr, offs, match, rank, start, m0, count, w
     ok = cols < I
     for k0 in range(0, H, QBLOCK):
         hg, lg, sg = _nibble_block(w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr, code_ptr, ncode_ptr,
-                                   nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT)
+                                   nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP)
         hu, lu, su = _nibble_block(w_ptr, widx, cols + I, ok, k0, H, stride_we, absmax_ptr, code_ptr, ncode_ptr,
-                                   nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT)
+                                   nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP)
         ae, ao = row_pairs(r0, k0, v0, QBLOCK)
         g0, u0 = _scaled_products(g0, ae, ao, hg, lg, sg), _scaled_products(u0, ae, ao, hu, lu, su)
         ae, ao = row_pairs(r1, k0, v1, QBLOCK)
@@ -355,7 +356,7 @@ def _up_4bit_four_tiles(x_ptr, order_ptr, offs, match, rank, start, m0, count, w
 def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr, n_flat, w_ptr, slots_ptr, absmax_ptr, code_ptr, ncode_ptr,
                         nabsmax_ptr, noffset_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, stride_we, stride_wn,
                         stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr, QBLOCK: tl.constexpr,
-                        NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr,
+                        NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr,
                         SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SUBTILES: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
     """Program (e, j): out[f, j-slice] = (inter[f] @ down_e.T) x router weight of f, for every flat
@@ -372,7 +373,7 @@ def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr
         while m0 < count:
             _down_4bit_four_tiles(inter_ptr, order_ptr, offs, match, rank, start, m0, count, weights_ptr, w_ptr, widx,
                                   cols, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, I, H,
-                                  stride_we, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT, SORTED,
+                                  stride_we, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP, SORTED,
                                   BLOCK_M, BLOCK_N)
             m0 += 4 * BLOCK_M
     while m0 < count:
@@ -381,7 +382,7 @@ def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr
         if PACKED:
             acc = _packed_products(acc, inter_ptr + flat[:, None] * I, valid, w_ptr, widx, cols, cols < H, I,
                                    stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae,
-                                   stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT, PREFETCH)
+                                   stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP, PREFETCH)
         else:
             for k0 in range(0, I, BLOCK_K):
                 k = k0 + ks
@@ -407,7 +408,7 @@ def _store_down(out_ptr, weights_ptr, flat, valid, cols, acc, H: tl.constexpr, d
 def _down_4bit_four_tiles(inter_ptr, order_ptr, offs, match, rank, start, m0, count, weights_ptr, w_ptr, widx, cols,
                           absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, I: tl.constexpr,
                           H: tl.constexpr, stride_we, stride_ae, stride_ne, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
-                          DOUBLE_QUANT: tl.constexpr, SELECT: tl.constexpr, SORTED: tl.constexpr,
+                          DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr, SORTED: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The down kernel's 4-bit step for entries m0 .. m0 + 4*BLOCK_M - 1 as four tiles sharing each decoded
     block (as _up_4bit_four_tiles)."""
@@ -421,7 +422,7 @@ def _down_4bit_four_tiles(inter_ptr, order_ptr, offs, match, rank, start, m0, co
     ok = cols < H
     for k0 in range(0, I, QBLOCK):
         hi, lo, sc = _nibble_block(w_ptr, widx, cols, ok, k0, I, stride_we, absmax_ptr, code_ptr, ncode_ptr,
-                                   nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, SELECT)
+                                   nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP)
         ae, ao = row_pairs(inter_ptr + f0[:, None] * I, k0, v0, QBLOCK)
         a0 = _scaled_products(a0, ae, ao, hi, lo, sc)
         ae, ao = row_pairs(inter_ptr + f1[:, None] * I, k0, v1, QBLOCK)
@@ -557,8 +558,9 @@ def fused_4bit_fits(gate_up, down) -> bool:
 def _check_step(x, top_k_index, gate_up, down, packed_mode: Optional[str], code_lookup: str,
                 max_entries: Optional[int]) -> None:
     """decode_experts' arguments, refused with what is wrong."""
-    if code_lookup not in ("table", "select"):
-        raise ValueError(f"code_lookup={code_lookup!r}: table or select")
+    if code_lookup == "prmt" and (x.device.type != "cuda" or torch.version.hip):
+        raise ValueError("kernels.moe_code_lookup=prmt runs inline PTX, an NVIDIA GPU's only; on "
+                         f"{x.device.type} use table or select (the same values)")
     if packed_mode not in (None, "fused", "slots"):
         raise ValueError(f"packed_mode={packed_mode!r}: fused or slots")
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -586,25 +588,26 @@ def _packed_mode(gate_up, down, packed_mode: Optional[str], n_flat: int, fused_m
 
 def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_lookup: str) -> dict:
     """A weight's kernel arguments: plain (or slotted) bf16, or the 4-bit buffers (the code table in
-    x's dtype: a block's nibble products are scaled by its scale)."""
+    x's dtype: a block's nibble products are scaled by its scale; LOOKUP: how the kernels read it, for prmt
+    the table's PTX)."""
     if fused:
+        lookup = code_lookup_asm(w.quant_type, x.dtype) if code_lookup == "prmt" else code_lookup
         dq = bool(w.double_quant)
         return dict(w_ptr=w.packed, absmax_ptr=w.absmax, code_ptr=code4(w.quant_type, x.device, x.dtype),
                     ncode_ptr=w.nested_code if dq else w.absmax, nabsmax_ptr=w.nested_absmax if dq else w.absmax,
                     noffset_ptr=w.nested_offset if dq else w.absmax, stride_we=w.packed.stride(0), stride_wn=0,
                     stride_ae=w.absmax.stride(0), stride_ne=w.nested_absmax.stride(0) if dq else 0,
-                    QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, SELECT=code_lookup == "select")
+                    QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, LOOKUP=lookup)
     w = dequantize_slots(w, ids, x.dtype) if slotted else w
     w = w if w.stride(2) == 1 else w.contiguous()
     return dict(w_ptr=w, absmax_ptr=w, code_ptr=w, ncode_ptr=w, nabsmax_ptr=w, noffset_ptr=w,
                 stride_we=w.stride(0), stride_wn=w.stride(1), stride_ae=0, stride_ne=0, QBLOCK=16, NESTED=1,
-                DOUBLE_QUANT=False, SELECT=False)
+                DOUBLE_QUANT=False, LOOKUP="table")
 
 
 def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up, down,
                    up_tiles: Optional[dict] = None, down_tiles: Optional[dict] = None,
-                   packed_mode: Optional[str] = None, code_lookup: str = "table",
-                   sort_entries: Optional[bool] = None, kernels: Kernels = Kernels(),
+                   packed_mode: Optional[str] = None, sort_entries: Optional[bool] = None, kernels: Kernels = Kernels(),
                    max_entries: Optional[int] = KERNEL_MAX_ENTRIES) -> torch.Tensor:
     """Gemma-4's routed experts for a decode-sized step in two kernels, with no sort of rows by expert.
 
@@ -616,13 +619,12 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     gelu_pytorch_tanh, Gemma-4's. Returns [T, H] in x's dtype: sum over choices of weight x expert(x).
     *_tiles override UP_TILES / DOWN_TILES (BLOCK_N, BLOCK_K, num_warps, num_stages; fused 4-bit
     steps are one quantisation block each, whatever BLOCK_K says) and BLOCK_M (default:
-    block_m_for the step's size). code_lookup: how the fused mode
-    turns 4-bit values into weights, "table" (a load from the 16-entry table) or "select" (a tree of
-    selects over it). sort_entries: list each expert's entries through a sort outside the kernels
+    block_m_for the step's size). kernels.moe_code_lookup: how the fused mode turns 4-bit
+    values into weights (triton4bit.nibble_codes). sort_entries: list each expert's entries through a sort outside the kernels
     (default: above kernels.moe_sort_above entries) instead of every program matching the whole routing;
     the same tiles either way. max_entries: the largest step taken (None: any, with sort_entries; matching
     reads the whole routing in every program)."""
-    _check_step(x, top_k_index, gate_up, down, packed_mode, code_lookup, max_entries)
+    _check_step(x, top_k_index, gate_up, down, packed_mode, kernels.moe_code_lookup, max_entries)
     t, topk = top_k_index.shape
     e, two_i, h = gate_up.shape
     i = two_i // 2
@@ -643,7 +645,7 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     order, starts, nflat = _entry_lists(index, e, sort_entries)
     ids, slots = expert_slots(top_k_index, e) if slotted else (None, index)  # index: a placeholder, never read
     operands = functools.partial(_weight_operands, x=x, fused=fused, slotted=slotted, ids=ids,
-                                 code_lookup=code_lookup)
+                                 code_lookup=kernels.moe_code_lookup)
 
     ops = operands(gate_up)
     inter = torch.empty(n_flat, i, dtype=x.dtype, device=x.device)
@@ -724,26 +726,26 @@ def invariant_block_m(n_flat: int, experts: int, packed: bool) -> int:
 
 
 def invariant_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up,
-                      down, subtiles: int = 4, prefetch: bool = True) -> torch.Tensor:
+                      down, kernels: Kernels = Kernels()) -> torch.Tensor:
     """The routed experts of any step, decode or prefill, with a row's bits independent of the step
     (engine.batch_invariant, kernels.invariant_experts=triton): decode_experts' two kernels with each
     expert's entries listed by a sort (never the matching, whose width follows the step), tiles of
     invariant_block_m rows, 4-bit experts always decoded inside the kernels (or always through slots
-    where their rows are not whole quantisation blocks: the two give other bits). subtiles
-    (kernels.invariant_4bit_subtiles): 4 lets a step with at least 64 entries an expert on average
-    decode each 4-bit block once for four 16-row tiles, each tile's operations unchanged. A row's output
-    is its K steps in order and its choices summed in order, as at decode in the default mode. prefetch
-    (kernels.moe_4bit_prefetch): each 4-bit block's bytes loaded a step ahead, with subtiles=1 only."""
-    if subtiles not in (1, 4):
-        raise ValueError(f"subtiles={subtiles}: 1 or 4 (kernels.invariant_4bit_subtiles)")
+    where their rows are not whole quantisation blocks: the two give other bits). From `kernels`:
+    invariant_4bit_subtiles 4 lets a step with at least 64 entries an expert on average decode each 4-bit
+    block once for four 16-row tiles, each tile's operations unchanged; moe_4bit_prefetch loads each 4-bit
+    block's bytes a step ahead, with subtiles=1 only; moe_code_lookup as at decode. A row's output is its K
+    steps in order and its choices summed in order, as at decode in the default mode."""
+    subtiles = kernels.invariant_4bit_subtiles
     packed = not isinstance(gate_up, torch.Tensor)
     packed_mode = ("fused" if fused_4bit_fits(gate_up, down) else "slots") if packed else None
     fused = packed_mode == "fused"
     n_flat, experts = top_k_index.numel(), gate_up.shape[0]
     # the four-tile loop does not prefetch, and a row must get the same bits from it and from the one-tile
     # loop (the two loops round otherwise on a GPU): with subtiles=4 neither prefetches
-    tiles = {"BLOCK_M": invariant_block_m(n_flat, experts, fused), "PREFETCH": prefetch and subtiles == 1}
+    tiles = {"BLOCK_M": invariant_block_m(n_flat, experts, fused),
+             "PREFETCH": kernels.moe_4bit_prefetch and subtiles == 1}
     if fused and subtiles == 4 and n_flat >= 4 * BLOCK_M * experts:
         tiles["SUBTILES"] = 4
     return decode_experts(x, top_k_index, top_k_weights, gate_up, down, up_tiles=tiles, down_tiles=tiles,
-                          packed_mode=packed_mode, sort_entries=True, max_entries=None)
+                          packed_mode=packed_mode, sort_entries=True, kernels=kernels, max_entries=None)

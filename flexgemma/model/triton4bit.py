@@ -59,11 +59,18 @@ def block_bytes(w_ptr, rows, ok, k0, K: tl.constexpr, QBLOCK: tl.constexpr):
 
 
 @triton.jit
-def nibble_codes(byte, code_ptr, SELECT: tl.constexpr):
+def nibble_codes(byte, code_ptr, LOOKUP: tl.constexpr):
     """The code values of a block's high and low nibbles (block_bytes), [len(rows), QBLOCK/2] each, before
-    the block's scale, in the code table's dtype (the rows' dtype)."""
-    byte = byte.to(tl.int32)
-    return code_values(byte >> 4, code_ptr, SELECT), code_values(byte & 15, code_ptr, SELECT)
+    the block's scale, in the code table's dtype (the rows' dtype). LOOKUP (kernels.moe_code_lookup):
+    "table" a load per nibble from the 16-entry table (L1), "select" a tree of selects over its entries
+    held as scalars, or else the PTX of ptx_lookup.lookup_asm for this table (prmt over the table held in
+    registers, four bytes at a time; a GPU only): the table's own values whichever."""
+    if LOOKUP == "table" or LOOKUP == "select":
+        byte = byte.to(tl.int32)
+        return code_values(byte >> 4, code_ptr, LOOKUP == "select"), code_values(byte & 15, code_ptr, LOOKUP == "select")
+    else:
+        dt = code_ptr.dtype.element_ty
+        return tl.inline_asm_elementwise(LOOKUP, "=r,=r,=r,=r,r", [byte], dtype=(dt, dt), is_pure=True, pack=4)
 
 
 @triton.jit

@@ -135,8 +135,9 @@ def test_invariant_experts_give_a_token_the_same_bits_in_any_step_interpreted():
         w, idx = torch.softmax(torch.randn(t, e), -1).topk(k, dim=-1)
         act = GELUTanh()
         for name, (gu, dn), sub in (("half", (gate_up, down), 1), ("bnb4", packed, 1), ("bnb4_subtiles", packed, 4)):
-            step = M.invariant_experts(x, idx, w, gu, dn, sub)
-            alone = [M.invariant_experts(x[j:j + 1], idx[j:j + 1], w[j:j + 1], gu, dn, sub)[0]
+            kern = Kernels(invariant_4bit_subtiles=sub)
+            step = M.invariant_experts(x, idx, w, gu, dn, kern)
+            alone = [M.invariant_experts(x[j:j + 1], idx[j:j + 1], w[j:j + 1], gu, dn, kern)[0]
                      for j in (0, 613, t - 1)]
             dense = [m.float() if name == "half" else m.dequantize().float() for m in (gu, dn)]
             ref = experts_loop(x[:64].float(), idx[:64], w[:64], dense[0], dense[1], act)
@@ -213,7 +214,7 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
                         args = (x[:rows], idx[:rows], w[:rows], pg, pd, torch.nn.functional.gelu)
                         print("prefill path", rows, torch.equal(experts_grouped(*args, one_pass),
                                                                 experts_grouped(*args)))
-                    selected = decode_experts(x, idx, w, pg, pd, code_lookup="select").float()
+                    selected = decode_experts(x, idx, w, pg, pd, kernels=Kernels(moe_code_lookup="select")).float()
                     print("select equals table", torch.equal(selected, decode_experts(x, idx, w, pg, pd).float()))
         x, idx, w = x[:5], idx[:5], w[:5]
         # two tokens on the same two experts: 4 slots for 2 experts, two padding slots left unwritten
@@ -270,8 +271,9 @@ def test_4bit_blocks_prefetched_give_the_same_bits_interpreted():
                 a = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels())
                 b = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels(moe_4bit_prefetch=True))
                 print("decode", h, dq, torch.equal(a, b))
-                a = invariant_experts(x, idx, w, pg, pd, prefetch=False)
-                print("invariant", h, dq, torch.equal(a, invariant_experts(x, idx, w, pg, pd, prefetch=True)))
+                a = invariant_experts(x, idx, w, pg, pd, Kernels(moe_4bit_prefetch=False, invariant_4bit_subtiles=1))
+                b = invariant_experts(x, idx, w, pg, pd, Kernels(moe_4bit_prefetch=True, invariant_4bit_subtiles=1))
+                print("invariant", h, dq, torch.equal(a, b))
                 print("nonzero", h, dq, bool(a.abs().min() > 0))
     """)
     results = [line.split()[-1] for line in out.splitlines() if line.split()[0] in ("decode", "invariant", "nonzero")]
@@ -283,6 +285,7 @@ def test_invariant_experts_prefetch_only_where_every_loop_does(monkeypatch):
     a batch-invariant row must get the same bits whichever loop its step takes: with
     kernels.invariant_4bit_subtiles=4 no step prefetches, with 1 every step may (the H100 tests failed,
     alone vs in a batch, before this rule)."""
+    from flexgemma.config.kernels import Kernels
     from flexgemma.model import moe_kernel
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
 
@@ -297,7 +300,7 @@ def test_invariant_experts_prefetch_only_where_every_loop_does(monkeypatch):
         idx = torch.zeros(rows, 1, dtype=torch.long)
         for subtiles in (4, 1):
             moe_kernel.invariant_experts(torch.zeros(rows, 64).half(), idx, torch.ones(rows, 1), w, d,
-                                         subtiles=subtiles, prefetch=True)
+                                         Kernels(invariant_4bit_subtiles=subtiles, moe_4bit_prefetch=True))
     assert seen == [(False, False, None), (True, True, None), (False, False, 4), (True, True, None)]
 
 

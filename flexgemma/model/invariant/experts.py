@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from flexgemma.config.kernels import Kernels
 from flexgemma.model.invariant.matmul import K_CHUNK, _tiles, linear
 from flexgemma.model.moe import routed_experts, sum_per_token
 
@@ -43,8 +44,7 @@ class InvariantExperts:
         self.flatten = kernels.invariant_flatten if kernels is not None else False
         self.moe_dequant = kernels.moe_dequant if kernels is not None else "bnb"
         self.how = kernels.invariant_experts if kernels is not None else "grouped"
-        self.subtiles = kernels.invariant_4bit_subtiles if kernels is not None else 4
-        self.prefetch = kernels.moe_4bit_prefetch if kernels is not None else True
+        self.kernels = kernels if kernels is not None else Kernels()  # the triton path's tiles and 4-bit choices
 
     def takes(self, *args) -> bool:
         return True
@@ -64,8 +64,7 @@ class InvariantExperts:
 
             # an engine's rows, activation and weights never change, so every step takes the same path
             if moe_kernel.kernels_compute(x, act, gate_up, down):
-                return moe_kernel.invariant_experts(x, top_k_index, top_k_weights, gate_up, down,
-                                                   self.subtiles, self.prefetch)
+                return moe_kernel.invariant_experts(x, top_k_index, top_k_weights, gate_up, down, self.kernels)
         t, k = top_k_index.shape
         n_exp = gate_up.shape[0]
         flat = top_k_index.reshape(-1)
