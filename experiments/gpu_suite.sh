@@ -248,7 +248,7 @@ run bench_kernels 400 bash -c 'python3 experiments/bench_moe_kernel.py --batch-s
 # bytes read alone and against products on the CUDA cores (issue 39: ~0.4 TB/s at 128 rows)
 run bench_4bit_forms 300 python3 experiments/bench_4bit_forms.py --batch-sizes 8,32,128 --out "$WORK/bench_4bit_forms.json"
 # the same projection's production loop with one part swapped at a time (the code lookup: table, pair table, none,
-# or prmt in registers (experiments/ptx_lookup.py); the products; the row loads): where its time goes
+# or prmt in registers (flexgemma/model/ptx_lookup.py); the products; the row loads): where its time goes
 run ablate_4bit 300 python3 experiments/bench_4bit_forms.py --ablate --batch-sizes 8,32,128 --out "$WORK/ablate_4bit.json"
 # Nsight Compute on the fused 4-bit up kernel at 32 rows, without and with kernels.moe_4bit_prefetch: stall
 # reasons and per-instruction stall samples (the report and its source pages as CSV come back in $OUT)
