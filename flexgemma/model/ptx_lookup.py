@@ -3,7 +3,8 @@ fused 4-bit expert kernels (moe_kernel.py) are bound by their instructions per w
 and the table's gathers with their address arithmetic were the largest part.
 
 `lookup_asm(code)` is the inline PTX for `tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [bytes],
-dtype=(dt, dt), is_pure=True, pack=4)` (triton4bit.nibble_codes): four packed bytes in, the code values of
+dtype=(dt, dt), is_pure=True, pack=4)` (bench_4bit_forms --ablate); the kernels run its words form
+(`words=True`, triton4bit.nibble_codes: an int32 word in, eight 16-bit values out). Four packed bytes in, the code values of
 their high nibbles (two registers of two 16-bit values, byte i -> element i) and of their low nibbles (two
 more) out. The 16-entry table of 16-bit values is split into its low and high bytes, eight entries to a
 register pair, so that one `prmt` looks up four nibbles' bytes among eight entries; a nibble's bit 3 picks
