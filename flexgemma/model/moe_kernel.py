@@ -150,11 +150,11 @@ def _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, blk, ok
 @triton.jit
 def _block_load(w_ptr, widx, rows, ok, k0, K: tl.constexpr, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
                 noffset_ptr, stride_ae, stride_ne, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
-                DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr):
+                DOUBLE_QUANT: tl.constexpr):
     """Block k0 of rows `rows` of 4-bit expert widx as loaded: its bytes and its float32 scale per row."""
     scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, widx, rows * (K // QBLOCK) + k0 // QBLOCK,
                           ok, stride_ae, stride_ne, NESTED, DOUBLE_QUANT)
-    return block_bytes(w_ptr + widx * stride_we, rows, ok, k0, K, QBLOCK, LOOKUP), scale
+    return block_bytes(w_ptr + widx * stride_we, rows, ok, k0, K, QBLOCK), scale
 
 
 @triton.jit
@@ -164,7 +164,7 @@ def _nibble_block(w_ptr, widx, rows, ok, k0, K: tl.constexpr, stride_we, absmax_
     """Block k0 of rows `rows` of 4-bit expert widx, decoded: its high and low nibbles' code values and
     its float32 scale per row."""
     byte, scale = _block_load(w_ptr, widx, rows, ok, k0, K, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
-                              noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP)
+                              noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
     hi, lo = nibble_codes(byte, code_ptr, LOOKUP)
     return hi, lo, scale
 
@@ -203,17 +203,17 @@ def _packed_products(acc, a_rows, valid, w_ptr, widx, rows, ok, K: tl.constexpr,
     rounding)."""
     if PREFETCH:
         byte, scale = _block_load(w_ptr, widx, rows, ok, 0, K, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
-                                  noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP)
+                                  noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
         for k0 in range(0, K, QBLOCK):
             byte_n, scale_n = _block_load(w_ptr, widx, rows, ok, _next_block(k0, K, QBLOCK), K, stride_we, absmax_ptr,
                                           ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
-                                          DOUBLE_QUANT, LOOKUP)
+                                          DOUBLE_QUANT)
             acc = _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK, LOOKUP)
             byte, scale = byte_n, scale_n
     else:
         for k0 in range(0, K, QBLOCK):
             byte, scale = _block_load(w_ptr, widx, rows, ok, k0, K, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
-                                      noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP)
+                                      noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
             acc = _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK, LOOKUP)
     return acc
 
@@ -225,15 +225,15 @@ def _up_prefetched(acc_g, acc_u, x_rows, valid, w_ptr, widx, cols, ok, I: tl.con
     """The up kernel's one-tile 4-bit loop with the next block of gate and of up prefetched (as
     _packed_products), the rows' halves of a block shared by both."""
     bg, sg = _block_load(w_ptr, widx, cols, ok, 0, H, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
-                         stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP)
+                         stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
     bu, su = _block_load(w_ptr, widx, cols + I, ok, 0, H, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
-                         stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP)
+                         stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
     for k0 in range(0, H, QBLOCK):
         nxt = _next_block(k0, H, QBLOCK)
         bg_n, sg_n = _block_load(w_ptr, widx, cols, ok, nxt, H, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
-                                 noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP)
+                                 noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
         bu_n, su_n = _block_load(w_ptr, widx, cols + I, ok, nxt, H, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
-                                 noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP)
+                                 noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
         a_even, a_odd = row_pairs(x_rows, k0, valid, QBLOCK)
         hi, lo = nibble_codes(bg, code_ptr, LOOKUP)
         acc_g = _scaled_products(acc_g, a_even, a_odd, hi, lo, sg)

@@ -3,8 +3,7 @@ fused 4-bit expert kernels (moe_kernel.py) are bound by their instructions per w
 and the table's gathers with their address arithmetic were the largest part.
 
 `lookup_asm(code)` is the inline PTX for `tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [bytes],
-dtype=(dt, dt), is_pure=True, pack=4)` (bench_4bit_forms --ablate); the kernels run its words form
-(`words=True`, triton4bit.nibble_codes: an int32 word in, eight 16-bit values out). Four packed bytes in, the code values of
+dtype=(dt, dt), is_pure=True, pack=4)` (triton4bit.nibble_codes): four packed bytes in, the code values of
 their high nibbles (two registers of two 16-bit values, byte i -> element i) and of their low nibbles (two
 more) out. The 16-entry table of 16-bit values is split into its low and high bytes, eight entries to a
 register pair, so that one `prmt` looks up four nibbles' bytes among eight entries; a nibble's bit 3 picks
@@ -26,9 +25,9 @@ import torch
 _ASM = """mov.b32 k80, 0x80;
 mov.b32 z, 0;
 {tables}
-and.b32 sa, {word}, 0x77777777;
+and.b32 sa, $4, 0x77777777;
 shr.b32 sb, sa, 16;
-shr.b32 m, {word}, 3;
+shr.b32 m, $4, 3;
 and.b32 m, m, 0x11111111;
 xor.b32 c, m, 0x11111111;
 shl.b32 m, m, 3;
@@ -48,10 +47,10 @@ lop3.b32 lb, lb, c, mb, 0xD8;
 prmt.b32 hb, hi0, hi1, sb;
 prmt.b32 c, hi2, hi3, sb;
 lop3.b32 hb, hb, c, mb, 0xD8;
-prmt.b32 {o0}, la, ha, 0x7351;
-prmt.b32 {o1}, lb, hb, 0x7351;
-prmt.b32 {o2}, la, ha, 0x6240;
-prmt.b32 {o3}, lb, hb, 0x6240;"""
+prmt.b32 $0, la, ha, 0x7351;
+prmt.b32 $1, lb, hb, 0x7351;
+prmt.b32 $2, la, ha, 0x6240;
+prmt.b32 $3, lb, hb, 0x6240;"""
 
 
 def table_words(code: torch.Tensor) -> list[int]:
@@ -67,30 +66,23 @@ def table_words(code: torch.Tensor) -> list[int]:
     return words
 
 
-def lookup_asm(code: torch.Tensor, words: bool = False) -> str:
+def lookup_asm(code: torch.Tensor) -> str:
     """The PTX described above for a table of 16-bit values (`code`, in the rows' dtype): per word, the
     selectors (each nibble's low 3 bits), a byte mask a half (0xFF where the nibble's bit 3 is set: the
     sign of byte 0x80 replicated, else byte 0x00), four lookups a half (low and high bytes from entries
     0-7 and 8-15) merged by the mask (lop3: mask ? upper : lower), and the bytes interleaved into 16-bit
     values (high nibbles' to $0 $1, low nibbles' to $2 $3): 26 instructions for eight weights beside the
-    table's constants. With `words` the input is a whole 32-bit word of the matrix ($8, loaded as int32, so
-    that no byte is unpacked and packed again) and each 16-bit value its own output: the high nibbles' of
-    bytes 0-3 in $0-$3, the low nibbles' in $4-$7 (the four registers split in halves, which ptxas leaves
-    in place); triton4bit.nibble_codes puts them back in the matrix's order."""
+    table's constants."""
     names = ["lo0", "lo1", "lo2", "lo3", "hi0", "hi1", "hi2", "hi3"]
     tables = "\n".join(f"mov.b32 {n}, 0x{w:08X};" for n, w in zip(names, table_words(code)))
     regs = ".reg .b32 k80, z, sa, sb, m, c, ma, mb, la, lb, ha, hb, " + ", ".join(names) + ";"
-    if not words:
-        return "{\n" + regs + "\n" + _ASM.format(tables=tables, word="$4", o0="$0", o1="$1", o2="$2", o3="$3") + "\n}"
-    body = _ASM.format(tables=tables, word="$8", o0="o0", o1="o1", o2="o2", o3="o3")
-    split = "\n".join(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, o{i};" for i in range(4))
-    return "{\n" + regs + "\n.reg .b32 o0, o1, o2, o3;\n" + body + "\n" + split + "\n}"
+    return "{\n" + regs + "\n" + _ASM.format(tables=tables) + "\n}"
 
 
 @functools.lru_cache(maxsize=None)
 def code_lookup_asm(quant_type: str, dtype: torch.dtype) -> str:
-    """lookup_asm of bitsandbytes' table of `quant_type` (nf4, fp4) in `dtype`, the words form the expert
-    kernels run, built once (host side: a kernel launch never reads the table back from the GPU)."""
+    """lookup_asm of bitsandbytes' table of `quant_type` (nf4, fp4) in `dtype`, built once (host side: a
+    kernel launch never reads the table back from the GPU)."""
     from flexgemma.model.triton4bit import code4
 
-    return lookup_asm(code4(quant_type, torch.device("cpu"), dtype), words=True)
+    return lookup_asm(code4(quant_type, torch.device("cpu"), dtype))

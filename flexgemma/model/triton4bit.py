@@ -50,18 +50,12 @@ def row_pairs(row_ptrs, k0, valid, QBLOCK: tl.constexpr):
 
 
 @triton.jit
-def block_bytes(w_ptr, rows, ok, k0, K: tl.constexpr, QBLOCK: tl.constexpr, LOOKUP: tl.constexpr):
+def block_bytes(w_ptr, rows, ok, k0, K: tl.constexpr, QBLOCK: tl.constexpr):
     """The packed bytes of W[rows, k0:k0+QBLOCK] ([len(rows), QBLOCK/2]) of the 4-bit matrix whose bytes start
     at w_ptr (rows of K weights, so a block never straddles two), as stored: a prefetched block stays
-    bytes until its step decodes it (nibble_codes). For the prmt lookup (LOOKUP neither "table" nor
-    "select"), as int32 words of four bytes ([len(rows), QBLOCK/8]), the form its PTX reads."""
-    if LOOKUP == "table" or LOOKUP == "select":
-        kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
-        return tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=ok[:, None], other=0)
-    else:
-        kw = k0 // 8 + tl.arange(0, QBLOCK // 8)
-        words = w_ptr.to(tl.pointer_type(tl.int32))
-        return tl.load(words + rows[:, None] * (K // 8) + kw[None, :], mask=ok[:, None], other=0)
+    bytes until its step decodes it (nibble_codes)."""
+    kb = k0 // 2 + tl.arange(0, QBLOCK // 2)
+    return tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=ok[:, None], other=0)
 
 
 @triton.jit
@@ -70,18 +64,13 @@ def nibble_codes(byte, code_ptr, LOOKUP: tl.constexpr):
     the block's scale, in the code table's dtype (the rows' dtype). LOOKUP (kernels.moe_code_lookup):
     "table" a load per nibble from the 16-entry table (L1), "select" a tree of selects over its entries
     held as scalars, or else the PTX of ptx_lookup.lookup_asm for this table (prmt over the table held in
-    registers, a word of four bytes at a time; a GPU only): the table's own values whichever."""
+    registers, four bytes at a time; a GPU only): the table's own values whichever."""
     if LOOKUP == "table" or LOOKUP == "select":
         byte = byte.to(tl.int32)
         return code_values(byte >> 4, code_ptr, LOOKUP == "select"), code_values(byte & 15, code_ptr, LOOKUP == "select")
     else:
         dt = code_ptr.dtype.element_ty
-        v = tl.inline_asm_elementwise(LOOKUP, "=h,=h,=h,=h,=h,=h,=h,=h,r", [byte], dtype=(dt,) * 8, is_pure=True,
-                                      pack=1)
-        # value j of word w is the weight pair of byte 4w + j: joined last, so flattening keeps that order
-        shape: tl.constexpr = (byte.shape[0], 4 * byte.shape[1])
-        return (tl.reshape(tl.join(tl.join(v[0], v[1]), tl.join(v[2], v[3])), shape),
-                tl.reshape(tl.join(tl.join(v[4], v[5]), tl.join(v[6], v[7])), shape))
+        return tl.inline_asm_elementwise(LOOKUP, "=r,=r,=r,=r,r", [byte], dtype=(dt, dt), is_pure=True, pack=4)
 
 
 @triton.jit

@@ -39,10 +39,9 @@ _OPS = {
 }
 
 
-def run(asm: str, word: int, words: bool = False) -> list[int]:
-    """Execute `asm` (the subset lookup_asm writes) with $4 = word; returns $0 .. $3 (32-bit). With `words`
-    (lookup_asm's words form) the word is $8 and it returns $0 .. $7 (16-bit halves)."""
-    regs = {"$8" if words else "$4": word & 0xFFFFFFFF}
+def run(asm: str, word: int) -> list[int]:
+    """Execute `asm` (the subset lookup_asm writes) with $4 = word; returns $0 .. $3."""
+    regs = {"$4": word & 0xFFFFFFFF}
 
     def value(tok: str) -> int:
         tok = tok.strip()
@@ -55,33 +54,25 @@ def run(asm: str, word: int, words: bool = False) -> list[int]:
         if not line or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
-        split = re.fullmatch(r"\{(\S+), (\S+)\}, (\S+)", rest)
-        if op == "mov.b32" and split:  # a 32-bit register into two 16-bit ones, the low half first
-            regs[split.group(1)], regs[split.group(2)] = value(split.group(3)) & 0xFFFF, value(split.group(3)) >> 16
-            continue
         dst, *srcs = [t.strip() for t in rest.split(",")]
         if op not in _OPS:
             raise ValueError(f"not in the emulated subset: {op}")
         regs[dst] = _OPS[op](*(value(s) for s in srcs)) & 0xFFFFFFFF
-    return [regs[f"${i}"] for i in range(8 if words else 4)]
+    return [regs[f"${i}"] for i in range(4)]
 
 
-def check(code: torch.Tensor, asm: str | None = None, words: bool = False) -> None:
-    """Every byte value through `asm` (default lookup_asm(code, words)), four bytes a word as Triton packs
-    them (or as a little-endian int32 word holds them): the high nibbles' entries in $0 ($1) and the low
-    nibbles' in $2 ($3), element i in the 16 bits at 16 * (i % 2); in the words form byte i's in $i and
-    $(4 + i). An AssertionError names the first byte that comes out wrong."""
+def check(code: torch.Tensor, asm: str | None = None) -> None:
+    """Every byte value through `asm` (default lookup_asm(code)), four bytes a word as Triton packs them:
+    the high nibbles' entries in $0 ($1) and the low nibbles' in $2 ($3), element i in the 16 bits at
+    16 * (i % 2); an AssertionError names the first byte that comes out wrong."""
     bits = [int(v) & 0xFFFF for v in code.cpu().view(torch.int16).tolist()]
-    asm = lookup_asm(code, words) if asm is None else asm
+    asm = lookup_asm(code) if asm is None else asm
     for w in range(64):
         bs = [(4 * w + 0x41 * j) % 256 for j in range(4)]  # every byte once; a word's four differ in both nibbles
-        out = run(asm, sum(b << (8 * j) for j, b in enumerate(bs)), words)
+        out = run(asm, sum(b << (8 * j) for j, b in enumerate(bs)))
         for j, b in enumerate(bs):
-            if words:
-                hi, lo = out[j], out[4 + j]
-            else:
-                hi = (out[j // 2] >> (16 * (j % 2))) & 0xFFFF
-                lo = (out[2 + j // 2] >> (16 * (j % 2))) & 0xFFFF
+            hi = (out[j // 2] >> (16 * (j % 2))) & 0xFFFF
+            lo = (out[2 + j // 2] >> (16 * (j % 2))) & 0xFFFF
             if (hi, lo) != (bits[b >> 4], bits[b & 15]):
                 raise AssertionError(f"byte {b:#04x}: got {hi:#06x}, {lo:#06x}; want {bits[b >> 4]:#06x}, "
                                      f"{bits[b & 15]:#06x}")
