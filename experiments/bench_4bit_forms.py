@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgemma.config.kernels import Kernels  # noqa: E402
 from flexgemma.model.ptx_lookup import lookup_asm  # noqa: E402
-from flexgemma.model.triton4bit import code4  # noqa: E402
+from flexgemma.model.triton4bit import code4, nibble_codes  # noqa: E402
 from flexgemma.model.moe_kernel import (  # noqa: E402
     UP_TILES, _entry_lists, _nibble_block, _routed_up_kernel, _store_up, _weight_operands, decode_experts,
     invariant_experts)
@@ -114,14 +114,12 @@ def _ablate_codes(byte, code_ptr, pair_ptr, dt: tl.constexpr, LOOKUP: tl.constex
     flexgemma/model/ptx_lookup.py; the same values, a GPU only), 0 no table (the nibble itself: what decoding
     costs without it)."""
     if LOOKUP == 3:
-        out_ty = code_ptr.dtype.element_ty  # the rows' dtype, the table's
-        return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [byte], dtype=(out_ty, out_ty), is_pure=True, pack=4)
+        return nibble_codes(byte, code_ptr, ASM)
     elif LOOKUP == 2:
         v = tl.load(pair_ptr + byte.to(tl.int32))
         return (v >> 16).to(tl.int16).to(dt, bitcast=True), (v & 65535).to(tl.int16).to(dt, bitcast=True)
     elif LOOKUP == 1:
-        b = byte.to(tl.int32)
-        return tl.load(code_ptr + (b >> 4)), tl.load(code_ptr + (b & 15))
+        return nibble_codes(byte, code_ptr, "table")
     else:
         b = byte.to(tl.int32)
         return (b >> 4).to(dt), (b & 15).to(dt)
