@@ -45,6 +45,7 @@ def test_resolve_hands_every_key_on():
     assert default.trainer_glue_backward == "eager"  # auto: compiled on a GPU only, as engine.compile
     gpu = resolve_kernels(KernelsConfig(), torch.device("cuda"), "dense", 64, False)
     assert (gpu.trainer_glue_backward, gpu.invariant_experts) == ("compiled", "triton")
+    assert (default.moe_code_lookup, gpu.moe_code_lookup) == ("table", "prmt")  # auto: PTX on NVIDIA GPUs only
     flex = resolve_kernels(KernelsConfig(), CPU, "flex", 512, quantised=True)
     assert flex.decode_rows == (32, 128, 512) and flex.padded_rows(100) == 128
     with pytest.raises(ValueError, match="at most 512"):
@@ -57,7 +58,7 @@ def test_a_hand_built_object_runs_what_the_default_config_resolves_to_on_the_cpu
 
     cpu = resolve_kernels(KernelsConfig(), CPU, "dense", 64, quantised=False)
     assert dataclasses.replace(cpu, moe="auto", linear4bit="auto", invariant_experts="auto",
-                               trainer_glue_backward="auto") == Kernels()
+                               trainer_glue_backward="auto", moe_code_lookup="auto") == Kernels()
     assert make_ops(None, Kernels()).experts_kernel is None and cpu.moe == "grouped_mm"
 
 
@@ -90,6 +91,12 @@ def test_the_invariant_engine_hands_its_keys_to_each_kernel():
     assert forward.attention.options.flatten is True and forward.attention.options.split_tokens == 128
 
 
+def test_prmt_off_an_nvidia_gpu_is_refused_when_the_run_resolves():
+    cfg = compose(["+model=tiny_moe", "device=cpu", "kernels.moe_code_lookup=prmt"])
+    with pytest.raises(ConfigError, match="kernels.moe_code_lookup=prmt runs inline PTX, an NVIDIA GPU's only .*cpu"):
+        resolve(cfg, CPU)
+
+
 @pytest.mark.parametrize("old, new", sorted(MOVED_KEYS.items()))
 def test_a_moved_key_names_where_it_lives_now(old, new):
     with pytest.raises(ConfigError, match=f"{old} moved to {new} .*give {new}=true"):
@@ -103,6 +110,7 @@ def test_a_moved_key_names_where_it_lives_now(old, new):
     ("kernels.linear4bit_max_rows=-1", "kernels.linear4bit_max_rows=-1 is invalid: at least 0"),
     ("kernels.moe_sort_above=-8", "kernels.moe_sort_above=-8 is invalid: at least 0"),
     ("kernels.trainer_glue_backward=jit", "kernels.trainer_glue_backward='jit' is invalid: choose one of auto, eager, compiled"),
+    ("kernels.moe_code_lookup=lut", "kernels.moe_code_lookup='lut' is invalid: choose one of auto, table, select, prmt"),
     ("kernels.trainer_backward_dtype=bf16",
      "kernels.trainer_backward_dtype='bf16' is invalid: choose one of float32, model_dtype"),
 ])

@@ -77,6 +77,7 @@ def resolve_kernels(k: KernelsConfig, device: torch.device, backend: str, max_ba
         moe=kernel_choice("moe", str(k.moe), "grouped_mm", device),
         invariant_experts=kernel_choice("invariant_experts", str(k.invariant_experts), "grouped", device),
         linear4bit=kernel_choice("linear4bit", str(k.linear4bit), "bnb", device) if quantised else "bnb",
+        moe_code_lookup=code_lookup_choice(str(k.moe_code_lookup), device),
         decode_rows=tuple(attention_row_sizes(max_batch_size)) if backend == "flex" else (),
     )
     if k.trainer_glue_backward == "auto":  # as engine.compile: torch.compile on a GPU, eager ops on the CPU
@@ -90,6 +91,19 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def code_lookup_choice(value: str, device: torch.device) -> str:
+    """kernels.moe_code_lookup resolved: auto is prmt (inline PTX) on an NVIDIA GPU with Triton, table
+    elsewhere; prmt where PTX cannot run is an error naming the key."""
+    nvidia = device.type == "cuda" and not torch.version.hip and _triton_available()
+    if value == "auto":
+        return "prmt" if nvidia else "table"
+    if value == "prmt" and not nvidia:
+        raise ConfigError(f"kernels.moe_code_lookup=prmt runs inline PTX, an NVIDIA GPU's only (this run is on "
+                          f"{device.type}{' with ROCm' if torch.version.hip else ''}): use kernels.moe_code_lookup="
+                          "table or select (the same values)")
+    return value
 
 
 def kernel_choice(option: str, value: str, torch_name: str, device: torch.device) -> str:

@@ -591,7 +591,10 @@ def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_l
     x's dtype: a block's nibble products are scaled by its scale; LOOKUP: how the kernels read it, for prmt
     the table's PTX)."""
     if fused:
-        lookup = code_lookup_asm(w.quant_type, x.dtype) if code_lookup == "prmt" else code_lookup
+        if code_lookup == "prmt":
+            lookup = code_lookup_asm(w.quant_type, x.dtype)
+        else:  # a hand-built Kernels' auto reads the table (config.resolve decides auto for a device)
+            lookup = "table" if code_lookup == "auto" else code_lookup
         dq = bool(w.double_quant)
         return dict(w_ptr=w.packed, absmax_ptr=w.absmax, code_ptr=code4(w.quant_type, x.device, x.dtype),
                     ncode_ptr=w.nested_code if dq else w.absmax, nabsmax_ptr=w.nested_absmax if dq else w.absmax,
