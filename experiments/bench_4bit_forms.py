@@ -13,7 +13,7 @@ by a sort) in three forms, on the same bytes and routing:
            through shared memory;
   dot_w    the tensor-core products with the operands swapped: the decoded weights [BLOCK_N, block] are the
            first operand (the MMA's M, 64 rows and up) and 16 entries the second (its N), the layout a
-           small-batch weight-only GEMM takes;
+           small-batch weight-only GEMM takes (dot_w_prmt: its code table looked up by prmt, a GPU only);
   bytes    the same programs reading the same bytes and scales and doing nothing with them but a sum:
            the ceiling a kernel of this grid and access pattern can reach.
 
@@ -62,7 +62,7 @@ def _sorted_tile(x_ptr, order_ptr, start, m0, count, H: tl.constexpr, TOPK: tl.c
 def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
                      out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_we, stride_ae, stride_ne,
                      QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, ENTRIES: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+                     BLOCK_N: tl.constexpr, SWAP: tl.constexpr, LOOKUP: tl.constexpr):
     """Program (e, j): features [j*BLOCK_N, (j+1)*BLOCK_N) of expert e's entries, ENTRIES at a time, each
     quantisation block decoded once for them. SWAP=False (fma): [ENTRIES, BLOCK_N] products on the CUDA
     cores; SWAP=True (dot_w): tensor-core products (decoded block) x (entries' halves).T into [BLOCK_N,
@@ -89,7 +89,7 @@ def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
             for part in tl.static_range(2):  # gate rows [0, I), then up rows [I, 2I)
                 hi, lo, scale = _nibble_block(w_ptr, expert, cols + part * I, ok, k0, H, stride_we, absmax_ptr,
                                               code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne,
-                                              QBLOCK, NESTED, DOUBLE_QUANT, False)
+                                              QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP)
                 if SWAP:
                     prod = (tl.dot(hi, tl.trans(xe)) + tl.dot(lo, tl.trans(xo))) * scale[:, None]
                 else:
@@ -216,23 +216,25 @@ def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, w
                       {**UP_TILES, "BLOCK_M": entries, "BLOCK_N": block_n, "num_warps": warps,
                        "PREFETCH": form in ("dot_pf", "dot_prmt")}, DOT_LOOKUP.get(form, "table"))
     swap = FORMS[form]
-    ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup="table")
+    ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup=DOT_LOOKUP.get(form, "table"))
     out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
     _up_forms_kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
         x_ptr=x, order_ptr=order, starts_ptr=starts, w_ptr=ops["w_ptr"], absmax_ptr=ops["absmax_ptr"],
         code_ptr=ops["code_ptr"], ncode_ptr=ops["ncode_ptr"], nabsmax_ptr=ops["nabsmax_ptr"],
         noffset_ptr=ops["noffset_ptr"], out_ptr=out, I=i, H=x.shape[1], TOPK=topk, stride_we=ops["stride_we"],
         stride_ae=ops["stride_ae"], stride_ne=ops["stride_ne"], QBLOCK=ops["QBLOCK"], NESTED=ops["NESTED"],
-        DOUBLE_QUANT=ops["DOUBLE_QUANT"], ENTRIES=entries, BLOCK_N=block_n, SWAP=swap, num_warps=warps)
+        DOUBLE_QUANT=ops["DOUBLE_QUANT"], ENTRIES=entries, BLOCK_N=block_n, SWAP=swap, LOOKUP=ops["LOOKUP"],
+        num_warps=warps)
     return out
 
 
 # each form's SWAP for _up_forms_kernel; dot / dot_sel / dot_pf / dot_prmt: the production kernel at other
 # tiles, its code table read from memory (L1) or held as scalars (kernels.moe_code_lookup=select), each block's
 # bytes loaded a step ahead (kernels.moe_4bit_prefetch: the same bits as dot), or that with the table looked up
-# by prmt (kernels.moe_code_lookup=prmt, a GPU only: the same bits as dot_pf)
-FORMS = {"dot": None, "dot_sel": None, "dot_pf": None, "dot_prmt": None, "fma": False, "dot_w": True}
-DOT_LOOKUP = {"dot_sel": "select", "dot_prmt": "prmt"}
+# by prmt (kernels.moe_code_lookup=prmt, a GPU only: the same bits as dot_pf); dot_w_prmt: dot_w with prmt
+FORMS = {"dot": None, "dot_sel": None, "dot_pf": None, "dot_prmt": None, "fma": False, "dot_w": True,
+         "dot_w_prmt": True}
+DOT_LOOKUP = {"dot_sel": "select", "dot_prmt": "prmt", "dot_w_prmt": "prmt"}
 
 
 def up_bytes(gate_up, starts, i, h, block_n, warps, kblocks=1):
@@ -367,7 +369,8 @@ def main() -> None:
     grid = [(f, 16, *c) for f in dots if f in forms
             for c in itertools.product((32, 64, 128), (4, 8))] + \
         [("fma", *c) for c in itertools.product((1, 2, 4, 8), (32, 64), (4,)) if "fma" in forms] + \
-        [("dot_w", 16, *c) for c in itertools.product((32, 64, 128), (4, 8)) if "dot_w" in forms]
+        [(f, 16, *c) for f in ("dot_w", "dot_w_prmt") if f in forms and (dev.type == "cuda" or f == "dot_w")
+         for c in itertools.product((32, 64, 128), (4, 8))]
     if args.check:
         grid = [("dot_sel", 16, 64, 4), ("dot_pf", 16, 32, 4), ("fma", 1, 16, 4), ("fma", 4, 32, 4), ("dot_w", 16, 32, 4)]
     rows = []
