@@ -43,7 +43,7 @@ import triton.language as tl
 
 from flexgemma.config.kernels import Kernels
 from flexgemma.model.moe import route as torch_route, routed_experts
-from flexgemma.model.ptx_lookup import code_lookup_asm
+from flexgemma.model.ptx_lookup import lookup_constexpr
 from flexgemma.model.triton4bit import (block_bytes, code4, dequant_blocks, nibble_codes, nibble_products, row_pairs,
                                         sum_rows)
 
@@ -591,10 +591,7 @@ def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_l
     x's dtype: a block's nibble products are scaled by its scale; LOOKUP: how the kernels read it, for prmt
     the table's PTX)."""
     if fused:
-        if code_lookup == "prmt":
-            lookup = code_lookup_asm(w.quant_type, x.dtype)
-        else:  # a hand-built Kernels' auto reads the table (config.resolve decides auto for a device)
-            lookup = "table" if code_lookup == "auto" else code_lookup
+        lookup = lookup_constexpr(code_lookup, w.quant_type, x.dtype)
         dq = bool(w.double_quant)
         return dict(w_ptr=w.packed, absmax_ptr=w.absmax, code_ptr=code4(w.quant_type, x.device, x.dtype),
                     ncode_ptr=w.nested_code if dq else w.absmax, nabsmax_ptr=w.nested_absmax if dq else w.absmax,

@@ -86,3 +86,12 @@ def code_lookup_asm(quant_type: str, dtype: torch.dtype) -> str:
     from flexgemma.model.triton4bit import code4
 
     return lookup_asm(code4(quant_type, torch.device("cpu"), dtype))
+
+
+def lookup_constexpr(choice: str, quant_type: str, dtype: torch.dtype) -> str:
+    """The LOOKUP a fused 4-bit kernel compiles with for kernels.moe_code_lookup=`choice`: prmt's PTX for
+    this table, or the choice's name (a hand-built Kernels' auto reads the table: config.resolve decides
+    auto for a device)."""
+    if choice == "prmt":
+        return code_lookup_asm(quant_type, dtype)
+    return "table" if choice == "auto" else choice
