@@ -110,6 +110,7 @@ def main() -> None:
     wide_grid = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st) for m, n, w, st in (
         (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 256, 8, 2),
         (128, 256, 8, 3), (64, 128, 4, 3), (64, 256, 8, 3), (64, 64, 4, 4))]
+    wide_grid += [{**c, "SCALE_WEIGHTS": True} for c in wide_grid[:5]]  # the codes scaled, the products chained
     wide_sizes = {int(b) for b in args.wide_grid_batch_sizes.split(",") if b}
     grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
     grid_groups = set(args.grid_groups.split(","))

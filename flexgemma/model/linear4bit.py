@@ -132,20 +132,21 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
 
 # the wide kernel's tile (kernels.linear4bit_wide_max_rows): rows and output features of a program (the
 # rows' K elements are read again by every feature tile, from L2: wide feature tiles keep that below the
-# weights' own traffic), warps and the K loop's pipeline depth
-WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+# weights' own traffic), warps, the K loop's pipeline depth, and where a block's scale multiplies
+WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, SCALE_WEIGHTS=False)
 
 
 @triton.jit(do_not_specialize=["M", "N"])
 def _wide_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, M, N,
                       stride_x, K: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
                       DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      NUM_STAGES: tl.constexpr):
+                      NUM_STAGES: tl.constexpr, SCALE_WEIGHTS: tl.constexpr):
     """Program (j, m): rows [m*BLOCK_M, (m+1)*BLOCK_M) of x [M, K] against features [j*BLOCK_N, ...) of the
     4-bit W [N, K], one quantisation block a step in K order: the block's nibbles looked up (LOOKUP, in x's
     dtype: code_ptr's), two tensor-core products with the rows' even and odd elements, times the block's
-    float32 scale, added to a float32 tile stored once in out's dtype. Its loads are pipelined NUM_STAGES
-    deep (one K loop a program, no partials to sum)."""
+    float32 scale, added to a float32 tile stored once in out's dtype (SCALE_WEIGHTS: the codes times the
+    scale in x's dtype instead, so that the products accumulate without a wait between blocks; other
+    rounding). Its loads are pipelined NUM_STAGES deep (one K loop a program, no partials to sum)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -158,7 +159,11 @@ def _wide_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr
                              ok, NESTED, DOUBLE_QUANT)
         a_even, a_odd = row_pairs(x_rows, k0, valid, QBLOCK)
         hi, lo = nibble_codes(byte, code_ptr, LOOKUP)
-        acc += nibble_products(a_even, a_odd, hi, lo) * scale[None, :]
+        if SCALE_WEIGHTS:  # the scale (rounded to x's dtype) times each code; the products chain into acc
+            sc = scale.to(hi.dtype)[:, None]
+            acc = tl.dot(a_odd, tl.trans(lo * sc), tl.dot(a_even, tl.trans(hi * sc), acc))
+        else:
+            acc += nibble_products(a_even, a_odd, hi, lo) * scale[None, :]
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & ok[None, :])
 
@@ -383,7 +388,8 @@ class Linear4bitGroup:
             self.nested_code if dq else self.absmax, self.nested_absmax if dq else self.absmax,
             self.nested_offset if dq else self.absmax, out, t, n, x.stride(0), K=k, QBLOCK=q, NESTED=NESTED_BLOCK,
             DOUBLE_QUANT=dq, LOOKUP=lookup_constexpr(self.code_lookup, self.quant_type, x.dtype), BLOCK_M=block_m,
-            BLOCK_N=tiles["BLOCK_N"], NUM_STAGES=tiles["num_stages"], num_warps=tiles["num_warps"])
+            BLOCK_N=tiles["BLOCK_N"], NUM_STAGES=tiles["num_stages"], SCALE_WEIGHTS=tiles["SCALE_WEIGHTS"],
+            num_warps=tiles["num_warps"])
         return out
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
