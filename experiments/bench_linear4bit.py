@@ -78,6 +78,8 @@ def main() -> None:
     ap.add_argument("--grid-groups", default="qkv_sliding,o_sliding,gate_up_wide,down_wide",
                     help="groups that time the tile grid")
     ap.add_argument("--wide-grid-batch-sizes", default="128", help="batch sizes that also time the wide kernel's tiles")
+    ap.add_argument("--wide-grid-groups", default="31b_qkv_sliding,31b_gate_up,31b_down,gate_up_wide",
+                    help="groups that time the wide kernel's tiles")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -154,7 +156,7 @@ def main() -> None:
                    "wide_rel_err": rel(group.wide_matmul(x)),
                    "rel_err": rel(group.matmul(x))}
             wide = []
-            for tiles in wide_grid if bs in wide_sizes else []:
+            for tiles in wide_grid if bs in wide_sizes and name in args.wide_grid_groups.split(",") else []:
                 c = dict(tiles)
                 try:
                     c["rel_err"] = rel(group.wide_matmul(x, tiles=tiles))
