@@ -133,16 +133,19 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
 # the wide kernel's tile (kernels.linear4bit_wide_max_rows): rows and output features of a program (the
 # rows' K elements are read again by every feature tile, from L2: wide feature tiles keep that below the
 # weights' own traffic), warps, the K loop's pipeline depth, and where a block's scale multiplies
-WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, SCALE_WEIGHTS=False)
+# A group of few feature tiles (31B's o and down: 42 of 128) splits K until it has MIN_PROGRAMS programs
+# (two an H100/H200 SM), its float32 partials summed by sum_rows.
+WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, SCALE_WEIGHTS=False, MIN_PROGRAMS=264)
 
 
-@triton.jit(do_not_specialize=["M", "N"])
+@triton.jit(do_not_specialize=["M", "N", "k_per", "split"])
 def _wide_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, M, N,
-                      stride_x, K: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
+                      stride_x, k_per, split, K: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
                       DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       NUM_STAGES: tl.constexpr, SCALE_WEIGHTS: tl.constexpr):
-    """Program (j, m): rows [m*BLOCK_M, (m+1)*BLOCK_M) of x [M, K] against features [j*BLOCK_N, ...) of the
-    4-bit W [N, K], one quantisation block a step in K order: the block's nibbles looked up (LOOKUP, in x's
+    """Program (j, m, s): rows [m*BLOCK_M, (m+1)*BLOCK_M) of x [M, K] against features [j*BLOCK_N, ...) of
+    the 4-bit W [N, K] over K elements [s*k_per, (s+1)*k_per) (split programs along K: with split > 1
+    each stores its float32 partial at out[row*split + s] for sum_rows), one quantisation block a step: the block's nibbles looked up (LOOKUP, in x's
     dtype: code_ptr's), two tensor-core products with the rows' even and odd elements, times the block's
     float32 scale, added to a float32 tile stored once in out's dtype (SCALE_WEIGHTS: the codes times the
     scale in x's dtype instead, so that the products accumulate without a wait between blocks; other
@@ -153,7 +156,8 @@ def _wide_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr
     valid = rows < M
     x_rows = x_ptr + rows[:, None] * stride_x
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, K, QBLOCK, num_stages=NUM_STAGES):
+    k_start = tl.program_id(2) * k_per
+    for k0 in tl.range(k_start, tl.minimum(k_start + k_per, K), QBLOCK, num_stages=NUM_STAGES):
         byte = block_bytes(w_ptr, cols, ok, k0, K, QBLOCK)
         scale = _block_scale(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, cols * (K // QBLOCK) + k0 // QBLOCK,
                              ok, NESTED, DOUBLE_QUANT)
@@ -164,8 +168,12 @@ def _wide_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr
             acc = tl.dot(a_odd, tl.trans(lo * sc), tl.dot(a_even, tl.trans(hi * sc), acc))
         else:
             acc += nibble_products(a_even, a_odd, hi, lo) * scale[None, :]
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None] & ok[None, :])
+    if split > 1:
+        tl.store(out_ptr + (rows[:, None] * split + tl.program_id(2)) * N + cols[None, :], acc,
+                 mask=valid[:, None] & ok[None, :])
+    else:
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & ok[None, :])
 
 
 # the dequantise kernel's options: bytes of one program (whole quantisation blocks) and warps. Best of
@@ -381,16 +389,22 @@ class Linear4bitGroup:
         x = x if x.stride(-1) == 1 else x.contiguous()
         t, n, k, q = x.shape[0], self.out_features, self.in_features, self.block_size
         block_m = min(tiles["BLOCK_M"], max(16, triton.next_power_of_2(t)))
+        grid = (triton.cdiv(n, tiles["BLOCK_N"]), triton.cdiv(t, block_m))
+        blocks = k // q
+        split = min(blocks, max(1, triton.cdiv(tiles["MIN_PROGRAMS"], grid[0] * grid[1])))
+        k_per = triton.cdiv(blocks, split) * q
+        split = triton.cdiv(k, k_per)  # no empty program along K
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+        dst = out if split == 1 else torch.empty(t * split, n, dtype=torch.float32, device=x.device)
         dq = self.double_quant
-        _wide_4bit_kernel[(triton.cdiv(n, tiles["BLOCK_N"]), triton.cdiv(t, block_m))](
+        _wide_4bit_kernel[(*grid, split)](
             x, self.packed, self.absmax, code4(self.quant_type, x.device, x.dtype),
             self.nested_code if dq else self.absmax, self.nested_absmax if dq else self.absmax,
-            self.nested_offset if dq else self.absmax, out, t, n, x.stride(0), K=k, QBLOCK=q, NESTED=NESTED_BLOCK,
+            self.nested_offset if dq else self.absmax, dst, t, n, x.stride(0), k_per, split, K=k, QBLOCK=q, NESTED=NESTED_BLOCK,
             DOUBLE_QUANT=dq, LOOKUP=lookup_constexpr(self.code_lookup, self.quant_type, x.dtype), BLOCK_M=block_m,
             BLOCK_N=tiles["BLOCK_N"], NUM_STAGES=tiles["num_stages"], SCALE_WEIGHTS=tiles["SCALE_WEIGHTS"],
             num_warps=tiles["num_warps"])
-        return out
+        return out if split == 1 else sum_rows(dst, out)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [T, in] -> each member's output [T, out_i] (column slices of one product)."""

@@ -155,6 +155,8 @@ def test_wide_kernel_takes_steps_past_the_row_tile_interpreted():
                 print("lora", qt, t, rel(g.matmul(x, xa, b), ref.float() + xa.float() @ b.float().T))
                 print("narrow", qt, t, rel(g.wide_matmul(x, tiles=dict(BLOCK_M=16, BLOCK_N=16)), ref))
                 print("scaled", qt, t, rel(g.wide_matmul(x, tiles=dict(SCALE_WEIGHTS=True)), ref))
+                n0 = len(wide)
+                print("whole", qt, t, rel(g.wide_matmul(x, tiles=dict(MIN_PROGRAMS=1)), ref), wide[n0:])
             n0, s0 = len(wide), len(small)
             g.matmul(torch.randn(64, k).half()), g.matmul(torch.randn(161, k).half())
             print("others", len(wide) - n0, len(small) - s0)
@@ -166,10 +168,14 @@ def test_wide_kernel_takes_steps_past_the_row_tile_interpreted():
     lines = [ln.split() for ln in out.splitlines()]
     errs = [ln for ln in lines if ln[0] == "err"]
     assert len(errs) == 4 and all(float(ln[3]) < 2e-3 for ln in errs), out
-    # one launch a step: 224 outputs in 2 tiles of 128 features, 65 rows in one program, 150 in two of 128
-    assert [" ".join(ln[4:]) for ln in errs] == ["[(2, 1)]", "[(2, 2)]", "[(1, 1)]", "[(1, 2)]"], out
+    # one launch a step: 256 outputs in 2 tiles of 128 features, 65 rows in one program, 150 in two of 128;
+    # too few programs for the GPU (MIN_PROGRAMS): K split to one block a program (256 = 4 blocks, 192 = 3)
+    assert [" ".join(ln[4:]) for ln in errs] == ["[(2, 1, 4)]", "[(2, 2, 4)]", "[(1, 1, 3)]", "[(1, 2, 3)]"], out
     assert all(ln[3] == "True" for ln in lines if ln[0] == "select") and len([ln for ln in lines if ln[0] == "select"]) == 4
-    assert all(float(ln[3]) < 2e-3 for ln in lines if ln[0] in ("lora", "narrow", "scaled")), out
+    assert all(float(ln[3]) < 2e-3 for ln in lines if ln[0] in ("lora", "narrow", "scaled", "whole")), out
+    # enough programs (MIN_PROGRAMS=1): K whole in each program
+    assert [" ".join(ln[4:]) for ln in lines if ln[0] == "whole"] == ["[(2, 1, 1)]", "[(2, 2, 1)]", "[(1, 1, 1)]",
+                                                                      "[(1, 2, 1)]"], out
     # 64 rows: the row-tile kernel; 161: dequantise + GEMM
     assert [ln[1:] for ln in lines if ln[0] == "others"] == [["0", "1"], ["0", "1"]], out
     assert ["refused", "True"] in lines, out
