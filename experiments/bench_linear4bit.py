@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,22 @@ def time_us(fn, reps: int = 10) -> float:
         for _ in range(reps):
             fn()
     return cuda_time_ms(graph.replay, iters=20) * 1e3 / reps
+
+
+def time_tiles(matmul, x, grid: list, rel) -> tuple[list, Optional[dict]]:
+    """Each tile option of `grid` for matmul(x, tiles=...): its error (rel) and time, or the error that kept
+    it from running; and the fastest."""
+    configs = []
+    for tiles in grid:
+        c = dict(tiles)
+        try:
+            c["rel_err"] = rel(matmul(x, tiles=tiles))
+            c["us"] = time_us(lambda: matmul(x, tiles=tiles))
+        except Exception as exc:  # noqa: BLE001 - a tile that does not fit this GPU
+            c["error"] = str(exc).splitlines()[0][:120]
+        configs.append(c)
+    timed = [c for c in configs if "us" in c]
+    return configs, (min(timed, key=lambda c: c["us"]) if timed else None)
 
 
 def main() -> None:
@@ -155,39 +172,17 @@ def main() -> None:
                    "wide_us": time_us(lambda: group.wide_matmul(x)),
                    "wide_rel_err": rel(group.wide_matmul(x)),
                    "rel_err": rel(group.matmul(x))}
-            wide = []
-            for tiles in wide_grid if bs in wide_sizes and name in args.wide_grid_groups.split(",") else []:
-                c = dict(tiles)
-                try:
-                    c["rel_err"] = rel(group.wide_matmul(x, tiles=tiles))
-                    c["us"] = time_us(lambda: group.wide_matmul(x, tiles=tiles))
-                except Exception as exc:  # noqa: BLE001 - a tile that does not fit this GPU
-                    c["error"] = str(exc).splitlines()[0][:120]
-                wide.append(c)
-            row["wide_configs"] = wide
-            if any("us" in c for c in wide):
-                row["wide_best"] = min((c for c in wide if "us" in c), key=lambda c: c["us"])
-            configs = []
-            for tiles in grid if bs in grid_sizes and name in grid_groups else []:
-                if tiles.get("ROW_TILE", TILES["ROW_TILE"]) > max(64, bs):
-                    continue
-                c = dict(tiles)
-                try:
-                    c["rel_err"] = rel(group.matmul(x, tiles=tiles))
-                    c["us"] = time_us(lambda: group.matmul(x, tiles=tiles))
-                except Exception as exc:  # noqa: BLE001 - a tile that does not fit this GPU
-                    c["error"] = str(exc).splitlines()[0][:120]
-                configs.append(c)
-            ok = [c for c in configs if "us" in c]
-            if ok:
-                row["best"] = min(ok, key=lambda c: c["us"])
-            row["configs"] = configs
+            wide = [c for c in wide_grid if bs in wide_sizes and name in args.wide_grid_groups.split(",")]
+            row["wide_configs"], row["wide_best"] = time_tiles(group.wide_matmul, x, wide, rel)
+            small = [c for c in grid if bs in grid_sizes and name in grid_groups
+                     and c.get("ROW_TILE", TILES["ROW_TILE"]) <= max(64, bs)]
+            row["configs"], row["best"] = time_tiles(group.matmul, x, small, rel)
             res["runs"].append(row)
             for key in ("bnb_us", "bnb_lora_us", "bf16_us", "triton_us", "dequant_gemm_us", "dequant_triton_gemm_us",
                         "dequant_us", "dequant_bnb_us", "triton_lora_us", "wide_us"):
                 totals.setdefault(bs, {}).setdefault(key, 0.0)
                 totals[bs][key] += row[key]
-            best = row.get("best")
+            best = row["best"]
             print(f"{name:13s} bs {bs:3d} {nbytes / 1e6:6.1f} MB: bnb {row['bnb_us']:7.1f} us, bf16 {row['bf16_us']:7.1f} "
                   f"us, dequant+gemm {row['dequant_gemm_us']:7.1f} us (with the triton dequant "
                   f"{row['dequant_triton_gemm_us']:7.1f}; dequant alone {row['dequant_bnb_us']:6.1f} vs "
@@ -197,7 +192,7 @@ def main() -> None:
                   f"wide {row['wide_us']:7.1f} us ({nbytes / row['wide_us'] / 1e6:.2f} TB/s, rel err "
                   f"{row['wide_rel_err']:.1e})"
                   + (f" best {row['wide_best']['us']:7.1f} us {({k_: v for k_, v in row['wide_best'].items() if k_ not in ('us', 'rel_err')})}"
-                     if "wide_best" in row else "")
+                     if row["wide_best"] else "")
                   + (f"; best {best['us']:7.1f} us {({k_: v for k_, v in best.items() if k_ not in ('us', 'rel_err')})}"
                      if best else ""), flush=True)
     res["totals_us"] = totals
