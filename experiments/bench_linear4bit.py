@@ -87,6 +87,13 @@ def time_tiles(matmul, x, grid: list, rel) -> tuple[list, Optional[dict]]:
     return configs, (min(timed, key=lambda c: c["us"]) if timed else None)
 
 
+def best_tile(label: str, best: Optional[dict]) -> str:
+    """`label`, the fastest tile option's microseconds and its options; empty where none ran."""
+    if not best:
+        return ""
+    return f"{label} {best['us']:7.1f} us {({k: v for k, v in best.items() if k not in ('us', 'rel_err')})}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", default="8,32,64")
@@ -191,10 +198,7 @@ def main() -> None:
                   f"{row['triton_lora_us']:7.1f} us (bnb+lora {row['bnb_lora_us']:7.1f}), rel err {row['rel_err']:.1e}; "
                   f"wide {row['wide_us']:7.1f} us ({nbytes / row['wide_us'] / 1e6:.2f} TB/s, rel err "
                   f"{row['wide_rel_err']:.1e})"
-                  + (f" best {row['wide_best']['us']:7.1f} us {({k_: v for k_, v in row['wide_best'].items() if k_ not in ('us', 'rel_err')})}"
-                     if row["wide_best"] else "")
-                  + (f"; best {best['us']:7.1f} us {({k_: v for k_, v in best.items() if k_ not in ('us', 'rel_err')})}"
-                     if best else ""), flush=True)
+                  + best_tile(" best", row["wide_best"]) + best_tile("; best", best), flush=True)
     res["totals_us"] = totals
     for bs, t in totals.items():
         print(f"sum over the groups, bs {bs}: " + ", ".join(f"{k_} {v:8.1f}" for k_, v in t.items()))

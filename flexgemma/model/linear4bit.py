@@ -132,9 +132,9 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
 
 # the wide kernel's tile (kernels.linear4bit_wide_max_rows): rows and output features of a program (the
 # rows' K elements are read again by every feature tile, from L2: wide feature tiles keep that below the
-# weights' own traffic), warps, the K loop's pipeline depth, and where a block's scale multiplies
-# A group of few feature tiles (31B's o and down: 42 of 128) splits K until it has MIN_PROGRAMS programs
-# (two an H100/H200 SM), its float32 partials summed by sum_rows.
+# weights' own traffic), warps, the K loop's pipeline depth and where a block's scale multiplies. A group
+# of few feature tiles (31B's o and down: 42 of 128) splits K until it has MIN_PROGRAMS programs (two an
+# H100/H200 SM), its float32 partials summed by sum_rows.
 WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, SCALE_WEIGHTS=False, MIN_PROGRAMS=264)
 
 
@@ -142,22 +142,24 @@ WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, SCALE_WEI
 def _wide_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, M, N,
                       stride_x, k_per, split, K: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
                       DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      NUM_STAGES: tl.constexpr, SCALE_WEIGHTS: tl.constexpr):
+                      NUM_STAGES: tl.constexpr, SCALE_WEIGHTS: tl.constexpr, SPLIT: tl.constexpr):
     """Program (j, m, s): rows [m*BLOCK_M, (m+1)*BLOCK_M) of x [M, K] against features [j*BLOCK_N, ...) of
-    the 4-bit W [N, K] over K elements [s*k_per, (s+1)*k_per) (split programs along K: with split > 1
-    each stores its float32 partial at out[row*split + s] for sum_rows), one quantisation block a step: the block's nibbles looked up (LOOKUP, in x's
-    dtype: code_ptr's), two tensor-core products with the rows' even and odd elements, times the block's
-    float32 scale, added to a float32 tile stored once in out's dtype (SCALE_WEIGHTS: the codes times the
-    scale in x's dtype instead, so that the products accumulate without a wait between blocks; other
-    rounding). Its loads are pipelined NUM_STAGES deep (one K loop a program, no partials to sum)."""
+    the 4-bit W [N, K] over K elements [s*k_per, (s+1)*k_per), one quantisation block a step, its loads
+    pipelined NUM_STAGES deep: the block's nibbles looked up (LOOKUP, in x's dtype: code_ptr's), two
+    tensor-core products with the rows' even and odd elements, times the block's float32 scale, added to
+    a float32 tile (SCALE_WEIGHTS: the codes times the scale in x's dtype instead, so that the products
+    accumulate without a wait between blocks; other rounding). Stored in out's dtype, or with SPLIT (split
+    programs along K) as float32 partials at out[row*split + s] for sum_rows."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = rows < M
     x_rows = x_ptr + rows[:, None] * stride_x
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = tl.program_id(2) * k_per
-    for k0 in tl.range(k_start, tl.minimum(k_start + k_per, K), QBLOCK, num_stages=NUM_STAGES):
+    # K whole: constant loop bounds (runtime ones cost the loop registers and spills on sm_90, sass_loop --wide)
+    k_start = tl.program_id(2) * k_per if SPLIT else 0
+    k_end = tl.minimum(k_start + k_per, K) if SPLIT else K
+    for k0 in tl.range(k_start, k_end, QBLOCK, num_stages=NUM_STAGES):
         byte = block_bytes(w_ptr, cols, ok, k0, K, QBLOCK)
         scale = _block_scale(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, cols * (K // QBLOCK) + k0 // QBLOCK,
                              ok, NESTED, DOUBLE_QUANT)
@@ -168,7 +170,7 @@ def _wide_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr
             acc = tl.dot(a_odd, tl.trans(lo * sc), tl.dot(a_even, tl.trans(hi * sc), acc))
         else:
             acc += nibble_products(a_even, a_odd, hi, lo) * scale[None, :]
-    if split > 1:
+    if SPLIT:
         tl.store(out_ptr + (rows[:, None] * split + tl.program_id(2)) * N + cols[None, :], acc,
                  mask=valid[:, None] & ok[None, :])
     else:
@@ -397,12 +399,13 @@ class Linear4bitGroup:
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
         dst = out if split == 1 else torch.empty(t * split, n, dtype=torch.float32, device=x.device)
         dq = self.double_quant
+        lookup = lookup_constexpr(self.code_lookup, self.quant_type, x.dtype)
         _wide_4bit_kernel[(*grid, split)](
             x, self.packed, self.absmax, code4(self.quant_type, x.device, x.dtype),
             self.nested_code if dq else self.absmax, self.nested_absmax if dq else self.absmax,
-            self.nested_offset if dq else self.absmax, dst, t, n, x.stride(0), k_per, split, K=k, QBLOCK=q, NESTED=NESTED_BLOCK,
-            DOUBLE_QUANT=dq, LOOKUP=lookup_constexpr(self.code_lookup, self.quant_type, x.dtype), BLOCK_M=block_m,
-            BLOCK_N=tiles["BLOCK_N"], NUM_STAGES=tiles["num_stages"], SCALE_WEIGHTS=tiles["SCALE_WEIGHTS"],
+            self.nested_offset if dq else self.absmax, dst, t, n, x.stride(0), k_per, split, K=k, QBLOCK=q,
+            NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, LOOKUP=lookup, BLOCK_M=block_m, BLOCK_N=tiles["BLOCK_N"],
+            NUM_STAGES=tiles["num_stages"], SCALE_WEIGHTS=tiles["SCALE_WEIGHTS"], SPLIT=split > 1,
             num_warps=tiles["num_warps"])
         return out if split == 1 else sum_rows(dst, out)
 

@@ -171,7 +171,8 @@ def test_wide_kernel_takes_steps_past_the_row_tile_interpreted():
     # one launch a step: 256 outputs in 2 tiles of 128 features, 65 rows in one program, 150 in two of 128;
     # too few programs for the GPU (MIN_PROGRAMS): K split to one block a program (256 = 4 blocks, 192 = 3)
     assert [" ".join(ln[4:]) for ln in errs] == ["[(2, 1, 4)]", "[(2, 2, 4)]", "[(1, 1, 3)]", "[(1, 2, 3)]"], out
-    assert all(ln[3] == "True" for ln in lines if ln[0] == "select") and len([ln for ln in lines if ln[0] == "select"]) == 4
+    selected = [ln[3] for ln in lines if ln[0] == "select"]
+    assert selected == ["True"] * 4, out
     assert all(float(ln[3]) < 2e-3 for ln in lines if ln[0] in ("lora", "narrow", "scaled", "whole")), out
     # enough programs (MIN_PROGRAMS=1): K whole in each program
     assert [" ".join(ln[4:]) for ln in lines if ln[0] == "whole"] == ["[(2, 1, 1)]", "[(2, 2, 1)]", "[(1, 1, 1)]",
