@@ -371,8 +371,8 @@ class KernelsConfig:
         _check_choice("kernels.trainer_glue_backward", self.trainer_glue_backward, ("auto", "eager", "compiled"))
         _check_choice("kernels.trainer_backward_dtype", self.trainer_backward_dtype, ("float32", "model_dtype"))
         _check_choice("kernels.trainer_recompute", self.trainer_recompute, ("engine", "reference"))
-        for key in ("linear4bit_max_rows", "linear4bit_wide_max_rows", "moe_sort_above", "moe_fused_max_entries", "invariant_split_below_tiles",
-                    "trainer_vocab_slice"):
+        for key in ("linear4bit_max_rows", "linear4bit_wide_max_rows", "moe_sort_above", "moe_fused_max_entries",
+                    "invariant_split_below_tiles", "trainer_vocab_slice"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"kernels.{key}={getattr(self, key)} is invalid: at least 0")
 
