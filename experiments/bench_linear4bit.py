@@ -19,6 +19,7 @@ time (the H200 streams ~4.3 TB/s); the bf16 GEMM's bytes are four times the 4-bi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -136,7 +137,6 @@ def main() -> None:
     wide_grid = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st) for m, n, w, st in (
         (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 256, 8, 2),
         (128, 256, 8, 3), (64, 128, 4, 3), (64, 256, 8, 3), (64, 64, 4, 4))]
-    wide_grid += [{**c, "SCALE_WEIGHTS": True} for c in wide_grid[:5]]  # the codes scaled, the products chained
     wide_sizes = {int(b) for b in args.wide_grid_batch_sizes.split(",") if b}
     grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
     grid_groups = set(args.grid_groups.split(","))
@@ -150,6 +150,8 @@ def main() -> None:
         mods = [linear4bit_from(m, s, dev) for m in lin]
         del lin
         group = Linear4bitGroup(mods, every_size)
+        # the wide kernel with kernels.linear4bit_wide_scale=weights (its own view of the same bytes)
+        scaled = Linear4bitGroup(mods, dataclasses.replace(every_size, linear4bit_wide_scale="weights"))
         nbytes = group.packed.numel()
         r = args.rank * len(outs)
         a = torch.randn(r, k, device=dev, dtype=dt) * 0.01
@@ -178,6 +180,7 @@ def main() -> None:
                    "triton_lora_us": time_us(lambda: group.matmul(x, F.linear(x, a), b)),
                    "wide_us": time_us(lambda: group.wide_matmul(x)),
                    "wide_rel_err": rel(group.wide_matmul(x)),
+                   "wide_weights_us": time_us(lambda: scaled.wide_matmul(x)),
                    "rel_err": rel(group.matmul(x))}
             wide = [c for c in wide_grid if bs in wide_sizes and name in args.wide_grid_groups.split(",")]
             row["wide_configs"], row["wide_best"] = time_tiles(group.wide_matmul, x, wide, rel)
@@ -186,7 +189,7 @@ def main() -> None:
             row["configs"], row["best"] = time_tiles(group.matmul, x, small, rel)
             res["runs"].append(row)
             for key in ("bnb_us", "bnb_lora_us", "bf16_us", "triton_us", "dequant_gemm_us", "dequant_triton_gemm_us",
-                        "dequant_us", "dequant_bnb_us", "triton_lora_us", "wide_us"):
+                        "dequant_us", "dequant_bnb_us", "triton_lora_us", "wide_us", "wide_weights_us"):
                 totals.setdefault(bs, {}).setdefault(key, 0.0)
                 totals[bs][key] += row[key]
             best = row["best"]
@@ -197,7 +200,7 @@ def main() -> None:
                   f"({nbytes / row['triton_us'] / 1e6:.2f} TB/s), +lora "
                   f"{row['triton_lora_us']:7.1f} us (bnb+lora {row['bnb_lora_us']:7.1f}), rel err {row['rel_err']:.1e}; "
                   f"wide {row['wide_us']:7.1f} us ({nbytes / row['wide_us'] / 1e6:.2f} TB/s, rel err "
-                  f"{row['wide_rel_err']:.1e})"
+                  f"{row['wide_rel_err']:.1e}; scale on the codes {row['wide_weights_us']:7.1f} us)"
                   + best_tile(" best", row["wide_best"]) + best_tile("; best", best), flush=True)
     res["totals_us"] = totals
     for bs, t in totals.items():

@@ -138,12 +138,13 @@ def wide_tiles() -> None:
     L.sum_rows = lambda partials, out: out
     x = torch.randn(128, 5376).bfloat16()
     try:
-        for scale_weights in (False, True):
+        for scale in ("products", "weights"):  # kernels.linear4bit_wide_scale
+            group.wide_scale = scale
             for tiles in WIDE:
-                t = {"MIN_PROGRAMS": 1, **tiles, "SCALE_WEIGHTS": scale_weights}
+                t = {"MIN_PROGRAMS": 1, **tiles}
                 ops = collections.Counter(op.split(".")[0] for _, op, _ in instructions(
                     compile_sass(L._wide_4bit_kernel, lambda: group.wide_matmul(x, tiles=t))))
-                print(f"scale_weights={scale_weights} {tiles}: {sum(ops.values())} instructions, {ops['HGMMA']} "
+                print(f"linear4bit_wide_scale={scale} {tiles}: {sum(ops.values())} instructions, {ops['HGMMA']} "
                       f"HGMMA, spills {ops['STL']} stores / {ops['LDL']} loads, {ops['PRMT']} PRMT", flush=True)
     finally:
         L.lookup_constexpr, L.sum_rows = real, real_sum

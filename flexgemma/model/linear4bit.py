@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from flexgemma.config.kernels import Kernels
-from flexgemma.model.ptx_lookup import lookup_constexpr
+from flexgemma.model.ptx_lookup import check_lookup_device, lookup_constexpr
 from flexgemma.model.quant import dequantize_blocks
 from flexgemma.model.triton4bit import block_bytes, code4, dequant_blocks, nibble_codes, nibble_products, row_pairs, \
     sum_rows
@@ -132,10 +132,10 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
 
 # the wide kernel's tile (kernels.linear4bit_wide_max_rows): rows and output features of a program (the
 # rows' K elements are read again by every feature tile, from L2: wide feature tiles keep that below the
-# weights' own traffic), warps, the K loop's pipeline depth and where a block's scale multiplies. A group
+# weights' own traffic), warps and the K loop's pipeline depth. A group
 # of few feature tiles (31B's o and down: 42 of 128) splits K until it has MIN_PROGRAMS programs (two an
 # H100/H200 SM), its float32 partials summed by sum_rows.
-WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, SCALE_WEIGHTS=False, MIN_PROGRAMS=264)
+WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, MIN_PROGRAMS=264)
 
 
 @triton.jit(do_not_specialize=["M", "N", "k_per", "split"])
@@ -147,8 +147,8 @@ def _wide_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr
     the 4-bit W [N, K] over K elements [s*k_per, (s+1)*k_per), one quantisation block a step, its loads
     pipelined NUM_STAGES deep: the block's nibbles looked up (LOOKUP, in x's dtype: code_ptr's), two
     tensor-core products with the rows' even and odd elements, times the block's float32 scale, added to
-    a float32 tile (SCALE_WEIGHTS: the codes times the scale in x's dtype instead, so that the products
-    accumulate without a wait between blocks; other rounding). Stored in out's dtype, or with SPLIT (split
+    a float32 tile (SCALE_WEIGHTS, kernels.linear4bit_wide_scale=weights: the codes times the scale in x's
+    dtype instead, so that the products accumulate without a wait between blocks; other rounding). Stored in out's dtype, or with SPLIT (split
     programs along K) as float32 partials at out[row*split + s] for sum_rows."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
@@ -254,6 +254,7 @@ class Linear4bitGroup:
         self.max_rows, self.dequant = kernels.linear4bit_max_rows, kernels.linear4bit_dequant
         # steps of more rows than max_rows and at most this many run the wide kernel (0: none)
         self.wide_max_rows, self.code_lookup = kernels.linear4bit_wide_max_rows, kernels.moe_code_lookup
+        self.wide_scale = kernels.linear4bit_wide_scale
         qs = [m.weight.quant_state for m in modules]
         self.quant_type, self.block_size, self.dtype = qs[0].quant_type, qs[0].blocksize, qs[0].dtype
         self.in_features = modules[0].in_features
@@ -384,9 +385,7 @@ class Linear4bitGroup:
         rounding than the dequantised weights' GEMM: a code is rounded to x's dtype, not code x scale)."""
         if x.dtype != self.dtype:
             raise TypeError(f"Linear4bitGroup: rows are {x.dtype}; the group computes in {self.dtype}")
-        if self.code_lookup == "prmt" and (x.device.type != "cuda" or torch.version.hip):
-            raise ValueError("kernels.moe_code_lookup=prmt runs inline PTX, an NVIDIA GPU's only; on "
-                             f"{x.device.type} use table or select (the same values)")
+        check_lookup_device(self.code_lookup, x.device)
         tiles = {**WIDE_TILES, **(tiles or {})}
         x = x if x.stride(-1) == 1 else x.contiguous()
         t, n, k, q = x.shape[0], self.out_features, self.in_features, self.block_size
@@ -405,7 +404,7 @@ class Linear4bitGroup:
             self.nested_code if dq else self.absmax, self.nested_absmax if dq else self.absmax,
             self.nested_offset if dq else self.absmax, dst, t, n, x.stride(0), k_per, split, K=k, QBLOCK=q,
             NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, LOOKUP=lookup, BLOCK_M=block_m, BLOCK_N=tiles["BLOCK_N"],
-            NUM_STAGES=tiles["num_stages"], SCALE_WEIGHTS=tiles["SCALE_WEIGHTS"], SPLIT=split > 1,
+            NUM_STAGES=tiles["num_stages"], SCALE_WEIGHTS=self.wide_scale == "weights", SPLIT=split > 1,
             num_warps=tiles["num_warps"])
         return out if split == 1 else sum_rows(dst, out)
 

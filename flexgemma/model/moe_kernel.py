@@ -43,7 +43,7 @@ import triton.language as tl
 
 from flexgemma.config.kernels import Kernels
 from flexgemma.model.moe import route as torch_route, routed_experts
-from flexgemma.model.ptx_lookup import lookup_constexpr
+from flexgemma.model.ptx_lookup import check_lookup_device, lookup_constexpr
 from flexgemma.model.triton4bit import (block_bytes, code4, dequant_blocks, nibble_codes, nibble_products, row_pairs,
                                         sum_rows)
 
@@ -558,9 +558,7 @@ def fused_4bit_fits(gate_up, down) -> bool:
 def _check_step(x, top_k_index, gate_up, down, packed_mode: Optional[str], code_lookup: str,
                 max_entries: Optional[int]) -> None:
     """decode_experts' arguments, refused with what is wrong."""
-    if code_lookup == "prmt" and (x.device.type != "cuda" or torch.version.hip):
-        raise ValueError("kernels.moe_code_lookup=prmt runs inline PTX, an NVIDIA GPU's only; on "
-                         f"{x.device.type} use table or select (the same values)")
+    check_lookup_device(code_lookup, x.device)
     if packed_mode not in (None, "fused", "slots"):
         raise ValueError(f"packed_mode={packed_mode!r}: fused or slots")
     if x.dtype not in (torch.bfloat16, torch.float16):

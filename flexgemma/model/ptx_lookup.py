@@ -88,6 +88,14 @@ def code_lookup_asm(quant_type: str, dtype: torch.dtype) -> str:
     return lookup_asm(code4(quant_type, torch.device("cpu"), dtype))
 
 
+def check_lookup_device(choice: str, device: torch.device) -> None:
+    """kernels.moe_code_lookup=prmt refused where its PTX cannot run (a kernel called with a hand-built
+    Kernels; config.resolve refuses it for a run)."""
+    if choice == "prmt" and (device.type != "cuda" or torch.version.hip):
+        raise ValueError("kernels.moe_code_lookup=prmt runs inline PTX, an NVIDIA GPU's only; on "
+                         f"{device.type} use table or select (the same values)")
+
+
 def lookup_constexpr(choice: str, quant_type: str, dtype: torch.dtype) -> str:
     """The LOOKUP a fused 4-bit kernel compiles with for kernels.moe_code_lookup=`choice`: prmt's PTX for
     this table, or the choice's name (a hand-built Kernels' auto reads the table: config.resolve decides
