@@ -3,13 +3,10 @@ Linear4bit modules (dequantise + GEMM, one member at a time), the bf16 fused GEM
 `linear4bit.Linear4bitGroup` (one Triton kernel a group, `kernels.linear4bit=triton`) over a
 grid of tile options, with and without an unmerged LoRA r32 inside, and the group's path past
 kernels.linear4bit_max_rows (dequantised once, by bitsandbytes' op or the group's own kernel, then
-one GEMM) against the wide kernel that can replace it (kernels.linear4bit_wide_max_rows, prmt lookup; a
-grid of its tiles at --wide-grid-batch-sizes).
+one GEMM).
 
     python experiments/bench_linear4bit.py --batch-sizes 8,32,64 --out linear4bit.json
     python experiments/bench_linear4bit.py --groups 31b_gate_up,31b_down --batch-sizes 64,128,256 --grid-batch-sizes 0
-    python experiments/bench_linear4bit.py --groups 31b_qkv_sliding,31b_gate_up,31b_down --batch-sizes 128,256 \
-        --grid-batch-sizes 0 --wide-grid-batch-sizes 128
 
 Weights are random NF4 with double quantisation (quant=bnb4's defaults). Reported: median
 microseconds a call replayed from a CUDA graph (CUDA events) and the 4-bit bytes divided by that
@@ -19,7 +16,6 @@ time (the H200 streams ~4.3 TB/s); the bf16 GEMM's bytes are four times the 4-bi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -102,9 +98,6 @@ def main() -> None:
     ap.add_argument("--grid-batch-sizes", default="8,64", help="batch sizes that also time the tile grid")
     ap.add_argument("--grid-groups", default="qkv_sliding,o_sliding,gate_up_wide,down_wide",
                     help="groups that time the tile grid")
-    ap.add_argument("--wide-grid-batch-sizes", default="128", help="batch sizes that also time the wide kernel's tiles")
-    ap.add_argument("--wide-grid-groups", default="31b_qkv_sliding,31b_gate_up,31b_down,gate_up_wide",
-                    help="groups that time the wide kernel's tiles")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -114,8 +107,7 @@ def main() -> None:
 
     # the "triton" columns time the kernel at every size (the engine takes it up to
     # kernels.linear4bit_max_rows rows only; the dequant columns time its path beyond)
-    every_size = Kernels(linear4bit_max_rows=max(512, *[int(b) for b in args.batch_sizes.split(",")]),
-                         moe_code_lookup="prmt")  # the wide kernel's lookup (auto on an NVIDIA GPU)
+    every_size = Kernels(linear4bit_max_rows=max(512, *[int(b) for b in args.batch_sizes.split(",")]))
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     s = Bnb4Settings("nf4", True, 64, dt)
@@ -133,11 +125,6 @@ def main() -> None:
     grid += [dict(ROW_TILE=rt, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s_)
              for rt, bn, bk, w, s_ in ((128, 64, 128, 8, 3), (128, 64, 256, 8, 2), (128, 128, 128, 8, 2),
                                        (256, 64, 64, 8, 2), (256, 128, 64, 8, 2))]
-    # the wide kernel (kernels.linear4bit_wide_max_rows): (BLOCK_M, BLOCK_N, num_warps, num_stages)
-    wide_grid = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st) for m, n, w, st in (
-        (128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 256, 8, 2),
-        (128, 256, 8, 3), (64, 128, 4, 3), (64, 256, 8, 3), (64, 64, 4, 4))]
-    wide_sizes = {int(b) for b in args.wide_grid_batch_sizes.split(",") if b}
     grid_sizes = {int(b) for b in args.grid_batch_sizes.split(",")}
     grid_groups = set(args.grid_groups.split(","))
     res: dict = {"default": TILES, "runs": []}
@@ -150,8 +137,6 @@ def main() -> None:
         mods = [linear4bit_from(m, s, dev) for m in lin]
         del lin
         group = Linear4bitGroup(mods, every_size)
-        # the wide kernel with kernels.linear4bit_wide_scale=weights (its own view of the same bytes)
-        scaled = Linear4bitGroup(mods, dataclasses.replace(every_size, linear4bit_wide_scale="weights"))
         nbytes = group.packed.numel()
         r = args.rank * len(outs)
         a = torch.randn(r, k, device=dev, dtype=dt) * 0.01
@@ -178,18 +163,13 @@ def main() -> None:
                    "dequant_us": time_us(group.dequantize_triton),  # the group's kernel alone
                    "dequant_bnb_us": time_us(group.dequantize_bnb),  # bitsandbytes' op (+ torch's scale decode)
                    "triton_lora_us": time_us(lambda: group.matmul(x, F.linear(x, a), b)),
-                   "wide_us": time_us(lambda: group.wide_matmul(x)),
-                   "wide_rel_err": rel(group.wide_matmul(x)),
-                   "wide_weights_us": time_us(lambda: scaled.wide_matmul(x)),
                    "rel_err": rel(group.matmul(x))}
-            wide = [c for c in wide_grid if bs in wide_sizes and name in args.wide_grid_groups.split(",")]
-            row["wide_configs"], row["wide_best"] = time_tiles(group.wide_matmul, x, wide, rel)
             small = [c for c in grid if bs in grid_sizes and name in grid_groups
                      and c.get("ROW_TILE", TILES["ROW_TILE"]) <= max(64, bs)]
             row["configs"], row["best"] = time_tiles(group.matmul, x, small, rel)
             res["runs"].append(row)
             for key in ("bnb_us", "bnb_lora_us", "bf16_us", "triton_us", "dequant_gemm_us", "dequant_triton_gemm_us",
-                        "dequant_us", "dequant_bnb_us", "triton_lora_us", "wide_us", "wide_weights_us"):
+                        "dequant_us", "dequant_bnb_us", "triton_lora_us"):
                 totals.setdefault(bs, {}).setdefault(key, 0.0)
                 totals[bs][key] += row[key]
             best = row["best"]
@@ -198,10 +178,8 @@ def main() -> None:
                   f"{row['dequant_triton_gemm_us']:7.1f}; dequant alone {row['dequant_bnb_us']:6.1f} vs "
                   f"{row['dequant_us']:6.1f}), triton {row['triton_us']:7.1f} us "
                   f"({nbytes / row['triton_us'] / 1e6:.2f} TB/s), +lora "
-                  f"{row['triton_lora_us']:7.1f} us (bnb+lora {row['bnb_lora_us']:7.1f}), rel err {row['rel_err']:.1e}; "
-                  f"wide {row['wide_us']:7.1f} us ({nbytes / row['wide_us'] / 1e6:.2f} TB/s, rel err "
-                  f"{row['wide_rel_err']:.1e}; scale on the codes {row['wide_weights_us']:7.1f} us)"
-                  + best_tile(" best", row["wide_best"]) + best_tile("; best", best), flush=True)
+                  f"{row['triton_lora_us']:7.1f} us (bnb+lora {row['bnb_lora_us']:7.1f}), rel err {row['rel_err']:.1e}"
+                  + best_tile("; best", best), flush=True)
     res["totals_us"] = totals
     for bs, t in totals.items():
         print(f"sum over the groups, bs {bs}: " + ", ".join(f"{k_} {v:8.1f}" for k_, v in t.items()))

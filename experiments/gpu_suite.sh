@@ -7,7 +7,7 @@
 #   MODEL=31b ROWS=64 CONTEXT=416 bash experiments/gpu_suite.sh decode_sweep
 #   PROBE=moe_tiles PROBE_MOE=bnb4 bash experiments/gpu_suite.sh probe
 #   FORMS_4BIT=dot_prmt,dot_w,dot_w_prmt bash experiments/gpu_suite.sh bench_4bit_forms
-# Stages (in this order): tests tests_kernels bench_wide_4bit invariant_tests invariant_tests_moe trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 ab_inv_26b_bnb4_experts ab_inv_26b_bnb4_subtiles ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_31b_bnb4_wide ab_26b_bnb4_wide ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_prefetch ab_inv_26b_bnb4_prefetch ab_26b_bnb4_lookup ab_inv_26b_bnb4_lookup ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b profile_trainer_26b_mb16 grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_e2b_exact_mb64_torch_recompute grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_26b_exact_sleep grpo_26b_exact_mb32_sleep grpo_26b_exact_mb16_sleep grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode profile_decode_inv profile_prefill_inv probe decode_sweep profile_round bench_kernels bench_4bit_forms ablate_4bit ncu_4bit_up speed_old_new
+# Stages (in this order): tests tests_kernels invariant_tests invariant_tests_moe trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 ab_inv_26b_bnb4_experts ab_inv_26b_bnb4_subtiles ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_prefetch ab_inv_26b_bnb4_prefetch ab_26b_bnb4_lookup ab_inv_26b_bnb4_lookup ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b profile_trainer_26b_mb16 grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_e2b_exact_mb64_torch_recompute grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_26b_exact_sleep grpo_26b_exact_mb32_sleep grpo_26b_exact_mb16_sleep grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode profile_decode_inv profile_prefill_inv probe decode_sweep profile_round bench_kernels bench_4bit_forms ablate_4bit ncu_4bit_up speed_old_new
 # Each job's directory (summary.json, metrics.jsonl, config_resolved.yaml) and each sweep's report.md
 # go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into $OUT/results.tgz and a
 # digest is printed. Expects the wheels of
@@ -76,11 +76,6 @@ export L6
 run tests 420 bash -c gpu_tests
 run tests_kernels 300 python3 -m pytest -q -p no:logging -m gpu --durations=0 -s tests/model/test_moe_kernel.py \
   tests/model/test_ptx_lookup.py tests/model/test_linear4bit.py tests/engine/test_sampling.py
-# the wide 4-bit kernel (kernels.linear4bit_wide_max_rows) against dequantise + GEMM on 31B's and E2B's groups
-# at RL batch rows, its tiles at 128 rows
-run bench_wide_4bit 240 python3 experiments/bench_linear4bit.py --groups \
-  31b_qkv_sliding,31b_qk_full,31b_o_sliding,31b_gate_up,31b_down,gate_up_wide,down_wide --batch-sizes 128,256 \
-  --grid-batch-sizes 0 --wide-grid-batch-sizes 128 --out "$WORK/bench_wide_4bit.json"
 # batch invariance and the trainer through the engine's kernels (issues 34, 35): every model's shapes
 run invariant_tests 540 python3 -m pytest -q -p no:logging -m gpu --durations=0 tests/engine/test_invariant.py
 run invariant_tests_moe 400 python3 -m pytest -q -p no:logging -m gpu --durations=0 tests/engine/test_invariant.py -k 26b
@@ -128,11 +123,6 @@ run ab_31b_full_blocks 570 bash -c 'sweep ab_31b_full_blocks experiment=rl_batch
 run ab_31b_fused_kv 570 bash -c 'sweep ab_31b_fused_kv experiment=rl_batch_31b kernels.fused_kv_write=true,false'
 run ab_31b_bnb4_dequant 570 bash -c 'sweep ab_31b_bnb4_dequant experiment=rl_batch_31b quant=bnb4 \
   workload.num_prompts=128 kernels.linear4bit_dequant=triton,bnb'
-# 4-bit steps of 65-256 rows by the wide kernel against dequantise + GEMM (kernels.linear4bit_wide_max_rows)
-run ab_31b_bnb4_wide 570 bash -c 'sweep ab_31b_bnb4_wide experiment=rl_batch_31b quant=bnb4 workload.num_prompts=128 \
-  kernels.linear4bit_wide_max_rows=0,256'
-run ab_26b_bnb4_wide 570 bash -c 'sweep ab_26b_bnb4_wide experiment=rl_batch_26b_a4b quant=bnb4 \
-  kernels.linear4bit_wide_max_rows=0,256'
 run ab_26b_sort 570 bash -c 'sweep ab_26b_sort experiment=rl_batch_26b_a4b kernels.moe_sort_above=512,0'
 run ab_26b_bnb4_slots 570 bash -c 'sweep ab_26b_bnb4_slots experiment=rl_batch_26b_a4b quant=bnb4 \
   kernels.moe_fused_max_entries=2048,512'

@@ -8,7 +8,6 @@ kernels.moe_4bit_prefetch, each loop's length, instructions per weight and the c
 
     python experiments/sass_loop.py                       (table / select / prmt, with and without prefetch)
     python experiments/sass_loop.py --dump prmt_pf        (that variant's whole SASS to stdout)
-    python experiments/sass_loop.py --wide                (the wide 4-bit kernel's tiles: length, spills)
 
 The local Triton may be newer than the GPU machine's: counts are indicative, the GPU's timing decides.
 """
@@ -113,51 +112,11 @@ def up_launch(lookup: str, prefetch: bool, rows: int = 32, h: int = 2816, i: int
     return lambda: up_dot(x, gate_up, index, order, starts, i, k, tiles, lookup), gate_up.block_size, tiles
 
 
-# the wide 4-bit kernel's tiles (kernels.linear4bit_wide_max_rows) that --wide compiles, K whole in a program
-# (MIN_PROGRAMS 1) or split (the default tile at its default MIN_PROGRAMS: 9 programs along K here)
-WIDE = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-        dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-        dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=2),
-        dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
-        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, MIN_PROGRAMS=264)]
-
-
-def wide_tiles() -> None:
-    """linear4bit's wide kernel on one 31B-wide group (K 5376) at 128 bf16 rows, prmt lookup: per tile option
-    and scale placement, its instruction count, warpgroup MMAs and register spills (local loads/stores)."""
-    import flexgemma.model.linear4bit as L
-    from flexgemma.config.kernels import Kernels
-    from flexgemma.model.quant import Bnb4Settings, linear4bit_from
-
-    cpu = torch.device("cpu")
-    mods = [linear4bit_from(torch.nn.Linear(5376, 2048, bias=False).bfloat16(), Bnb4Settings(double_quant=True), cpu)
-            for _ in range(2)]
-    group = L.Linear4bitGroup(mods, Kernels(linear4bit_wide_max_rows=256))
-    real, real_sum = L.lookup_constexpr, L.sum_rows  # the kernel compiles for the GPU: prmt's PTX; no launch
-    L.lookup_constexpr = lambda choice, quant_type, dtype: real("prmt", quant_type, dtype)
-    L.sum_rows = lambda partials, out: out
-    x = torch.randn(128, 5376).bfloat16()
-    try:
-        for scale in ("products", "weights"):  # kernels.linear4bit_wide_scale
-            group.wide_scale = scale
-            for tiles in WIDE:
-                t = {"MIN_PROGRAMS": 1, **tiles}
-                ops = collections.Counter(op.split(".")[0] for _, op, _ in instructions(
-                    compile_sass(L._wide_4bit_kernel, lambda: group.wide_matmul(x, tiles=t))))
-                print(f"linear4bit_wide_scale={scale} {tiles}: {sum(ops.values())} instructions, {ops['HGMMA']} "
-                      f"HGMMA, spills {ops['STL']} stores / {ops['LDL']} loads, {ops['PRMT']} PRMT", flush=True)
-    finally:
-        L.lookup_constexpr, L.sum_rows = real, real_sum
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--dump", default=None, help="print this variant's whole SASS instead")
-    ap.add_argument("--wide", action="store_true", help="the wide 4-bit kernel's tiles instead")
     args = ap.parse_args()
-    if args.wide:
-        return wide_tiles()
     for name in ([args.dump] if args.dump else args.variants.split(",")):
         lookup, prefetch = VARIANTS[name]
         launch, qblock, tiles = up_launch(lookup, prefetch)

@@ -280,14 +280,6 @@ class KernelsConfig:
     # won at 64 rows and lost 1.2-4.4x at 128-512 on every group but E2B's small q/k/v (31B bnb4 at 128
     # rows: 1,335 tok/s with 64 against 991 with 512)
     linear4bit_max_rows: int = 64
-    # 4-bit steps of more rows than linear4bit_max_rows and at most this many run the wide kernel instead of
-    # dequantise + GEMM: programs of up to 128 rows decode each 4-bit block once in registers (moe_code_lookup)
-    # and scale its products, reading 0.5 bytes a weight where the dequantise path moves 4.5; 0: none
-    linear4bit_wide_max_rows: int = 0
-    # where the wide kernel applies a block's scale: products (to the block's float32 products, as the routed
-    # 4-bit experts do) or weights (to its codes, in the rows' dtype, so the products chain into the
-    # accumulator without a wait a block: other rounding)
-    linear4bit_wide_scale: str = "products"
     # how a 4-bit group dequantises (steps past linear4bit_max_rows, prefill): triton (one kernel,
     # 3.6-4.0 TB/s on 31B's groups on the H200; 31B bnb4 at 128 rows 1,354 -> 1,708 tok/s) or bnb
     # (bitsandbytes' op after torch decodes the 8-bit scales, 1.6-1.9 TB/s): the same weights bit for bit
@@ -368,7 +360,6 @@ class KernelsConfig:
         _check_pow2("kernels.invariant_split_tokens", self.invariant_split_tokens, self.invariant_block_n, 1 << 20)
         _check_choice("kernels.linear4bit", self.linear4bit, ("auto", "bnb", "triton"))
         _check_choice("kernels.linear4bit_dequant", self.linear4bit_dequant, ("bnb", "triton"))
-        _check_choice("kernels.linear4bit_wide_scale", self.linear4bit_wide_scale, ("products", "weights"))
         _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
         _check_choice("kernels.moe_code_lookup", self.moe_code_lookup, ("auto", "table", "select", "prmt"))
         _check_choice("kernels.invariant_experts", self.invariant_experts, ("auto", "grouped", "triton"))
@@ -376,7 +367,7 @@ class KernelsConfig:
         _check_choice("kernels.trainer_glue_backward", self.trainer_glue_backward, ("auto", "eager", "compiled"))
         _check_choice("kernels.trainer_backward_dtype", self.trainer_backward_dtype, ("float32", "model_dtype"))
         _check_choice("kernels.trainer_recompute", self.trainer_recompute, ("engine", "reference"))
-        for key in ("linear4bit_max_rows", "linear4bit_wide_max_rows", "moe_sort_above", "moe_fused_max_entries",
+        for key in ("linear4bit_max_rows", "moe_sort_above", "moe_fused_max_entries",
                     "invariant_split_below_tiles", "trainer_vocab_slice"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"kernels.{key}={getattr(self, key)} is invalid: at least 0")

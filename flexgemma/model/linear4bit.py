@@ -17,10 +17,8 @@ to the tile before the single rounding.
 Steps of more than `kernels.linear4bit_max_rows` rows (large decode batches, prefill) dequantise
 the group once (`kernels.linear4bit_dequant`: a kernel here, bitsandbytes' weights bit for bit at
 twice the speed of its op, or bitsandbytes' op) and run one GEMM; that writes and reads 2 bytes a weight
-beside the 0.5 it decodes, every step. Steps of up to `kernels.linear4bit_wide_max_rows` rows instead
-run the wide kernel: programs of up to 128 rows that decode each quantisation block once, in registers,
-as the routed 4-bit experts do (the code table in the rows' dtype, looked up as
-`kernels.moe_code_lookup` says, the block's scale applied to its products), reading 0.5 bytes a weight.
+beside the 0.5 it decodes, every step. (A kernel that decoded each block once in registers for programs
+of 64-128 rows ran 3-8x slower than this on an H100: experiments/RESULTS.md, 2026-12-07.)
 """
 
 from __future__ import annotations
@@ -33,10 +31,8 @@ import triton
 import triton.language as tl
 
 from flexgemma.config.kernels import Kernels
-from flexgemma.model.ptx_lookup import check_lookup_device, lookup_constexpr
 from flexgemma.model.quant import dequantize_blocks
-from flexgemma.model.triton4bit import block_bytes, code4, dequant_blocks, nibble_codes, nibble_products, row_pairs, \
-    sum_rows
+from flexgemma.model.triton4bit import code4, dequant_blocks, sum_rows
 
 NESTED_BLOCK = 256  # bitsandbytes double quantisation: one float32 scale per 256 block scales
 # the product kernel's tile: output features and K elements of a program, rows of a program, and K
@@ -130,54 +126,6 @@ def _linear_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_p
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-# the wide kernel's tile (kernels.linear4bit_wide_max_rows): rows and output features of a program (the
-# rows' K elements are read again by every feature tile, from L2: wide feature tiles keep that below the
-# weights' own traffic), warps and the K loop's pipeline depth. A group
-# of few feature tiles (31B's o and down: 42 of 128) splits K until it has MIN_PROGRAMS programs (two an
-# H100/H200 SM), its float32 partials summed by sum_rows.
-WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, MIN_PROGRAMS=264)
-
-
-@triton.jit(do_not_specialize=["M", "N", "k_per", "split"])
-def _wide_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, out_ptr, M, N,
-                      stride_x, k_per, split, K: tl.constexpr, QBLOCK: tl.constexpr, NESTED: tl.constexpr,
-                      DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      NUM_STAGES: tl.constexpr, SCALE_WEIGHTS: tl.constexpr, SPLIT: tl.constexpr):
-    """Program (j, m, s): rows [m*BLOCK_M, (m+1)*BLOCK_M) of x [M, K] against features [j*BLOCK_N, ...) of
-    the 4-bit W [N, K] over K elements [s*k_per, (s+1)*k_per), one quantisation block a step, its loads
-    pipelined NUM_STAGES deep: the block's nibbles looked up (LOOKUP, in x's dtype: code_ptr's), two
-    tensor-core products with the rows' even and odd elements, times the block's float32 scale, added to
-    a float32 tile (SCALE_WEIGHTS, kernels.linear4bit_wide_scale=weights: the codes times the scale in x's
-    dtype instead, so that the products accumulate without a wait between blocks; other rounding). Stored in out's dtype, or with SPLIT (split
-    programs along K) as float32 partials at out[row*split + s] for sum_rows."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < N
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = rows < M
-    x_rows = x_ptr + rows[:, None] * stride_x
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # K whole: constant loop bounds (runtime ones cost the loop registers and spills on sm_90, sass_loop --wide)
-    k_start = tl.program_id(2) * k_per if SPLIT else 0
-    k_end = tl.minimum(k_start + k_per, K) if SPLIT else K
-    for k0 in tl.range(k_start, k_end, QBLOCK, num_stages=NUM_STAGES):
-        byte = block_bytes(w_ptr, cols, ok, k0, K, QBLOCK)
-        scale = _block_scale(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, cols * (K // QBLOCK) + k0 // QBLOCK,
-                             ok, NESTED, DOUBLE_QUANT)
-        a_even, a_odd = row_pairs(x_rows, k0, valid, QBLOCK)
-        hi, lo = nibble_codes(byte, code_ptr, LOOKUP)
-        if SCALE_WEIGHTS:  # the scale (rounded to x's dtype) times each code; the products chain into acc
-            sc = scale.to(hi.dtype)[:, None]
-            acc = tl.dot(a_odd, tl.trans(lo * sc), tl.dot(a_even, tl.trans(hi * sc), acc))
-        else:
-            acc += nibble_products(a_even, a_odd, hi, lo) * scale[None, :]
-    if SPLIT:
-        tl.store(out_ptr + (rows[:, None] * split + tl.program_id(2)) * N + cols[None, :], acc,
-                 mask=valid[:, None] & ok[None, :])
-    else:
-        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=valid[:, None] & ok[None, :])
-
-
 # the dequantise kernel's options: bytes of one program (whole quantisation blocks) and warps. Best of
 # bench_dequant4bit.py's grid (1,024-8,192 bytes, 4 or 8 warps) summed over 31B's and E2B's groups on
 # the H200. A first version decoded a block's scale once per byte (four gathers a byte) and ran at 1.9
@@ -252,9 +200,6 @@ class Linear4bitGroup:
         self.modules = list(modules)
         # steps of more rows dequantise the group and run one GEMM, by this way (kernels.linear4bit_*)
         self.max_rows, self.dequant = kernels.linear4bit_max_rows, kernels.linear4bit_dequant
-        # steps of more rows than max_rows and at most this many run the wide kernel (0: none)
-        self.wide_max_rows, self.code_lookup = kernels.linear4bit_wide_max_rows, kernels.moe_code_lookup
-        self.wide_scale = kernels.linear4bit_wide_scale
         qs = [m.weight.quant_state for m in modules]
         self.quant_type, self.block_size, self.dtype = qs[0].quant_type, qs[0].blocksize, qs[0].dtype
         self.in_features = modules[0].in_features
@@ -344,7 +289,7 @@ class Linear4bitGroup:
         block-diagonal B [out, R])."""
         t = x.shape[0]
         if t > self.max_rows or t == 0:
-            y = self.wide_matmul(x) if 0 < t <= self.wide_max_rows else F.linear(x, self.dequantize())
+            y = F.linear(x, self.dequantize())
             return y if xa is None else torch.addmm(y, xa, b.t())
         if x.dtype != self.dtype:
             raise TypeError(f"Linear4bitGroup: rows are {x.dtype}; the group computes in {self.dtype}")
@@ -377,35 +322,6 @@ class Linear4bitGroup:
             BLOCK_K=block_k, K_STEPS=k_steps,
             num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
         )
-        return out if split == 1 else sum_rows(dst, out)
-
-    def wide_matmul(self, x: torch.Tensor, tiles: Optional[dict] = None) -> torch.Tensor:
-        """x [T, in] -> [T, out] = x W^T by the wide kernel (WIDE_TILES, overridden by `tiles`): each
-        quantisation block decoded once a program of up to BLOCK_M rows, its products scaled after (other
-        rounding than the dequantised weights' GEMM: a code is rounded to x's dtype, not code x scale)."""
-        if x.dtype != self.dtype:
-            raise TypeError(f"Linear4bitGroup: rows are {x.dtype}; the group computes in {self.dtype}")
-        check_lookup_device(self.code_lookup, x.device)
-        tiles = {**WIDE_TILES, **(tiles or {})}
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        t, n, k, q = x.shape[0], self.out_features, self.in_features, self.block_size
-        block_m = min(tiles["BLOCK_M"], max(16, triton.next_power_of_2(t)))
-        grid = (triton.cdiv(n, tiles["BLOCK_N"]), triton.cdiv(t, block_m))
-        blocks = k // q
-        split = min(blocks, max(1, triton.cdiv(tiles["MIN_PROGRAMS"], grid[0] * grid[1])))
-        k_per = triton.cdiv(blocks, split) * q
-        split = triton.cdiv(k, k_per)  # no empty program along K
-        out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-        dst = out if split == 1 else torch.empty(t * split, n, dtype=torch.float32, device=x.device)
-        dq = self.double_quant
-        lookup = lookup_constexpr(self.code_lookup, self.quant_type, x.dtype)
-        _wide_4bit_kernel[(*grid, split)](
-            x, self.packed, self.absmax, code4(self.quant_type, x.device, x.dtype),
-            self.nested_code if dq else self.absmax, self.nested_absmax if dq else self.absmax,
-            self.nested_offset if dq else self.absmax, dst, t, n, x.stride(0), k_per, split, K=k, QBLOCK=q,
-            NESTED=NESTED_BLOCK, DOUBLE_QUANT=dq, LOOKUP=lookup, BLOCK_M=block_m, BLOCK_N=tiles["BLOCK_N"],
-            NUM_STAGES=tiles["num_stages"], SCALE_WEIGHTS=self.wide_scale == "weights", SPLIT=split > 1,
-            num_warps=tiles["num_warps"])
         return out if split == 1 else sum_rows(dst, out)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:

@@ -122,67 +122,6 @@ def test_kernel_takes_rl_batches_in_row_tiles_interpreted():
     assert next(ln for ln in lines if ln[0] == "dequant_kernel")[1:] == ["True", "1"], out
 
 
-def test_wide_kernel_takes_steps_past_the_row_tile_interpreted():
-    """kernels.linear4bit_wide_max_rows: steps of (linear4bit_max_rows, wide_max_rows] rows run the wide
-    kernel (one launch, programs of up to 128 rows decoding each block once, NF4 / FP4, with and without
-    double quantisation, a LoRA added after) within rounding of bitsandbytes' modules; the select lookup
-    gives the table's bits; smaller steps keep the row-tile kernel, larger ones dequantise + GEMM; prmt off
-    an NVIDIA GPU is refused."""
-    out = run_interpreted("""
-        import torch
-        from flexgemma.config.kernels import Kernels
-        from flexgemma.model.quant import Bnb4Settings, linear4bit_from
-        from flexgemma.model import linear4bit as L
-        torch.manual_seed(0)
-        rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
-        wide, small = [], []
-        real_w, real_s = L._wide_4bit_kernel, L._linear_4bit_kernel
-        L._wide_4bit_kernel = type("K", (), {"__getitem__": lambda self, grid: wide.append(grid) or real_w[grid]})()
-        L._linear_4bit_kernel = type("K", (), {"__getitem__": lambda self, grid: small.append(grid) or real_s[grid]})()
-        for qt, dq, k, outs in [("nf4", True, 256, (128, 64, 64)), ("fp4", False, 192, (80, 40))]:
-            s = Bnb4Settings(qt, dq, 64, torch.float16)
-            mods = [linear4bit_from(torch.nn.Linear(k, n, bias=False).half(), s, torch.device("cpu")) for n in outs]
-            g = L.Linear4bitGroup(mods, Kernels(linear4bit_wide_max_rows=160))
-            for t in (65, 150):
-                x = torch.randn(t, k).half()
-                ref = torch.cat([m(x) for m in mods], -1)
-                n0 = len(wide)
-                y = g.matmul(x)
-                print("err", qt, t, rel(y, ref), wide[n0:])
-                sel = L.Linear4bitGroup(mods, Kernels(linear4bit_wide_max_rows=160, moe_code_lookup="select"))
-                print("select", qt, t, torch.equal(sel.matmul(x), y))
-                xa, b = torch.randn(t, 16).half(), (torch.randn(sum(outs), 16) * 0.2).half()
-                print("lora", qt, t, rel(g.matmul(x, xa, b), ref.float() + xa.float() @ b.float().T))
-                print("narrow", qt, t, rel(g.wide_matmul(x, tiles=dict(BLOCK_M=16, BLOCK_N=16)), ref))
-                scaled = L.Linear4bitGroup(mods, Kernels(linear4bit_wide_max_rows=160, linear4bit_wide_scale="weights"))
-                print("scaled", qt, t, rel(scaled.matmul(x), ref))
-                n0 = len(wide)
-                print("whole", qt, t, rel(g.wide_matmul(x, tiles=dict(MIN_PROGRAMS=1)), ref), wide[n0:])
-            n0, s0 = len(wide), len(small)
-            g.matmul(torch.randn(64, k).half()), g.matmul(torch.randn(161, k).half())
-            print("others", len(wide) - n0, len(small) - s0)
-        try:
-            L.Linear4bitGroup(mods, Kernels(linear4bit_wide_max_rows=160, moe_code_lookup="prmt")).matmul(x)
-        except ValueError as err:
-            print("refused", "moe_code_lookup=prmt runs inline PTX" in str(err))
-    """)
-    lines = [ln.split() for ln in out.splitlines()]
-    errs = [ln for ln in lines if ln[0] == "err"]
-    assert len(errs) == 4 and all(float(ln[3]) < 2e-3 for ln in errs), out
-    # one launch a step: 256 outputs in 2 tiles of 128 features, 65 rows in one program, 150 in two of 128;
-    # too few programs for the GPU (MIN_PROGRAMS): K split to one block a program (256 = 4 blocks, 192 = 3)
-    assert [" ".join(ln[4:]) for ln in errs] == ["[(2, 1, 4)]", "[(2, 2, 4)]", "[(1, 1, 3)]", "[(1, 2, 3)]"], out
-    selected = [ln[3] for ln in lines if ln[0] == "select"]
-    assert selected == ["True"] * 4, out
-    assert all(float(ln[3]) < 2e-3 for ln in lines if ln[0] in ("lora", "narrow", "scaled", "whole")), out
-    # enough programs (MIN_PROGRAMS=1): K whole in each program
-    assert [" ".join(ln[4:]) for ln in lines if ln[0] == "whole"] == ["[(2, 1, 1)]", "[(2, 2, 1)]", "[(1, 1, 1)]",
-                                                                      "[(1, 2, 1)]"], out
-    # 64 rows: the row-tile kernel; 161: dequantise + GEMM
-    assert [ln[1:] for ln in lines if ln[0] == "others"] == [["0", "1"], ["0", "1"]], out
-    assert ["refused", "True"] in lines, out
-
-
 def test_engine_runs_4bit_groups_and_lora_inside_them_interpreted():
     """quant=bnb4 with kernels.linear4bit=triton: every projection group whose rows are whole
     quantisation blocks is a Linear4bitGroup (LoRA groups over them), and the engine's outputs equal
@@ -356,36 +295,6 @@ def test_gpu_dequantise_kernel_and_k_steps():
                 for steps in (2, 4):
                     got = g.matmul(x[:t], tiles=dict(K_STEPS=steps))
                     assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2, (k, t, steps)
-
-
-@pytest.mark.gpu
-def test_gpu_wide_kernel_within_rounding_of_bitsandbytes():
-    """kernels.linear4bit_wide_max_rows on the GPU in bf16 (31B's and E2B's widths, RL batch rows): within
-    bf16 rounding of bitsandbytes' modules, the same bits replayed from a CUDA graph, and prmt's lookup
-    (kernels.moe_code_lookup) the table's bits."""
-    from flexgemma.config.kernels import Kernels
-    from flexgemma.model import linear4bit as L
-    from flexgemma.model.quant import Bnb4Settings, linear4bit_from
-
-    torch.manual_seed(0)
-    dev = torch.device("cuda")
-    for double_quant in (False, True):
-        s = Bnb4Settings("nf4", double_quant, 64, torch.bfloat16)
-        for k, outs in [(1536, (2048, 256, 256)), (5376, (21504, 21504)), (21504, (5376,))]:
-            mods = [linear4bit_from(torch.nn.Linear(k, n, bias=False).bfloat16(), s, dev) for n in outs]
-            g = L.Linear4bitGroup(mods, Kernels(linear4bit_wide_max_rows=256, moe_code_lookup="table"))
-            prmt = L.Linear4bitGroup(mods, Kernels(linear4bit_wide_max_rows=256, moe_code_lookup="prmt"))
-            for t in (65, 128, 256):
-                x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
-                ref = torch.cat([m(x) for m in mods], -1).float()
-                eager = g.matmul(x)
-                assert ((eager.float() - ref).norm() / ref.norm()).item() < 1e-2, (double_quant, k, outs, t)
-                assert torch.equal(prmt.matmul(x), eager), (double_quant, k, outs, t)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    y = g.matmul(x)
-                graph.replay()
-                assert torch.equal(y, eager), (double_quant, k, outs, t)
 
 
 def agree(x, y, n: int) -> int:
