@@ -343,8 +343,9 @@ class KernelsConfig:
     # through torch.compile: each op's recomputed forward and its backward fused into a few kernels);
     # auto: compiled on a GPU, eager on the CPU (as engine.compile)
     trainer_glue_backward: str = "auto"
-    # task.trainer_forward=engine, the dtype of the backward's attention and routed-expert maths: float32, or
-    # model_dtype (bf16 models: bf16 products with float32 accumulation, as transformers' trainer computes them)
+    # task.trainer_forward=engine, the dtype of the backward's attention, routed-expert and merged-adapter
+    # factor maths: float32, or model_dtype (bf16 models: bf16 products with float32 accumulation, as
+    # transformers' trainer and peft compute them)
     trainer_backward_dtype: str = "model_dtype"
     # task.trainer_forward=engine with checkpointed layers, what a layer's recomputation in the backward runs:
     # engine (the engine's kernels again: the first forward's activations bit for bit) or reference (torch's

@@ -178,11 +178,14 @@ def _torch_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 class _MergedLora(torch.autograd.Function):
     """x @ W.T with W the engine's merged weight (pristine + sum_i s_i B_i A_i, rows split among
     members): the forward is the engine's product over W itself; the backward gives x its gradient
-    through W and each adapter's factors theirs through the low-rank form (no [out, in] gradient)."""
+    through W and each adapter's factors theirs through the low-rank form (no [out, in] gradient), in
+    `backward_dtype` (kernels.trainer_backward_dtype: float32, or None for x's dtype, as peft's own
+    backward computes them; float32 copies of a 23k-token step's gate/up gradient alone are 3.4 GB)."""
 
     @staticmethod
-    def forward(ctx, x, linear, weight, members, *factors):
+    def forward(ctx, x, linear, weight, members, backward_dtype, *factors):
         ctx.members = members  # per member: (first row, rows, [(index of A in factors, index of B, scale)])
+        ctx.backward_dtype = backward_dtype or x.dtype
         ctx.save_for_backward(x, weight, *factors)
         with torch.no_grad(), record_function("trainer.engine.merged_linear"):
             return linear(x, weight)
@@ -190,18 +193,19 @@ class _MergedLora(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight, *factors = ctx.saved_tensors
+        dt = ctx.backward_dtype
         with record_function("trainer.backward.merged_linear"):
             gx = g @ weight if ctx.needs_input_grad[0] else None
             grads = [None] * len(factors)
-            xf, gf = x.float(), g.float()
+            x2 = x.reshape(-1, x.shape[-1]).to(dt)
+            g2 = g.reshape(-1, g.shape[-1]).to(dt)
             for first, rows, adapters in ctx.members:
-                gi = gf[..., first: first + rows].reshape(-1, rows)
-                x2 = xf.reshape(-1, xf.shape[-1])
+                gi = g2[:, first: first + rows]  # a strided view: the products read it in place
                 for ia, ib, scale in adapters:
-                    a, b = factors[ia].float(), factors[ib].float()
-                    grads[ib] = (scale * gi.t() @ (x2 @ a.t())).to(factors[ib].dtype)
-                    grads[ia] = (scale * (gi @ b).t() @ x2).to(factors[ia].dtype)
-        return (gx, None, None, None, *grads)
+                    a, b = factors[ia].to(dt), factors[ib].to(dt)
+                    grads[ib] = ((gi.t() @ (x2 @ a.t())) * scale).to(factors[ib].dtype)
+                    grads[ia] = (((gi @ b).t() @ x2) * scale).to(factors[ia].dtype)
+        return (gx, None, None, None, None, *grads)
 
 
 @dataclass
@@ -345,8 +349,9 @@ class MergedProjection:
     """Members' merged weights as one matrix (a fused weight, or one module's): the engine's product,
     gradients for x and every merged adapter's factors."""
 
-    def __init__(self, weight: torch.Tensor, modules: list, lora, linear: Callable):
-        self.weight, self.linear = weight, linear
+    def __init__(self, weight: torch.Tensor, modules: list, lora, linear: Callable,
+                 backward_dtype: Optional[torch.dtype] = torch.float32):
+        self.weight, self.linear, self.backward_dtype = weight, linear, backward_dtype
         self.splits = [m.get_base_layer().weight.shape[0] if hasattr(m, "get_base_layer") else m.weight.shape[0]
                        for m in modules]
         self.factors, self.members, first = [], [], 0
@@ -361,7 +366,7 @@ class MergedProjection:
             first += rows
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        y = _MergedLora.apply(x, self.linear, self.weight, self.members, *self.factors)
+        y = _MergedLora.apply(x, self.linear, self.weight, self.members, self.backward_dtype, *self.factors)
         return list(y.split(self.splits, dim=-1))
 
 
@@ -385,10 +390,12 @@ class TrainableLowRank:
         return outs
 
 
-def projection_factory(engine_forward, lora, linear: Callable) -> Callable:
+def projection_factory(engine_forward, lora, linear: Callable,
+                       backward_dtype: Optional[torch.dtype] = torch.float32) -> Callable:
     """`project(owner, names, fused)` for the trainer's GemmaForward: the engine forward's own
     projection of those modules (`GemmaForward.made`; its fused weight, 4-bit group and LoRA group,
-    nothing copied), each product through `linear` (the engine's, with gradients)."""
+    nothing copied), each product through `linear` (the engine's, with gradients); merged adapters'
+    factor gradients in backward_dtype (None: the rows' dtype)."""
     from flexgemma.model import projections as P
     from flexgemma.model.lora import LowRankGroup
 
@@ -396,7 +403,7 @@ def projection_factory(engine_forward, lora, linear: Callable) -> Callable:
         modules = [getattr(owner, n) for n in names]
         made = engine_forward.made[(id(owner), tuple(names))]
         if isinstance(made, P.FusedLinear):
-            return MergedProjection(made.weight, modules, lora, linear)
+            return MergedProjection(made.weight, modules, lora, linear, backward_dtype)
         if isinstance(made, LowRankGroup):
             bases = P.DenseGroup(made.bases.modules, linear, made.bases.packed)
             return TrainableLowRank(modules, made.adapters, lora.dtype, bases, linear)
@@ -404,17 +411,18 @@ def projection_factory(engine_forward, lora, linear: Callable) -> Callable:
             raise TypeError(f"task.trainer_forward=engine needs engine.batch_invariant=true (a projection runs "
                             f"as {type(made).__name__})")
         if lora is not None and lora.merged:
-            return _merged_or_dense(modules, lora, linear)
+            return _merged_or_dense(modules, lora, linear, backward_dtype)
         return P.DenseGroup(made.modules, linear, made.packed)
 
     return project
 
 
-def _merged_or_dense(modules, lora, linear):
+def _merged_or_dense(modules, lora, linear, backward_dtype):
     """Modules one by one, each its merged weight (the tensor the engine's merge writes, whichever
     Parameter the module holds at the moment) with gradients for its factors, or its own weight."""
     merged = {id(t.layer): t.weight for t in lora.targets}
-    members = [MergedProjection(merged[id(m)] if id(m) in merged else m.weight, [m], lora, linear) for m in modules]
+    members = [MergedProjection(merged[id(m)] if id(m) in merged else m.weight, [m], lora, linear, backward_dtype)
+               for m in modules]
     return lambda x: [f(x)[0] for f in members]
 
 
@@ -627,7 +635,7 @@ class TrainableForward:
         max_len = next(iter(f.rope.values()))[0].shape[0]
         self.forward = GemmaForward(f.model, f.spec, PackedKV(f.pools.block_size), f.attn_cfg, max_len,
                                     PackedAttention(f.attention, backward_dtype, recompute), ops, lora, f.kernels,
-                                    invariant=linear, project=projection_factory(f, lora, linear))
+                                    invariant=linear, project=projection_factory(f, lora, linear, backward_dtype))
         self.forward.checkpoint_layers = checkpoint
         self.forward.checkpoint_contexts = recompute.contexts
         self.windows = {s.layer_type: s.window for s in f.spec.layers}

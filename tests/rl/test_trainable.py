@@ -207,15 +207,16 @@ def test_the_compiled_glue_backward_gives_the_references_gradients():
     assert all(torch.equal(base[k], same[k]) for k in base)
 
 
-@pytest.mark.parametrize("extra", [[], ["quant=bnb4"]], ids=["bf16", "bnb4"])
-def test_the_bf16_backward_maths_move_the_gradients_by_rounding_only(extra):
-    """kernels.trainer_backward_dtype=model_dtype on a bf16 MoE model with LoRA (bf16 experts: theirs too): the
-    attention and the routed experts (grouped, adapters in their low-rank form) differentiated in bf16; the
-    logprobs are the engine's bits and the gradients within bf16 rounding of the float32 references' (and
-    not equal to them)."""
+@pytest.mark.parametrize("model, extra", [("tiny_moe", []), ("tiny_moe", ["quant=bnb4"]), ("tiny", [])],
+                         ids=["moe_bf16", "moe_bnb4", "dense_merged"])
+def test_the_bf16_backward_maths_move_the_gradients_by_rounding_only(model, extra):
+    """kernels.trainer_backward_dtype=model_dtype on a bf16 model with LoRA (bf16 experts: theirs too): the
+    attention, the routed experts (grouped, adapters in their low-rank form) and the merged adapters' factors
+    differentiated in bf16; the logprobs are the engine's bits and the gradients within bf16 rounding of the
+    float32 references' (and not equal to them)."""
     if extra:
         pytest.importorskip("bitsandbytes")
-    eng = make_engine(INV, "lora=r16", "model.dtype=bfloat16", "lora.init_std_b=0.05", *extra, model="tiny_moe")
+    eng = make_engine(INV, "lora=r16", "model.dtype=bfloat16", "lora.init_std_b=0.05", *extra, model=model)
     base, low = _fast_backward_check(eng, {"trainer_backward_dtype": "model_dtype"}, 0.1)
     assert any(not torch.equal(low[k], base[k]) for k in base)
 
