@@ -136,3 +136,24 @@ def test_bench_4bit_forms_check_on_the_cpu():
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("ablate batch 5: "))
     assert line.count("(bits True)") == 4 and "False" not in line and line.count(" us") == 9, line
+
+
+def test_bench_invariant_linear_times_every_dense_product_of_a_decode_step():
+    """bench_invariant_linear's shapes (the engine's fused q/k/v, o, gate/up, down, per-layer-input and router
+    products) hold exactly the weights of the decoder layers' nn.Linear modules of transformers' model, built
+    on the meta device: a shape missed or fused wrongly changes the sum."""
+    import torch
+    from transformers import Gemma4ForCausalLM
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from bench_invariant_linear import projection_shapes
+
+    from flexgemma import compose
+    from flexgemma.model.estimate import _text_config
+
+    for model in ("e2b", "26b_a4b", "31b"):
+        config = _text_config(compose([f"+model={model}"]).model)
+        with torch.device("meta"):
+            layers = Gemma4ForCausalLM(config).model.layers
+        want = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
+        assert sum(n * k * count for (n, k), count in projection_shapes(model).items()) == want, model

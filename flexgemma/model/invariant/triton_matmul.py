@@ -79,21 +79,19 @@ def _sum_chunks(part_ptr, out_ptr, M, N, CHUNKS, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch_args(x, w, cfg):
+def _launch_args(x, w, kc, cfg):
     m, k = x.shape
     n = w.shape[0]
-    meta = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], IEEE=x.dtype == torch.float32,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return m, n, k, triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), meta
+    return m, n, k, triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), _meta(x, kc, cfg)
 
 
 def fold(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kc: int, cfg: dict, flatten: bool = False) -> None:
-    m, n, k, tiles, meta = _launch_args(x, w, cfg)
+    m, n, k, tiles, meta = _launch_args(x, w, kc, cfg)
     _mm_fold[(tiles,)](x, w, out, m, n, k, x.stride(0), triton.cdiv(k, kc), KC=kc, FLATTEN=flatten, **meta)
 
 
 def split_then_sum(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, kc: int, cfg: dict) -> None:
-    m, n, k, tiles, meta = _launch_args(x, w, cfg)
+    m, n, k, tiles, meta = _launch_args(x, w, kc, cfg)
     part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device)
     _mm_split[(tiles, chunks)](x, w, part, m, n, k, x.stride(0), KC=kc, **meta)
     block = 1024
@@ -147,9 +145,11 @@ def _schedule(counts: torch.Tensor, m: int, bm: int) -> tuple[int, torch.Tensor,
     return slots, expert, ends[safe] - counts[safe] + local * bm, ends[safe]
 
 
-def _meta(x: torch.Tensor, cfg: dict) -> dict:
-    return dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], IEEE=x.dtype == torch.float32, num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"])
+def _meta(x: torch.Tensor, kc: int, cfg: dict) -> dict:
+    """The launch's constexprs: a K step at most the chunk (the chunk loop's steps must stay inside the
+    chunk: a longer one would read the next chunk's K too, which that chunk adds again)."""
+    return dict(BM=cfg["BM"], BN=cfg["BN"], BK=min(cfg["BK"], kc), IEEE=x.dtype == torch.float32,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kc: int, cfg: dict,
@@ -162,5 +162,5 @@ def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kc: int, cfg
     if m:
         _grouped_fold[(slots, triton.cdiv(n, cfg["BN"]))](x, w, out, expert, first, end, m, e, n, k,
                                                           x.stride(0), triton.cdiv(k, kc), KC=kc, FLATTEN=flatten,
-                                                          **_meta(x, cfg))
+                                                          **_meta(x, kc, cfg))
     return out
