@@ -21,6 +21,7 @@ OTHER = {"fuse_projections": False, "fused_kv_write": True, "prefill_full_blocks
          "moe_4bit_prefetch": False, "moe_code_lookup": "select",
          "invariant_k_chunk": 256, "invariant_split_tokens": 512, "invariant_block_n": 32,
          "invariant_split_below_tiles": 0, "invariant_flatten": True, "invariant_4bit_subtiles": 1,
+         "invariant_4bit_scale": "weights",
          "trainer_vocab_slice": 4096, "trainer_glue_backward": "compiled",
          "trainer_backward_dtype": "float32", "trainer_recompute": "reference"}
 

@@ -335,6 +335,12 @@ class KernelsConfig:
     # steps of at least 64 entries an expert (prefill, the trainer's forward): 4 (the block decoded once
     # for four tiles, each tile's operations those of one: the same bits, 25% less time a layer) or 1
     invariant_4bit_subtiles: int = 4
+    # invariant_experts=triton over 4-bit experts, where a block's scale meets the products (other bits):
+    # products (a block's float32 products times its scale: every step decoded inside the kernels in 16-row
+    # tiles, whose bits change with the tile) or weights (its codes times the scale in the rows' dtype, the
+    # arithmetic of dequantised weights: steps past moe_fused_max_entries run the bf16 kernels over the
+    # routed experts dequantised that way, with tiles sized by the step, and give a row the fused bits)
+    invariant_4bit_scale: str = "products"
     # task.trainer_forward=engine: vocabulary columns of one slice of the trainer's head (whole lane steps);
     # 0: as many as keep a [rows x slice] float32 block within 512 MiB (memory against launches)
     trainer_vocab_slice: int = 0
@@ -365,6 +371,7 @@ class KernelsConfig:
         _check_choice("kernels.moe_code_lookup", self.moe_code_lookup, ("auto", "table", "select", "prmt"))
         _check_choice("kernels.invariant_experts", self.invariant_experts, ("auto", "grouped", "triton"))
         _check_choice("kernels.invariant_4bit_subtiles", self.invariant_4bit_subtiles, (1, 4))
+        _check_choice("kernels.invariant_4bit_scale", self.invariant_4bit_scale, ("products", "weights"))
         _check_choice("kernels.trainer_glue_backward", self.trainer_glue_backward, ("auto", "eager", "compiled"))
         _check_choice("kernels.trainer_backward_dtype", self.trainer_backward_dtype, ("float32", "model_dtype"))
         _check_choice("kernels.trainer_recompute", self.trainer_recompute, ("engine", "reference"))

@@ -44,8 +44,8 @@ import triton.language as tl
 from flexgemma.config.kernels import Kernels
 from flexgemma.model.moe import route as torch_route, routed_experts
 from flexgemma.model.ptx_lookup import check_lookup_device, lookup_constexpr
-from flexgemma.model.triton4bit import (block_bytes, code4, dequant_blocks, nibble_codes, nibble_products, row_pairs,
-                                        sum_rows)
+from flexgemma.model.triton4bit import (block_bytes, code4, dequant_blocks, halves_order, nibble_codes,
+                                        nibble_products, row_pairs, scaled_code_halves, sum_rows)
 
 BLOCK_M = 16  # entries of one expert per tile: tl.dot's smallest M (the default at up to 64 rows)
 
@@ -53,11 +53,13 @@ BLOCK_M = 16  # entries of one expert per tile: tl.dot's smallest M (the default
 @triton.jit
 def _dequant_kernel(packed_ptr, absmax_ptr, code4_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, ids_ptr, out_ptr,
                     BYTES: tl.constexpr, stride_pe, stride_ae, stride_ne, QBLOCK: tl.constexpr,
-                    NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, BLOCKS: tl.constexpr):
+                    NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, BLOCKS: tl.constexpr,
+                    HALVES: tl.constexpr = False):
     """Program (s, j): quantisation blocks [j*BLOCKS, (j+1)*BLOCKS) of 4-bit expert ids[s] (QBLOCK/2
     bytes each) -> their weights at slot s of out (code[nibble] x the block's scale, each block's
-    scale decoded once; bitsandbytes packs the first of a pair in the high nibble). Slots with id < 0
-    are padding."""
+    scale decoded once; bitsandbytes packs the first of a pair in the high nibble), or with HALVES each
+    block's even then odd weights, code x scale in the table's dtype (triton4bit.scaled_code_halves).
+    Slots with id < 0 are padding."""
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot)
     # a padding slot has no blocks; the bound is a scalar select, not `live & (blk < n)`: Triton's
@@ -68,8 +70,12 @@ def _dequant_kernel(packed_ptr, absmax_ptr, code4_ptr, ncode_ptr, nabsmax_ptr, n
     ok = blk < nblocks
     scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, expert, blk, ok, stride_ae, stride_ne,
                           NESTED, DOUBLE_QUANT)
-    dequant_blocks(packed_ptr + expert * stride_pe, code4_ptr, out_ptr + slot * (2 * BYTES), blk, ok, scale, QBLOCK,
-                   BLOCKS)
+    if HALVES:
+        scaled_code_halves(packed_ptr + expert * stride_pe, code4_ptr, out_ptr + slot * (2 * BYTES), blk, ok, scale,
+                           QBLOCK, BLOCKS)
+    else:
+        dequant_blocks(packed_ptr + expert * stride_pe, code4_ptr, out_ptr + slot * (2 * BYTES), blk, ok, scale,
+                       QBLOCK, BLOCKS)
 
 
 @triton.jit
@@ -170,17 +176,25 @@ def _nibble_block(w_ptr, widx, rows, ok, k0, K: tl.constexpr, stride_we, absmax_
 
 
 @triton.jit
-def _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK: tl.constexpr, LOOKUP: tl.constexpr):
-    """acc plus rows a_rows' products with one loaded block (k0) of a 4-bit matrix, times its scale."""
+def _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK: tl.constexpr, LOOKUP: tl.constexpr,
+                WEIGHTS: tl.constexpr = False):
+    """acc plus rows a_rows' products with one loaded block (k0) of a 4-bit matrix and its scale."""
     a_even, a_odd = row_pairs(a_rows, k0, valid, QBLOCK)
     hi, lo = nibble_codes(byte, code_ptr, LOOKUP)
-    return _scaled_products(acc, a_even, a_odd, hi, lo, scale)
+    return _scaled_products(acc, a_even, a_odd, hi, lo, scale, WEIGHTS)
 
 
 @triton.jit
-def _scaled_products(acc, a_even, a_odd, hi, lo, scale):
-    """acc plus one row tile's products with a decoded block times the block's scale."""
-    return acc + nibble_products(a_even, a_odd, hi, lo) * scale[None, :]
+def _scaled_products(acc, a_even, a_odd, hi, lo, scale, WEIGHTS: tl.constexpr = False):
+    """acc plus one row tile's products with a decoded block: its products times the block's scale, or with
+    WEIGHTS (kernels.invariant_4bit_scale=weights) its codes times the scale in their dtype, the even then the
+    odd half chained into acc: the K order and arithmetic of dequantised weights in halves order
+    (dequantize_slots(halves=True)), which bf16 kernels of any tile then compute bit for bit."""
+    if WEIGHTS:
+        sc = scale.to(hi.dtype)[:, None]
+        return tl.dot(a_odd, tl.trans(lo * sc), tl.dot(a_even, tl.trans(hi * sc), acc))
+    else:
+        return acc + nibble_products(a_even, a_odd, hi, lo) * scale[None, :]
 
 
 @triton.jit
@@ -194,7 +208,7 @@ def _next_block(k0, K: tl.constexpr, QBLOCK: tl.constexpr):
 def _packed_products(acc, a_rows, valid, w_ptr, widx, rows, ok, K: tl.constexpr, stride_we, absmax_ptr, code_ptr,
                      ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK: tl.constexpr,
                      NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr,
-                     PREFETCH: tl.constexpr):
+                     PREFETCH: tl.constexpr, WEIGHTS: tl.constexpr = False):
     """acc plus a_rows [BLOCK_M, K] @ W[rows].T of a 4-bit matrix, a quantisation block at a time in order
     (each block's nibble products times its scale). PREFETCH (kernels.moe_4bit_prefetch): the next block's
     bytes and scales are loaded before this block is computed, so a step's HBM latency overlaps the
@@ -208,20 +222,21 @@ def _packed_products(acc, a_rows, valid, w_ptr, widx, rows, ok, K: tl.constexpr,
             byte_n, scale_n = _block_load(w_ptr, widx, rows, ok, _next_block(k0, K, QBLOCK), K, stride_we, absmax_ptr,
                                           ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
                                           DOUBLE_QUANT)
-            acc = _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK, LOOKUP)
+            acc = _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK, LOOKUP, WEIGHTS)
             byte, scale = byte_n, scale_n
     else:
         for k0 in range(0, K, QBLOCK):
             byte, scale = _block_load(w_ptr, widx, rows, ok, k0, K, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr,
                                       noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
-            acc = _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK, LOOKUP)
+            acc = _block_step(acc, a_rows, valid, byte, scale, k0, code_ptr, QBLOCK, LOOKUP, WEIGHTS)
     return acc
 
 
 @triton.jit
 def _up_prefetched(acc_g, acc_u, x_rows, valid, w_ptr, widx, cols, ok, I: tl.constexpr, H: tl.constexpr,
                    stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne,
-                   QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr):
+                   QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr,
+                   WEIGHTS: tl.constexpr = False):
     """The up kernel's one-tile 4-bit loop with the next block of gate and of up prefetched (as
     _packed_products), the rows' halves of a block shared by both."""
     bg, sg = _block_load(w_ptr, widx, cols, ok, 0, H, stride_we, absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
@@ -236,9 +251,9 @@ def _up_prefetched(acc_g, acc_u, x_rows, valid, w_ptr, widx, cols, ok, I: tl.con
                                  noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT)
         a_even, a_odd = row_pairs(x_rows, k0, valid, QBLOCK)
         hi, lo = nibble_codes(bg, code_ptr, LOOKUP)
-        acc_g = _scaled_products(acc_g, a_even, a_odd, hi, lo, sg)
+        acc_g = _scaled_products(acc_g, a_even, a_odd, hi, lo, sg, WEIGHTS)
         hi, lo = nibble_codes(bu, code_ptr, LOOKUP)
-        acc_u = _scaled_products(acc_u, a_even, a_odd, hi, lo, su)
+        acc_u = _scaled_products(acc_u, a_even, a_odd, hi, lo, su, WEIGHTS)
         bg, sg, bu, su = bg_n, sg_n, bu_n, su_n
     return acc_g, acc_u
 
@@ -249,14 +264,16 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
                       stride_we, stride_wn, stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr,
                       QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr,
                       SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SUBTILES: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+                      BLOCK_K: tl.constexpr, SUBTILES: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
+                      SCALE_WEIGHTS: tl.constexpr = False):
     """Program (e, j): for every (token, choice) routed to expert e, features [j*BLOCK_N, (j+1)*BLOCK_N)
     of act(x @ gate.T) * (x @ up.T), written at the entry's flat row of out [T*TOPK, I]. gate is rows
     [0, I) of the expert's gate_up, up rows [I, 2I): both tiles of a feature slice are read together.
     The expert's matrix is w[e], w[slots[e]] (4-bit experts dequantised into slots), or with PACKED
     the 4-bit bytes of expert e themselves, decoded a quantisation block (QBLOCK elements) at a time,
     with SUBTILES=4 once for four BLOCK_M-row tiles, each of which runs the same operations as alone;
-    PREFETCH: each block's bytes loaded a step ahead (_packed_products)."""
+    PREFETCH: each block's bytes loaded a step ahead (_packed_products); SCALE_WEIGHTS: the scale applied to
+    the codes (_scaled_products; not with SUBTILES)."""
     expert = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
     offs, match, rank, start, count = _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED, NFLAT)
@@ -279,7 +296,8 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
         if PACKED and PREFETCH:
             acc_g, acc_u = _up_prefetched(acc_g, acc_u, x_ptr + token[:, None] * stride_x, valid, w_ptr, widx, cols,
                                           cols < I, I, H, stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr,
-                                          noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP)
+                                          noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP,
+                                          SCALE_WEIGHTS)
         elif PACKED:  # one block a step, its row halves shared by gate and up
             ok = cols < I
             for k0 in range(0, H, QBLOCK):
@@ -287,11 +305,11 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
                 hi, lo, sc = _nibble_block(w_ptr, widx, cols, ok, k0, H, stride_we, absmax_ptr, code_ptr, ncode_ptr,
                                            nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT,
                                            LOOKUP)
-                acc_g = _scaled_products(acc_g, a_even, a_odd, hi, lo, sc)
+                acc_g = _scaled_products(acc_g, a_even, a_odd, hi, lo, sc, SCALE_WEIGHTS)
                 hi, lo, sc = _nibble_block(w_ptr, widx, cols + I, ok, k0, H, stride_we, absmax_ptr, code_ptr,
                                            ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED,
                                            DOUBLE_QUANT, LOOKUP)
-                acc_u = _scaled_products(acc_u, a_even, a_odd, hi, lo, sc)
+                acc_u = _scaled_products(acc_u, a_even, a_odd, hi, lo, sc, SCALE_WEIGHTS)
         else:
             for k0 in range(0, H, BLOCK_K):
                 k = k0 + ks
@@ -358,10 +376,12 @@ def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr
                         stride_ae, stride_ne, HAS_SLOTS: tl.constexpr, PACKED: tl.constexpr, QBLOCK: tl.constexpr,
                         NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, LOOKUP: tl.constexpr,
                         SORTED: tl.constexpr, NFLAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SUBTILES: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+                        BLOCK_K: tl.constexpr, SUBTILES: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
+                        SCALE_WEIGHTS: tl.constexpr = False):
     """Program (e, j): out[f, j-slice] = (inter[f] @ down_e.T) x router weight of f, for every flat
     entry f routed to expert e; out is float32 [T*TOPK, H], summed over the choices afterwards. The
-    weights as in the up kernel: plain, through slots, or PACKED 4-bit (SUBTILES, PREFETCH as there)."""
+    weights as in the up kernel: plain, through slots, or PACKED 4-bit (SUBTILES, PREFETCH, SCALE_WEIGHTS
+    as there)."""
     expert = tl.program_id(0)
     dt = inter_ptr.dtype.element_ty
     offs, match, rank, start, count = _expert_entries(index_ptr, order_ptr, starts_ptr, n_flat, expert, SORTED, NFLAT)
@@ -382,7 +402,7 @@ def _routed_down_kernel(inter_ptr, index_ptr, order_ptr, starts_ptr, weights_ptr
         if PACKED:
             acc = _packed_products(acc, inter_ptr + flat[:, None] * I, valid, w_ptr, widx, cols, cols < H, I,
                                    stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae,
-                                   stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP, PREFETCH)
+                                   stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP, PREFETCH, SCALE_WEIGHTS)
         else:
             for k0 in range(0, I, BLOCK_K):
                 k = k0 + ks
@@ -506,10 +526,12 @@ def block_m_for(n_flat: int, experts: int, packed: bool) -> int:
 DEQUANT_BYTES = 2048
 
 
-def dequantize_slots(w, ids: torch.Tensor, dtype: torch.dtype, nbytes: int = DEQUANT_BYTES) -> torch.Tensor:
+def dequantize_slots(w, ids: torch.Tensor, dtype: torch.dtype, nbytes: int = DEQUANT_BYTES,
+                     halves: bool = False) -> torch.Tensor:
     """[S, N, K] weights of 4-bit experts ids ([S] int32 on the device; -1: a padding slot, left
     unwritten) from a `quant.PackedExpertWeight` [E, N, K], in `dtype`; a program dequantises
-    `nbytes` packed bytes (whole quantisation blocks)."""
+    `nbytes` packed bytes (whole quantisation blocks). halves: each block's even then odd weights, code x
+    scale in `dtype` (the scaled-weights arithmetic; rows of whole blocks only)."""
     _, n, k = w.shape
     expert_bytes = n * k // 2
     out = torch.empty(ids.shape[0], n, k, dtype=dtype, device=w.packed.device)
@@ -518,11 +540,12 @@ def dequantize_slots(w, ids: torch.Tensor, dtype: torch.dtype, nbytes: int = DEQ
     nested = w.nested_absmax if dq else absmax  # placeholders when not double-quantised (never read)
     blocks = max(1, nbytes // (w.block_size // 2))
     _dequant_kernel[(ids.shape[0], triton.cdiv(triton.cdiv(expert_bytes, w.block_size // 2), blocks))](
-        packed_ptr=w.packed, absmax_ptr=absmax, code4_ptr=code4(w.quant_type, w.packed.device),
+        packed_ptr=w.packed, absmax_ptr=absmax,
+        code4_ptr=code4(w.quant_type, w.packed.device, dtype) if halves else code4(w.quant_type, w.packed.device),
         ncode_ptr=w.nested_code if dq else absmax, nabsmax_ptr=nested, noffset_ptr=w.nested_offset if dq else absmax,
         ids_ptr=ids, out_ptr=out, BYTES=expert_bytes, stride_pe=w.packed.stride(0), stride_ae=absmax.stride(0),
         stride_ne=nested.stride(0), QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCKS=blocks,
-        enable_fp_fusion=False)  # the scale's multiply and add rounded apart, as bitsandbytes' decode rounds them
+        HALVES=halves, enable_fp_fusion=False)  # the scale's multiply and add rounded apart, as bitsandbytes' decode rounds them
     return out
 
 
@@ -584,10 +607,11 @@ def _packed_mode(gate_up, down, packed_mode: Optional[str], n_flat: int, fused_m
     return packed_mode
 
 
-def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_lookup: str) -> dict:
-    """A weight's kernel arguments: plain (or slotted) bf16, or the 4-bit buffers (the code table in
-    x's dtype: a block's nibble products are scaled by its scale; LOOKUP: how the kernels read it, for prmt
-    the table's PTX)."""
+def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_lookup: str,
+                     halves: bool = False) -> dict:
+    """A weight's kernel arguments: plain (or slotted: with `halves`, dequantised in the scaled-weights
+    arithmetic and halves order) bf16, or the 4-bit buffers (the code table in x's dtype: a block's nibble
+    products or codes are scaled by its scale; LOOKUP: how the kernels read it, for prmt the table's PTX)."""
     if fused:
         lookup = lookup_constexpr(code_lookup, w.quant_type, x.dtype)
         dq = bool(w.double_quant)
@@ -596,7 +620,7 @@ def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_l
                     noffset_ptr=w.nested_offset if dq else w.absmax, stride_we=w.packed.stride(0), stride_wn=0,
                     stride_ae=w.absmax.stride(0), stride_ne=w.nested_absmax.stride(0) if dq else 0,
                     QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, LOOKUP=lookup)
-    w = dequantize_slots(w, ids, x.dtype) if slotted else w
+    w = dequantize_slots(w, ids, x.dtype, halves=halves) if slotted else w
     w = w if w.stride(2) == 1 else w.contiguous()
     return dict(w_ptr=w, absmax_ptr=w, code_ptr=w, ncode_ptr=w, nabsmax_ptr=w, noffset_ptr=w,
                 stride_we=w.stride(0), stride_wn=w.stride(1), stride_ae=0, stride_ne=0, QBLOCK=16, NESTED=1,
@@ -606,7 +630,7 @@ def _weight_operands(w, x: torch.Tensor, fused: bool, slotted: bool, ids, code_l
 def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up, down,
                    up_tiles: Optional[dict] = None, down_tiles: Optional[dict] = None,
                    packed_mode: Optional[str] = None, sort_entries: Optional[bool] = None, kernels: Kernels = Kernels(),
-                   max_entries: Optional[int] = KERNEL_MAX_ENTRIES) -> torch.Tensor:
+                   max_entries: Optional[int] = KERNEL_MAX_ENTRIES, scale_weights: bool = False) -> torch.Tensor:
     """Gemma-4's routed experts for a decode-sized step in two kernels, with no sort of rows by expert.
 
     x [T, H] bf16/fp16; top_k_* [T, K]; gate_up [E, 2I, H], down [E, H, I], as tensors of x's dtype
@@ -621,7 +645,9 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     values into weights (triton4bit.nibble_codes). sort_entries: list each expert's entries through a sort outside the kernels
     (default: above kernels.moe_sort_above entries) instead of every program matching the whole routing;
     the same tiles either way. max_entries: the largest step taken (None: any, with sort_entries; matching
-    reads the whole routing in every program)."""
+    reads the whole routing in every program). scale_weights (4-bit experts, kernels.invariant_4bit_scale=
+    weights): fused, each block's scale applied to its codes (_scaled_products); slots, the experts dequantised
+    in that arithmetic in halves order and the rows reordered to match: both give a row the same bits."""
     _check_step(x, top_k_index, gate_up, down, packed_mode, kernels.moe_code_lookup, max_entries)
     t, topk = top_k_index.shape
     e, two_i, h = gate_up.shape
@@ -642,22 +668,29 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     sort_entries = n_flat > kernels.moe_sort_above if sort_entries is None else sort_entries
     order, starts, nflat = _entry_lists(index, e, sort_entries)
     ids, slots = expert_slots(top_k_index, e) if slotted else (None, index)  # index: a placeholder, never read
+    halves = slotted and scale_weights
+    if halves and not fused_4bit_fits(gate_up, down):
+        raise ValueError(f"scale_weights needs rows of whole quantisation blocks: H={h}, I={i}, block "
+                         f"{gate_up.block_size}")
     operands = functools.partial(_weight_operands, x=x, fused=fused, slotted=slotted, ids=ids,
-                                 code_lookup=kernels.moe_code_lookup)
+                                 code_lookup=kernels.moe_code_lookup, halves=halves)
+    weighted = {"SCALE_WEIGHTS": fused and scale_weights}
 
     ops = operands(gate_up)
+    rows = halves_order(x, gate_up.block_size) if halves else x
     inter = torch.empty(n_flat, i, dtype=x.dtype, device=x.device)
     _routed_up_kernel[(e, triton.cdiv(i, up_tiles["BLOCK_N"]))](
-        x_ptr=x, index_ptr=index, order_ptr=order, starts_ptr=starts, n_flat=n_flat, slots_ptr=slots, out_ptr=inter,
-        I=i, H=h, TOPK=topk, stride_x=x.stride(0), HAS_SLOTS=slotted, PACKED=fused, SORTED=sort_entries, NFLAT=nflat,
-        **ops, **up_tiles)
+        x_ptr=rows, index_ptr=index, order_ptr=order, starts_ptr=starts, n_flat=n_flat, slots_ptr=slots,
+        out_ptr=inter, I=i, H=h, TOPK=topk, stride_x=rows.stride(0), HAS_SLOTS=slotted, PACKED=fused,
+        SORTED=sort_entries, NFLAT=nflat, **ops, **up_tiles, **weighted)
     del ops  # one dequantised matrix alive at a time
     ops = operands(down)
+    inter = halves_order(inter, down.block_size) if halves else inter
     out = torch.empty(n_flat, h, dtype=torch.float32, device=x.device)
     _routed_down_kernel[(e, triton.cdiv(h, down_tiles["BLOCK_N"]))](
         inter_ptr=inter, index_ptr=index, order_ptr=order, starts_ptr=starts, weights_ptr=weights, n_flat=n_flat,
         slots_ptr=slots, out_ptr=out, I=i, H=h, HAS_SLOTS=slotted, PACKED=fused, SORTED=sort_entries, NFLAT=nflat,
-        **ops, **down_tiles)
+        **ops, **down_tiles, **weighted)
     summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
     return sum_rows(out, summed)
 
@@ -733,12 +766,18 @@ def invariant_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights:
     invariant_4bit_subtiles 4 lets a step with at least 64 entries an expert on average decode each 4-bit
     block once for four 16-row tiles, each tile's operations unchanged; moe_4bit_prefetch loads each 4-bit
     block's bytes a step ahead, with subtiles=1 only; moe_code_lookup as at decode. A row's output is its K
-    steps in order and its choices summed in order, as at decode in the default mode."""
+    steps in order and its choices summed in order, as at decode in the default mode.
+    invariant_4bit_scale=weights (4-bit experts of whole-block rows): each block's scale applied to its codes,
+    so that steps of more than moe_fused_max_entries entries dequantise the routed experts in that arithmetic
+    and run the bf16 kernels with tiles sized by the step, and smaller ones decode inside the kernels, a row
+    getting the same bits either way."""
     subtiles = kernels.invariant_4bit_subtiles
     packed = not isinstance(gate_up, torch.Tensor)
     packed_mode = ("fused" if fused_4bit_fits(gate_up, down) else "slots") if packed else None
-    fused = packed_mode == "fused"
     n_flat, experts = top_k_index.numel(), gate_up.shape[0]
+    if packed_mode == "fused" and kernels.invariant_4bit_scale == "weights":
+        return _invariant_scaled_weights(x, top_k_index, top_k_weights, gate_up, down, kernels)
+    fused = packed_mode == "fused"
     # the four-tile loop does not prefetch, and a row must get the same bits from it and from the one-tile
     # loop (the two loops round otherwise on a GPU): with subtiles=4 neither prefetches
     tiles = {"BLOCK_M": invariant_block_m(n_flat, experts, fused),
@@ -747,3 +786,21 @@ def invariant_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights:
         tiles["SUBTILES"] = 4
     return decode_experts(x, top_k_index, top_k_weights, gate_up, down, up_tiles=tiles, down_tiles=tiles,
                           packed_mode=packed_mode, sort_entries=True, kernels=kernels, max_entries=None)
+
+
+def _invariant_scaled_weights(x, top_k_index, top_k_weights, gate_up, down, kernels: Kernels) -> torch.Tensor:
+    """invariant_experts under kernels.invariant_4bit_scale=weights: past moe_fused_max_entries entries the
+    slots in halves order with the bf16 tiles of the step (a GPU's tensor cores add a product's 16-element
+    K steps in order whatever the tile, so the slots' BLOCK_K need not be the fused loop's; Triton's
+    interpreter sums a whole tl.dot at once, so on the CPU it is the fused loop's half block); else fused,
+    16-row tiles (prefetching as kernels.moe_4bit_prefetch: no rounding step of its own to move)."""
+    n_flat, experts = top_k_index.numel(), gate_up.shape[0]
+    if n_flat > kernels.moe_fused_max_entries:
+        tiles = {"BLOCK_M": invariant_block_m(n_flat, experts, False)}
+        if not x.is_cuda:
+            tiles["BLOCK_K"] = gate_up.block_size // 2
+        mode = "slots"
+    else:
+        tiles, mode = {"BLOCK_M": BLOCK_M, "PREFETCH": kernels.moe_4bit_prefetch}, "fused"
+    return decode_experts(x, top_k_index, top_k_weights, gate_up, down, up_tiles=tiles, down_tiles=tiles,
+                          packed_mode=mode, sort_entries=True, kernels=kernels, max_entries=None, scale_weights=True)

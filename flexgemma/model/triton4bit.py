@@ -96,6 +96,27 @@ def dequant_blocks(w_ptr, code_ptr, out_ptr, blk, live, scale, QBLOCK: tl.conste
 
 
 @triton.jit
+def scaled_code_halves(w_ptr, code_ptr, out_ptr, blk, live, scale, QBLOCK: tl.constexpr, BLOCKS: tl.constexpr):
+    """Quantisation blocks `blk` of the 4-bit bytes at w_ptr -> each block's high-nibble codes (its even
+    weights) then its low-nibble ones (its odd weights), each code times the block's scale in code_ptr's dtype
+    (the rows' dtype): the operands, in their K order, of the fused kernels' scaled-weights products
+    (moe_kernel._scaled_products with WEIGHTS), the same expression on the same values."""
+    byte = tl.load(w_ptr + blk[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :], mask=live[:, None],
+                   other=0).to(tl.int32)
+    sc = scale.to(code_ptr.dtype.element_ty)[:, None]
+    at = out_ptr + blk[:, None] * QBLOCK + tl.arange(0, QBLOCK // 2)[None, :]
+    tl.store(at, tl.load(code_ptr + (byte >> 4)) * sc, mask=live[:, None])
+    tl.store(at + QBLOCK // 2, tl.load(code_ptr + (byte & 15)) * sc, mask=live[:, None])
+
+
+def halves_order(t: torch.Tensor, qblock: int) -> torch.Tensor:
+    """t [R, C] with each run of `qblock` columns reordered as its even columns then its odd ones: rows in
+    the K order of scaled_code_halves' weights (a copy)."""
+    r, c = t.shape
+    return t.reshape(r, c // qblock, qblock // 2, 2).transpose(-1, -2).reshape(r, c)
+
+
+@triton.jit
 def sum_rows_kernel(src_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
     """Program (t, j): out[t, cols] = sum over k < K of src[t*K + k, cols] (float32), cast to out's
     dtype: partial products (a token's K routed choices, a row's K-split partials) summed and cast

@@ -349,13 +349,16 @@ def test_gpu_top_k_and_top_p_rows(model):
 @pytest.mark.gpu
 @pytest.mark.parametrize("extra", [["quant=bnb4", "lora=r16"], ["quant=bnb4", "kernels.invariant_4bit_subtiles=1"],
                                    ["lora=r16"], ["kernels.invariant_experts=grouped"],
-                                   ["quant=bnb4", "kernels.invariant_experts=grouped", "kernels.moe_dequant=triton"]],
-                         ids=["bnb4_lora", "bnb4_one_tile", "lora", "grouped", "bnb4_grouped_slot_dequant"])
+                                   ["quant=bnb4", "kernels.invariant_experts=grouped", "kernels.moe_dequant=triton"],
+                                   ["quant=bnb4", "lora=r16", "kernels.invariant_4bit_scale=weights"]],
+                         ids=["bnb4_lora", "bnb4_one_tile", "lora", "grouped", "bnb4_grouped_slot_dequant",
+                              "bnb4_lora_scaled_weights"])
 def test_gpu_26b_a4b_4bit_and_lora(extra):
     """26B-A4B's invariant experts in both kernels.invariant_experts forms: the routed kernels (the default;
     4-bit experts decoded inside them, each decoded block for four 16-row tiles at prefill-sized steps
-    or, with kernels.invariant_4bit_subtiles=1, for one) and the grouped product (4-bit experts
-    dequantised into slots by either kernel)."""
+    or, with kernels.invariant_4bit_subtiles=1, for one; with kernels.invariant_4bit_scale=weights, prefill
+    through bf16 slots in step-sized tiles) and the grouped product (4-bit experts dequantised into slots by
+    either kernel)."""
     pytest.importorskip("bitsandbytes") if "quant=bnb4" in extra else None
     check_alone_slot_and_score(invariant_gpu_engine("26b_a4b", *extra), prompts(33, seed=23, lo=20, hi=400))
 

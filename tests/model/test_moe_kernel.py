@@ -165,6 +165,46 @@ def test_invariant_experts_give_a_token_the_same_bits_in_any_step_interpreted():
     assert lines["dispatched"] == ["1"] and lines["subtiles"] == ["True"], out
 
 
+def test_invariant_4bit_scaled_weights_give_a_token_the_same_bits_fused_and_through_slots_interpreted():
+    """kernels.invariant_4bit_scale=weights: a step past moe_fused_max_entries runs the bf16 kernels over the
+    routed experts dequantised as code x scale in halves order, with step-sized tiles; a token alone runs the
+    fused kernels (with and without prefetch); each gets the same bits, within rounding of the loop over
+    bitsandbytes' weights, and not the bits of the products arithmetic (another rounding)."""
+    out = run_interpreted("""
+        import torch
+        from transformers.activations import GELUTanh
+        from flexgemma.config.kernels import Kernels
+        from flexgemma.model import moe_kernel as M
+        from flexgemma.model.moe import experts_loop
+        from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+        torch.manual_seed(0)
+        e, h, i, k, t = 6, 128, 64, 3, 90
+        s = Bnb4Settings(double_quant=True, compute_dtype=torch.float16)
+        cpu = torch.device("cpu")
+        gu = PackedExpertWeight.pack((torch.randn(e, 2 * i, h) * 0.1).half(), s, cpu)
+        dn = PackedExpertWeight.pack((torch.randn(e, h, i) * 0.1).half(), s, cpu)
+        x = torch.randn(t, h).half()
+        w, idx = torch.softmax(torch.randn(t, e), -1).topk(k, dim=-1)
+        calls = []
+        real = M.decode_experts
+        M.decode_experts = lambda *a, **kw: calls.append(kw["packed_mode"]) or real(*a, **kw)
+        for prefetch in (False, True):
+            kern = Kernels(invariant_4bit_scale="weights", moe_fused_max_entries=64, moe_4bit_prefetch=prefetch)
+            step = M.invariant_experts(x, idx, w, gu, dn, kern)
+            alone = [M.invariant_experts(x[j:j + 1], idx[j:j + 1], w[j:j + 1], gu, dn, kern)[0] for j in (0, 41, t - 1)]
+            print(f"alone_{prefetch}", all(torch.equal(a, step[j]) for a, j in zip(alone, (0, 41, t - 1))))
+        ref = experts_loop(x.float(), idx, w, gu.dequantize().float(), dn.dequantize().float(), GELUTanh())
+        print("ref", float((step.float() - ref).norm() / ref.norm()))
+        products = M.invariant_experts(x, idx, w, gu, dn, Kernels(invariant_4bit_subtiles=1))
+        print("other_bits", not torch.equal(products, step))
+        print("paths", *sorted(set(calls)))
+    """)
+    lines = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()}
+    assert lines["alone_False"] == lines["alone_True"] == ["True"], out
+    assert float(lines["ref"][0]) < 5e-3 and lines["other_bits"] == ["True"], out
+    assert lines["paths"] == ["fused", "slots"], out
+
+
 def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
     """4-bit experts (NF4 and FP4, with and without double quantisation), decoded inside the GEMM
     kernels (fused) or dequantised into slots first, equal bitsandbytes' own dequantisation followed
@@ -445,6 +485,37 @@ def test_gpu_4bit_experts_take_the_triton_kernels():
         got = experts_grouped(x, idx, w, gate_up, down, act, kernel=TritonExperts()).float()
         ref = experts_loop(x.float(), idx, w, gate_up.dequantize().float(), down.dequantize().float(), act)
         assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lookup", ["table", "prmt"])
+def test_gpu_invariant_4bit_scaled_weights_fused_and_slots_agree(lookup):
+    """kernels.invariant_4bit_scale=weights at 26B-A4B's expert shapes in bf16: a step of 512 tokens (4,096
+    entries, past moe_fused_max_entries: the bf16 kernels over slots dequantised in halves order, tiles of
+    64 rows and 128-element K steps) gives each token the bits it gets alone (the fused kernels: 16-row
+    tiles, two 32-element products a block, with and without prefetch), within bf16 rounding of
+    bitsandbytes' weights through torch; the claim the mode rests on (a GPU adds 16-element K steps in
+    order whatever the tile and the instruction)."""
+    from flexgemma.config.kernels import Kernels
+    from flexgemma.model import moe_kernel as M
+    from flexgemma.model.moe import experts_grouped
+    from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    s = Bnb4Settings(double_quant=True)
+    gate_up = PackedExpertWeight.pack((torch.randn(128, 1408, 2816) * 0.05).bfloat16(), s, dev)
+    down = PackedExpertWeight.pack((torch.randn(128, 2816, 704) * 0.05).bfloat16(), s, dev)
+    x = torch.randn(512, 2816, device=dev, dtype=torch.bfloat16)
+    w, idx = torch.softmax(torch.randn(512, 128, device=dev), -1).topk(8, dim=-1)
+    for prefetch in (False, True):
+        kern = Kernels(invariant_4bit_scale="weights", moe_code_lookup=lookup, moe_4bit_prefetch=prefetch)
+        step = M.invariant_experts(x, idx, w, gate_up, down, kern)
+        for j in (0, 1, 255, 511):
+            alone = M.invariant_experts(x[j:j + 1], idx[j:j + 1], w[j:j + 1], gate_up, down, kern)
+            assert torch.equal(alone[0], step[j]), (lookup, prefetch, j)
+    ref = experts_grouped(x, idx, w, gate_up, down, GELUTanh()).float()
+    assert ((step.float() - ref).norm() / ref.norm()).item() < 2e-2
 
 
 @pytest.mark.gpu
