@@ -579,7 +579,7 @@ def fused_4bit_fits(gate_up, down) -> bool:
 
 
 def _check_step(x, top_k_index, gate_up, down, packed_mode: Optional[str], code_lookup: str,
-                max_entries: Optional[int]) -> None:
+                max_entries: Optional[int], scale_weights: bool = False) -> None:
     """decode_experts' arguments, refused with what is wrong."""
     check_lookup_device(code_lookup, x.device)
     if packed_mode not in (None, "fused", "slots"):
@@ -589,6 +589,9 @@ def _check_step(x, top_k_index, gate_up, down, packed_mode: Optional[str], code_
     for name, w in (("gate_up", gate_up), ("down", down)):
         if isinstance(w, torch.Tensor) and w.dtype != x.dtype:
             raise TypeError(f"decode_experts: {name} is {w.dtype}; the rows are {x.dtype}")
+    if scale_weights and not isinstance(gate_up, torch.Tensor) and not fused_4bit_fits(gate_up, down):
+        raise ValueError(f"scale_weights needs rows of whole quantisation blocks: H={gate_up.shape[2]}, "
+                         f"I={down.shape[2]}, block {gate_up.block_size}")
     if max_entries is not None and top_k_index.numel() > max_entries:
         raise ValueError(f"decode_experts takes at most {max_entries} (token, choice) entries, "
                          f"got {top_k_index.numel()}")
@@ -637,18 +640,18 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     or PackedExpertWeights. 4-bit experts: packed_mode "fused" (the default where the rows are whole
     quantisation blocks, up to kernels.moe_fused_max_entries entries) decodes the bytes inside the
     GEMM kernels; "slots" dequantises the experts with rows into slots first, one matrix at a time,
-    then runs the bf16 kernels. The activation is
-    gelu_pytorch_tanh, Gemma-4's. Returns [T, H] in x's dtype: sum over choices of weight x expert(x).
-    *_tiles override UP_TILES / DOWN_TILES (BLOCK_N, BLOCK_K, num_warps, num_stages; fused 4-bit
-    steps are one quantisation block each, whatever BLOCK_K says) and BLOCK_M (default:
-    block_m_for the step's size). kernels.moe_code_lookup: how the fused mode turns 4-bit
-    values into weights (triton4bit.nibble_codes). sort_entries: list each expert's entries through a sort outside the kernels
-    (default: above kernels.moe_sort_above entries) instead of every program matching the whole routing;
+    then runs the bf16 kernels. The activation is gelu_pytorch_tanh, Gemma-4's. Returns [T, H] in x's
+    dtype: sum over choices of weight x expert(x). *_tiles override UP_TILES / DOWN_TILES (BLOCK_N,
+    BLOCK_K, num_warps, num_stages; fused 4-bit steps are one quantisation block each, whatever BLOCK_K
+    says) and BLOCK_M (default: block_m_for the step's size). kernels.moe_code_lookup: how the fused mode
+    turns 4-bit values into weights (triton4bit.nibble_codes). sort_entries: list each expert's entries
+    through a sort outside the kernels (default: above kernels.moe_sort_above entries) instead of every
+    program matching the whole routing;
     the same tiles either way. max_entries: the largest step taken (None: any, with sort_entries; matching
     reads the whole routing in every program). scale_weights (4-bit experts, kernels.invariant_4bit_scale=
     weights): fused, each block's scale applied to its codes (_scaled_products); slots, the experts dequantised
     in that arithmetic in halves order and the rows reordered to match: both give a row the same bits."""
-    _check_step(x, top_k_index, gate_up, down, packed_mode, kernels.moe_code_lookup, max_entries)
+    _check_step(x, top_k_index, gate_up, down, packed_mode, kernels.moe_code_lookup, max_entries, scale_weights)
     t, topk = top_k_index.shape
     e, two_i, h = gate_up.shape
     i = two_i // 2
@@ -659,9 +662,7 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     packed_mode = _packed_mode(gate_up, down, packed_mode, n_flat, kernels.moe_fused_max_entries) if packed \
         else packed_mode
     fused, slotted = packed and packed_mode == "fused", packed and packed_mode == "slots"
-    block_m = {"BLOCK_M": block_m_for(n_flat, e, fused), "PREFETCH": kernels.moe_4bit_prefetch}
-    up_tiles = {**UP_TILES, **block_m, **(up_tiles or {})}
-    down_tiles = {**DOWN_TILES, **block_m, **(down_tiles or {})}
+    up_tiles, down_tiles = _step_tiles(n_flat, e, fused, kernels, up_tiles, down_tiles)
     x = x.contiguous()
     index = top_k_index.reshape(-1).to(torch.int32)
     weights = top_k_weights.reshape(-1).float()
@@ -669,13 +670,9 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     order, starts, nflat = _entry_lists(index, e, sort_entries)
     ids, slots = expert_slots(top_k_index, e) if slotted else (None, index)  # index: a placeholder, never read
     halves = slotted and scale_weights
-    if halves and not fused_4bit_fits(gate_up, down):
-        raise ValueError(f"scale_weights needs rows of whole quantisation blocks: H={h}, I={i}, block "
-                         f"{gate_up.block_size}")
     operands = functools.partial(_weight_operands, x=x, fused=fused, slotted=slotted, ids=ids,
                                  code_lookup=kernels.moe_code_lookup, halves=halves)
     weighted = {"SCALE_WEIGHTS": fused and scale_weights}
-
     ops = operands(gate_up)
     rows = halves_order(x, gate_up.block_size) if halves else x
     inter = torch.empty(n_flat, i, dtype=x.dtype, device=x.device)
@@ -693,6 +690,14 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         **ops, **down_tiles, **weighted)
     summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
     return sum_rows(out, summed)
+
+
+def _step_tiles(n_flat: int, experts: int, fused: bool, kernels: Kernels, up_tiles: Optional[dict],
+                down_tiles: Optional[dict]) -> tuple[dict, dict]:
+    """The up and down kernels' tiles for a step: UP_TILES / DOWN_TILES, BLOCK_M by the step's size and
+    PREFETCH by kernels.moe_4bit_prefetch, then the caller's overrides."""
+    block_m = {"BLOCK_M": block_m_for(n_flat, experts, fused), "PREFETCH": kernels.moe_4bit_prefetch}
+    return {**UP_TILES, **block_m, **(up_tiles or {})}, {**DOWN_TILES, **block_m, **(down_tiles or {})}
 
 
 def _entry_lists(index: torch.Tensor, experts: int, sort_entries: bool) -> tuple:
