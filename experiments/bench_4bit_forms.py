@@ -14,10 +14,10 @@ by a sort) in three forms, on the same bytes and routing:
   dot_w    the tensor-core products with the operands swapped: the decoded weights [BLOCK_N, block] are the
            first operand (the MMA's M, 64 rows and up) and 16 entries the second (its N), the layout a
            small-batch weight-only GEMM takes (dot_w_prmt: its code table looked up by prmt, a GPU only);
-  dot_ws   the production kernel's tiles with the block's scale applied to its codes in the rows' dtype and
-           both halves' products chained into the accumulator (no float32 scaling a block): the arithmetic
-           of bf16 weights dequantised as code x scale, so that an invariant prefill could run dequantised
-           bf16 kernels with step-sized tiles and give a row the bits of this decode form (dot_ws_prmt: prmt);
+  dot_ws   the production kernel with kernels.invariant_4bit_scale=weights (SCALE_WEIGHTS: a block's scale
+           applied to its codes in the rows' dtype, both halves' products chained into the accumulator), each
+           block a step ahead (dot_ws_prmt: with prmt): the decode side of an invariant bnb4 prefill through
+           dequantised bf16 kernels with step-sized tiles;
   bytes    the same programs reading the same bytes and scales and doing nothing with them but a sum:
            the ceiling a kernel of this grid and access pattern can reach.
 
@@ -66,13 +66,11 @@ def _sorted_tile(x_ptr, order_ptr, start, m0, count, H: tl.constexpr, TOPK: tl.c
 def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
                      out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_we, stride_ae, stride_ne,
                      QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, ENTRIES: tl.constexpr,
-                     BLOCK_N: tl.constexpr, FORM: tl.constexpr, LOOKUP: tl.constexpr):
+                     BLOCK_N: tl.constexpr, SWAP: tl.constexpr, LOOKUP: tl.constexpr):
     """Program (e, j): features [j*BLOCK_N, (j+1)*BLOCK_N) of expert e's entries, ENTRIES at a time, each
-    quantisation block decoded once for them. FORM "fma": [ENTRIES, BLOCK_N] products on the CUDA cores;
-    "swap" (dot_w): tensor-core products (decoded block) x (entries' halves).T into [BLOCK_N, ENTRIES]
-    accumulators, transposed for the production epilogue; "scaled_weights" (dot_ws): the codes times the
-    block's scale in x's dtype, entries' halves x those.T chained into the accumulators."""
-    SWAP: tl.constexpr = FORM == "swap"
+    quantisation block decoded once for them. SWAP=False (fma): [ENTRIES, BLOCK_N] products on the CUDA
+    cores; SWAP=True (dot_w): tensor-core products (decoded block) x (entries' halves).T into [BLOCK_N,
+    ENTRIES] accumulators, transposed for the production epilogue."""
     expert = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < I
@@ -96,23 +94,16 @@ def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
                 hi, lo, scale = _nibble_block(w_ptr, expert, cols + part * I, ok, k0, H, stride_we, absmax_ptr,
                                               code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, stride_ae, stride_ne,
                                               QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP)
-                if FORM == "scaled_weights":
-                    sc = scale.to(dt)[:, None]
-                    if part == 0:
-                        acc_g = tl.dot(xo, tl.trans(lo * sc), tl.dot(xe, tl.trans(hi * sc), acc_g))
-                    else:
-                        acc_u = tl.dot(xo, tl.trans(lo * sc), tl.dot(xe, tl.trans(hi * sc), acc_u))
+                if SWAP:
+                    prod = (tl.dot(hi, tl.trans(xe)) + tl.dot(lo, tl.trans(xo))) * scale[:, None]
                 else:
-                    if SWAP:
-                        prod = (tl.dot(hi, tl.trans(xe)) + tl.dot(lo, tl.trans(xo))) * scale[:, None]
-                    else:
-                        prod = (tl.sum(xe.to(tl.float32)[:, None, :] * hi.to(tl.float32)[None, :, :], axis=2)
-                                + tl.sum(xo.to(tl.float32)[:, None, :] * lo.to(tl.float32)[None, :, :], axis=2)) \
-                            * scale[None, :]
-                    if part == 0:
-                        acc_g += prod
-                    else:
-                        acc_u += prod
+                    prod = (tl.sum(xe.to(tl.float32)[:, None, :] * hi.to(tl.float32)[None, :, :], axis=2)
+                            + tl.sum(xo.to(tl.float32)[:, None, :] * lo.to(tl.float32)[None, :, :], axis=2)) \
+                        * scale[None, :]
+                if part == 0:
+                    acc_g += prod
+                else:
+                    acc_u += prod
         if SWAP:  # the production kernel's epilogue on [ENTRIES, BLOCK_N] accumulators
             acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
         _store_up(out_ptr, flat, valid, cols, acc_g, acc_u, I, dt)
@@ -224,10 +215,11 @@ def up_dot(x, gate_up, index, order, starts, i, topk, tiles, code_lookup="table"
 
 def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, warps):
     """The gate_up projection in one of FORMS (entries: BLOCK_M for the production kernel's)."""
-    if form in ("dot", "dot_sel", "dot_pf", "dot_prmt"):
+    if FORMS[form] is None:
         return up_dot(x, gate_up, index, order, starts, i, topk,
                       {**UP_TILES, "BLOCK_M": entries, "BLOCK_N": block_n, "num_warps": warps,
-                       "PREFETCH": form in ("dot_pf", "dot_prmt")}, DOT_LOOKUP.get(form, "table"))
+                       "PREFETCH": form not in ("dot", "dot_sel"), "SCALE_WEIGHTS": form.startswith("dot_ws")},
+                      DOT_LOOKUP.get(form, "table"))
     ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup=DOT_LOOKUP.get(form, "table"))
     out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
     _up_forms_kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
@@ -235,17 +227,18 @@ def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, w
         code_ptr=ops["code_ptr"], ncode_ptr=ops["ncode_ptr"], nabsmax_ptr=ops["nabsmax_ptr"],
         noffset_ptr=ops["noffset_ptr"], out_ptr=out, I=i, H=x.shape[1], TOPK=topk, stride_we=ops["stride_we"],
         stride_ae=ops["stride_ae"], stride_ne=ops["stride_ne"], QBLOCK=ops["QBLOCK"], NESTED=ops["NESTED"],
-        DOUBLE_QUANT=ops["DOUBLE_QUANT"], ENTRIES=entries, BLOCK_N=block_n, FORM=FORMS[form], LOOKUP=ops["LOOKUP"],
+        DOUBLE_QUANT=ops["DOUBLE_QUANT"], ENTRIES=entries, BLOCK_N=block_n, SWAP=FORMS[form], LOOKUP=ops["LOOKUP"],
         num_warps=warps)
     return out
 
 
-# each form's FORM for _up_forms_kernel; dot / dot_sel / dot_pf / dot_prmt: the production kernel at other
-# tiles, its code table read from memory (L1) or held as scalars (kernels.moe_code_lookup=select), each block's
-# bytes loaded a step ahead (kernels.moe_4bit_prefetch: the same bits as dot), or that with the table looked up
-# by prmt (kernels.moe_code_lookup=prmt, a GPU only: the same bits as dot_pf); dot_w_prmt: dot_w with prmt
-FORMS = {"dot": None, "dot_sel": None, "dot_pf": None, "dot_prmt": None, "fma": "fma", "dot_w": "swap",
-         "dot_w_prmt": "swap", "dot_ws": "scaled_weights", "dot_ws_prmt": "scaled_weights"}
+# each form's SWAP for _up_forms_kernel, None for the production kernel: dot / dot_sel / dot_pf / dot_prmt at
+# other tiles, its code table read from memory (L1) or held as scalars (kernels.moe_code_lookup=select), each
+# block's bytes loaded a step ahead (kernels.moe_4bit_prefetch: the same bits as dot), or that with the table
+# looked up by prmt (kernels.moe_code_lookup=prmt, a GPU only: the same bits as dot_pf); dot_ws / dot_ws_prmt
+# prefetching with the scale on the codes; dot_w_prmt: dot_w with prmt
+FORMS = {"dot": None, "dot_sel": None, "dot_pf": None, "dot_prmt": None, "dot_ws": None, "dot_ws_prmt": None,
+         "fma": False, "dot_w": True, "dot_w_prmt": True}
 DOT_LOOKUP = {"dot_sel": "select", "dot_prmt": "prmt", "dot_w_prmt": "prmt", "dot_ws_prmt": "prmt"}
 
 
@@ -377,15 +370,15 @@ def main() -> None:
         return run_ablations(args, dev, dt)
     forms = args.forms.split(",")
     # (form, entries a program takes at a time, BLOCK_N, warps)
-    dots = ("dot", "dot_sel", "dot_pf") + (("dot_prmt",) if dev.type == "cuda" else ())
+    dots = ("dot", "dot_sel", "dot_pf", "dot_ws") + (("dot_prmt", "dot_ws_prmt") if dev.type == "cuda" else ())
     grid = [(f, 16, *c) for f in dots if f in forms
             for c in itertools.product((32, 64, 128), (4, 8))] + \
         [("fma", *c) for c in itertools.product((1, 2, 4, 8), (32, 64), (4,)) if "fma" in forms] + \
-        [(f, 16, *c) for f in ("dot_w", "dot_w_prmt", "dot_ws", "dot_ws_prmt")
-         if f in forms and (dev.type == "cuda" or not f.endswith("_prmt")) for c in itertools.product((32, 64, 128), (4, 8))]
+        [(f, 16, *c) for f in ("dot_w", "dot_w_prmt") if f in forms and (dev.type == "cuda" or f == "dot_w")
+         for c in itertools.product((32, 64, 128), (4, 8))]
     if args.check:
-        grid = [("dot_sel", 16, 64, 4), ("dot_pf", 16, 32, 4), ("fma", 1, 16, 4), ("fma", 4, 32, 4), ("dot_w", 16, 32, 4),
-                ("dot_ws", 16, 32, 4)]
+        grid = [("dot_sel", 16, 64, 4), ("dot_pf", 16, 32, 4), ("fma", 1, 16, 4), ("fma", 4, 32, 4),
+                ("dot_w", 16, 32, 4), ("dot_ws", 16, 32, 4)]
     rows = []
     for t in (int(b) for b in args.batch_sizes.split(",")):
         x = torch.randn(t, h, device=dev, dtype=dt)

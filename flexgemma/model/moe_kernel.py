@@ -541,11 +541,11 @@ def dequantize_slots(w, ids: torch.Tensor, dtype: torch.dtype, nbytes: int = DEQ
     blocks = max(1, nbytes // (w.block_size // 2))
     _dequant_kernel[(ids.shape[0], triton.cdiv(triton.cdiv(expert_bytes, w.block_size // 2), blocks))](
         packed_ptr=w.packed, absmax_ptr=absmax,
-        code4_ptr=code4(w.quant_type, w.packed.device, dtype) if halves else code4(w.quant_type, w.packed.device),
+        code4_ptr=code4(w.quant_type, w.packed.device, dtype if halves else torch.float32),
         ncode_ptr=w.nested_code if dq else absmax, nabsmax_ptr=nested, noffset_ptr=w.nested_offset if dq else absmax,
         ids_ptr=ids, out_ptr=out, BYTES=expert_bytes, stride_pe=w.packed.stride(0), stride_ae=absmax.stride(0),
         stride_ne=nested.stride(0), QBLOCK=w.block_size, NESTED=w.NESTED_BLOCK, DOUBLE_QUANT=dq, BLOCKS=blocks,
-        HALVES=halves, enable_fp_fusion=False)  # the scale's multiply and add rounded apart, as bitsandbytes' decode rounds them
+        HALVES=halves, enable_fp_fusion=False)  # multiply and add rounded apart, as bitsandbytes rounds them
     return out
 
 
