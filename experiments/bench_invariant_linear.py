@@ -15,6 +15,7 @@ k_chunk, every tile, split or fold gives the same bits, and a row alone the bits
 
     python experiments/bench_invariant_linear.py --model e2b --rows 64,256
     python experiments/bench_invariant_linear.py --model 31b --rows 64 --k-chunks 512,2048 --out inv_linear.json
+    python experiments/bench_invariant_linear.py --model e2b --rows 8192 --k-chunks 512  (a trainer micro-batch's rows)
     TRITON_INTERPRET=1 python experiments/bench_invariant_linear.py --model tiny --rows 5 --device cpu  (the checks)
 """
 
@@ -47,7 +48,7 @@ def wall_us(fn, reps: int = 1) -> float:
 # the fold kernel's tile options (rows, features, K step, warps, stages); the module's own table is among them
 TILES = [dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=s) for bm, bn, bk, w, s in (
     (16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-    (128, 128, 64, 8, 3), (64, 256, 64, 8, 3))]
+    (128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4))]
 L2_BYTES = 128 << 20  # weights cycled through per timing: over the H100/H200's 50 MB L2
 
 
