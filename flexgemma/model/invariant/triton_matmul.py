@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+GROUP_M = 8  # row tiles per band of the dense products' tile order (`_tile`)
 
 
 @triton.jit
@@ -35,16 +36,27 @@ def _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_start, K, stride_
     return acc
 
 
+@triton.jit
+def _tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GM: tl.constexpr):
+    """(rows, cols) of output tile `pid`, tiles ordered in bands of GM row tiles, each band column by column:
+    the programs running at once share GM row tiles of x and a few column tiles of w in the L2 cache (in
+    row-tile order every column tile read all of x again). The order moves only the speed, not a bit."""
+    num_m = tl.cdiv(M, BM)
+    band = GM * tl.cdiv(N, BN)
+    first = (pid // band) * GM
+    height = tl.minimum(num_m - first, GM)
+    rows = (first + (pid % band) % height) * BM + tl.arange(0, BM)
+    cols = ((pid % band) // height) * BN + tl.arange(0, BN)
+    return rows, cols
+
+
 @triton.jit(do_not_specialize=["M"])
 def _mm_fold(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, CHUNKS,
              KC: tl.constexpr, BM: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr):
+             BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr):
     """Program (tile): the output tile's K chunks one after another, each added to the total in order
     (FLATTEN: the chunk loop and its K steps fused into one loop by Triton, the same operations)."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    rows = (pid % num_m) * BM + tl.arange(0, BM)
-    cols = (pid // num_m) * BN + tl.arange(0, BN)
+    rows, cols = _tile(tl.program_id(0), M, N, BM, BN, GM)
     row_ok, col_ok = rows < M, cols < N
     total = tl.zeros((BM, BN), dtype=tl.float32)
     for c in tl.range(0, CHUNKS, flatten=FLATTEN):
@@ -56,13 +68,10 @@ def _mm_fold(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, CHUNKS,
 
 @triton.jit(do_not_specialize=["M"])
 def _mm_split(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, IEEE: tl.constexpr):
+              BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr):
     """Program (tile, chunk): one K chunk's float32 product, stored at part[chunk, rows, cols]."""
-    pid = tl.program_id(0)
     c = tl.program_id(1)
-    num_m = tl.cdiv(M, BM)
-    rows = (pid % num_m) * BM + tl.arange(0, BM)
-    cols = (pid // num_m) * BN + tl.arange(0, BN)
+    rows, cols = _tile(tl.program_id(0), M, N, BM, BN, GM)
     row_ok, col_ok = rows < M, cols < N
     acc = _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, c * KC, K, stride_x, KC, BM, BN, BK, IEEE)
     tl.store(part_ptr + (c * M + rows[:, None]) * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
@@ -82,7 +91,7 @@ def _sum_chunks(part_ptr, out_ptr, M, N, CHUNKS, BLOCK: tl.constexpr):
 def _launch_args(x, w, kc, cfg):
     m, k = x.shape
     n = w.shape[0]
-    return m, n, k, triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), _meta(x, kc, cfg)
+    return m, n, k, triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), _dense_meta(x, kc, cfg)
 
 
 def fold(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kc: int, cfg: dict, flatten: bool = False) -> None:
@@ -150,6 +159,11 @@ def _meta(x: torch.Tensor, kc: int, cfg: dict) -> dict:
     chunk: a longer one would read the next chunk's K too, which that chunk adds again)."""
     return dict(BM=cfg["BM"], BN=cfg["BN"], BK=min(cfg["BK"], kc), IEEE=x.dtype == torch.float32,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _dense_meta(x: torch.Tensor, kc: int, cfg: dict) -> dict:
+    """`_meta` and the tile order's band height (GM 1: each row tile across all its column tiles in turn)."""
+    return dict(_meta(x, kc, cfg), GM=cfg.get("GM", GROUP_M))
 
 
 def grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kc: int, cfg: dict,
