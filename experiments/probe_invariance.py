@@ -185,6 +185,38 @@ def moe_tiles():
                       f"{ms(lambda: run(gu, dn, 8192, bm, warps, mode), 3):.2f} ms", flush=True)
 
 
+def scaled_weights():
+    """kernels.invariant_4bit_scale=weights on 26B-A4B's expert shapes: which slots tiles (BLOCK_M, BLOCK_K,
+    warps) give each token of a 512-token step the bits the fused 16-row kernels give it (the mode's claim),
+    and whether the fused kernels give a token the same bits alone and in the step."""
+    from flexgemma.model.moe_kernel import decode_experts
+    from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    e, h, i, k, t = 128, 2816, 704, 8, 512
+    s = Bnb4Settings(double_quant=True)
+    gate_up = PackedExpertWeight.pack((torch.randn(e, 2 * i, h) * 0.05).bfloat16(), s, dev)
+    down = PackedExpertWeight.pack((torch.randn(e, h, i) * 0.05).bfloat16(), s, dev)
+    x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+    w, idx = torch.softmax(torch.randn(t, e, device=dev), -1).topk(k, dim=-1)
+
+    def run(rows, mode, **tiles):
+        return decode_experts(x[rows], idx[rows], w[rows], gate_up, down, up_tiles=dict(tiles),
+                              down_tiles=dict(tiles), packed_mode=mode, sort_entries=True, max_entries=None,
+                              scale_weights=True)
+
+    fused = run(slice(0, t), "fused", BLOCK_M=16)
+    alone = torch.cat([run(slice(j, j + 1), "fused", BLOCK_M=16) for j in range(0, t, 37)])
+    print(f"fused: tokens alone == in the step: {same(alone, fused[::37])}", flush=True)
+    for bm, bk, warps in ((16, 32, 4), (16, 64, 4), (16, 128, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4),
+                          (64, 128, 8), (128, 64, 8)):
+        got = run(slice(0, t), "slots", BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
+        rows_equal = (got.view(torch.int16) == fused.view(torch.int16)).all(-1)
+        print(f"slots BLOCK_M {bm} BLOCK_K {bk} warps {warps}: {int(rows_equal.sum())}/{t} tokens == fused; "
+              f"first other: {int((~rows_equal).nonzero()[0]) if not rows_equal.all() else '-'}", flush=True)
+
+
 if __name__ == "__main__":
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
     for name in sys.argv[1:] or ["triton_mm", "cublas", "flex", "reductions"]:
