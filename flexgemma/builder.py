@@ -161,6 +161,10 @@ def _forward(cfg, r: Resolved, model, spec: ModelSpec, cache: KVCache, max_len: 
         from flexgemma.model.invariant.matmul import linear
 
         attention = InvariantAttentionKernels(cache.page_size, r.kernels)
+        if r.device.type == "cuda" and r.quantised and r.kernels.invariant_4bit_scale == "weights":
+            log.warning("kernels.invariant_4bit_scale=weights has not yet passed its GPU invariance test "
+                        "(docs/configuration.md): a 4-bit MoE's prefill may give a token other bits than its "
+                        "decode; kernels.invariant_4bit_scale=products is the invariant one")
         ops = make_ops(counter if r.compile else None, dataclasses.replace(r.kernels, moe="grouped_mm"))
         ops.experts_kernel = InvariantExperts(r.kernels)
         if r.device.type == "cpu":
