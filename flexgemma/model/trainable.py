@@ -537,7 +537,7 @@ class _HeadLogprobs(torch.autograd.Function):
     (invariant.logprobs), so the values are the sampler's; the backward recomputes each slice."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, linear, softcap, entropy: bool, columns: int):
+    def forward(ctx, x, weight, targets, linear, softcap, entropy: bool, columns: int, slice_grad=None):
         n, v = x.shape[0], weight.shape[0]
         width = _slice_width(n, v, lanes(x.device), columns)
         stream = LogprobStream(n, x.device, softcap)
@@ -555,7 +555,7 @@ class _HeadLogprobs(torch.autograd.Function):
             logp = stream.logprobs(target_head)
         lse = stream.capped(target_head) - logp
         ctx.save_for_backward(x, weight, targets, lse)
-        ctx.softcap, ctx.width = softcap, width
+        ctx.softcap, ctx.width, ctx.slice_grad = softcap, width, slice_grad or head_slice_grad
         return logp, ent.entropy() if ent is not None else torch.zeros_like(logp)
 
     @staticmethod
@@ -568,16 +568,36 @@ class _HeadLogprobs(torch.autograd.Function):
                 # the products in the model's dtype (float32 accumulation), as transformers' head computes its
                 # logits, not through a float32 copy of each slice; float32 models are unchanged
                 w = weight[v0: v0 + ctx.width]
-                h = (x @ w.t()).float()
-                z = h if ctx.softcap is None else torch.tanh(h / ctx.softcap) * ctx.softcap
-                dz = -torch.exp(z - lse[:, None]) * gf[:, None]
-                inside = (targets >= v0) & (targets < v0 + w.shape[0])  # no nonzero(): a GPU would sync
-                at = (targets - v0).clamp(0, w.shape[0] - 1)[:, None]
-                dz.scatter_add_(1, at, torch.where(inside, gf, 0.0)[:, None])
-                if ctx.softcap is not None:
-                    dz = dz * (1 - torch.tanh(h / ctx.softcap) ** 2)
-                gx += (dz.to(w.dtype) @ w).float()
-        return gx.to(x.dtype), None, None, None, None, None, None
+                dz = ctx.slice_grad(x @ w.t(), lse, gf, targets - v0, ctx.softcap)
+                gx += (dz @ w).float()
+        return gx.to(x.dtype), None, None, None, None, None, None, None
+
+
+def head_slice_grad(h: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, target: torch.Tensor,
+                    softcap: Optional[float]) -> torch.Tensor:
+    """The gradient of sum_i g_i log p_i(target_i) with respect to one vocabulary slice's head values h
+    [N, W] (before the soft-cap), in h's dtype: g (onehot(target) - p) through the cap's derivative. target
+    [N]: each row's target column in the slice (outside [0, W): not in it); lse [N]: the rows' log-sum-exp.
+    Elementwise only, so torch.compile makes it one pass over the slice (kernels.trainer_glue_backward)."""
+    hf = h.float()
+    t = torch.tanh(hf / softcap) if softcap is not None else None
+    z = t * softcap if t is not None else hf
+    onehot = torch.arange(h.shape[1], device=h.device)[None, :] == target[:, None]
+    dz = g[:, None] * (onehot.float() - torch.exp(z - lse[:, None]))
+    if t is not None:
+        dz = dz * (1 - t * t)
+    return dz.to(h.dtype)
+
+
+def head_gradients(how: str) -> Callable:
+    """head_slice_grad as the resolved kernels.trainer_glue_backward says: op by op (eager), or compiled
+    (one fused kernel a slice instead of ten passes over [rows x slice] float32 values), with a counter of
+    its own."""
+    if how != "compiled":
+        return head_slice_grad
+    from flexgemma.model.compiled import CompileCounter, compile_fn
+
+    return compile_fn(head_slice_grad, CompileCounter())
 
 
 class _EntropyStream:
@@ -639,6 +659,7 @@ class TrainableForward:
         self.forward.checkpoint_layers = checkpoint
         self.forward.checkpoint_contexts = recompute.contexts
         self.windows = {s.layer_type: s.window for s in f.spec.layers}
+        self.head_grad = head_gradients(kernels.trainer_glue_backward)
 
     def token_logprobs(self, sequences: list[list[int]], first: list[int], entropy: bool = False,
                        replay: Optional[list] = None) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
@@ -690,10 +711,11 @@ class TrainableForward:
         weight = self.forward.model.lm_head.weight
         softcap, columns = self.engine.spec.softcap, self.engine.kernels.trainer_vocab_slice
         if x.is_cuda:
-            return _HeadLogprobs.apply(x, weight, targets, self.engine.invariant, softcap, entropy, columns)
+            return _HeadLogprobs.apply(x, weight, targets, self.engine.invariant, softcap, entropy, columns,
+                                       self.head_grad)
         n = x.shape[0]  # the CPU's invariant padding (model/invariant/rows.py), as the sampler pads its rows
         rows = padded_row_count(n)
         with serial():
             logp, ent = _HeadLogprobs.apply(pad_rows(x, rows), weight, pad_rows(targets, rows), self.engine.invariant,
-                                            softcap, entropy, columns)
+                                            softcap, entropy, columns, self.head_grad)
         return logp[:n], ent[:n]

@@ -196,6 +196,25 @@ def test_the_glue_backward_references_are_glues_own_functions_or_their_compiled_
     assert compiled.keys() == own.keys() and all(compiled[k] is not own[k] for k in own)
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_the_head_gradient_a_vocabulary_slice_at_a_time_is_autograds(softcap):
+    """head_slice_grad over the slices of a vocabulary (targets in the first, a middle and the last, one
+    on a slice's edge) is autograd's gradient of sum g log_softmax(cap(h))[target] with respect to h."""
+    from flexgemma.model.trainable import head_slice_grad
+
+    torch.manual_seed(0)
+    n, v, width = 5, 40, 16
+    h = torch.randn(n, v) * 30
+    targets, g = torch.tensor([0, 15, 16, 39, 7]), torch.randn(n)
+    leaf = h.clone().requires_grad_()
+    z = leaf if softcap is None else torch.tanh(leaf / softcap) * softcap
+    (torch.log_softmax(z, -1).gather(1, targets[:, None])[:, 0] * g).sum().backward()
+    lse = torch.logsumexp(z.detach(), -1)
+    ours = torch.cat([head_slice_grad(h[:, v0: v0 + width], lse, g, targets - v0, softcap)
+                      for v0 in range(0, v, width)], 1)
+    assert torch.allclose(ours, leaf.grad, rtol=0, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_the_compiled_glue_backward_gives_the_references_gradients():
     """kernels.trainer_glue_backward=compiled differentiates the glue's own functions through torch.compile:
