@@ -222,9 +222,10 @@ class PackedRows:
 
     def batches(self, heads: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The sequences as padded batches for the attention reference, per batch (index [B, n] of each
-        sequence's tokens in the packed rows, a padded place repeating its sequence's first; valid
-        [B, n]), consecutive sequences while a batch's float32 scores [B, heads, n, n] stay within
-        _REFERENCE_SCORES values. Built once per batch."""
+        sequence's tokens in the packed rows, a padded place repeating its sequence's first; the valid
+        places' flat indices into [B * n], in packed order: an index, not a mask, so that taking them
+        never waits for the GPU), consecutive sequences while a batch's float32 scores [B, heads, n, n]
+        stay within _REFERENCE_SCORES values. Built once per batch."""
         if heads not in self._batches:
             groups, first = [], 0
             for i in range(1, len(self.lengths)):
@@ -240,7 +241,8 @@ class PackedRows:
                 at = torch.stack([s + torch.where(place < m, place, 0) for s, m in
                                   zip(self.starts[a:b], self.lengths[a:b])])
                 valid = place[None, :] < torch.tensor(self.lengths[a:b])[:, None]
-                out.append((at.to(device), valid.to(device)))
+                take = (torch.arange(b - a)[:, None] * n + place[None, :])[valid]
+                out.append((at.to(device), take.to(device)))
             self._batches[heads] = out
         return self._batches[heads]
 
@@ -303,14 +305,16 @@ def _attention_reference(q, k, v, rows: PackedRows, dtype: Optional[torch.dtype]
     GQA, the sequences padded into batches (one call a batch, not one a sequence). A valid query's causal
     mask never reaches its sequence's padding; a padded query's output is dropped, so its gradient is zero."""
     outs, dtype = [], dtype or q.dtype
-    for at, valid in rows.batches(q.shape[1]):
+    for at, take in rows.batches(q.shape[1]):
         qs, ks, vs = (t.to(dtype)[at].transpose(1, 2) for t in (q, k, v))  # [B, heads, n, D]
-        pos = torch.arange(at.shape[1], device=q.device)
-        allowed = pos[None, :] <= pos[:, None]
-        if rows.window is not None:
-            allowed = allowed & (pos[None, :] > pos[:, None] - rows.window)
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=1.0, enable_gqa=True)
-        outs.append(out.transpose(1, 2)[valid])
+        n = at.shape[1]
+        if rows.window is None or n <= rows.window:  # causal alone: SDPA's fused kernels take it, not a mask
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=1.0, enable_gqa=True)
+        else:
+            pos = torch.arange(n, device=q.device)
+            allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - rows.window)
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=1.0, enable_gqa=True)
+        outs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]).index_select(0, take))
     return torch.cat(outs).to(q.dtype)
 
 
