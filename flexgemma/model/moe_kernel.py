@@ -672,10 +672,7 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     halves = slotted and scale_weights
     operands = functools.partial(_weight_operands, x=x, fused=fused, slotted=slotted, ids=ids,
                                  code_lookup=kernels.moe_code_lookup, halves=halves)
-    # scale_weights: the fused kernels' block scales (a multiply and an add) and both paths' activation
-    # rounded op by op, as the slot dequantise rounds its scales: a contracted multiply-add gave some
-    # experts other scales in one path (probe_invariance scaled_weights: 67 of 512 tokens other bits)
-    weighted = {"SCALE_WEIGHTS": fused and scale_weights, **({"enable_fp_fusion": False} if scale_weights else {})}
+    weighted = {"SCALE_WEIGHTS": fused and scale_weights, **_LAUNCH_ROUNDING[scale_weights]}
     ops = operands(gate_up)
     rows = halves_order(x, gate_up.block_size) if halves else x
     inter = torch.empty(n_flat, i, dtype=x.dtype, device=x.device)
@@ -693,6 +690,12 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         **ops, **down_tiles, **weighted)
     summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
     return sum_rows(out, summed)
+
+
+# scale_weights: both paths' block scales (a multiply and an add) and activation rounded op by op, as the slot
+# dequantise rounds its scales (contracted, 67 of 512 tokens got other bits through slots than alone: probe
+# scaled_weights)
+_LAUNCH_ROUNDING = {True: {"enable_fp_fusion": False}, False: {}}
 
 
 def _step_tiles(n_flat: int, experts: int, fused: bool, kernels: Kernels, up_tiles: Optional[dict],
