@@ -39,8 +39,10 @@ def _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_start, K, stride_
 @triton.jit
 def _tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GM: tl.constexpr):
     """(rows, cols) of output tile `pid`, tiles ordered in bands of GM row tiles, each band column by column:
-    the programs running at once share GM row tiles of x and a few column tiles of w in the L2 cache (in
-    row-tile order every column tile read all of x again). The order moves only the speed, not a bit."""
+    the programs running at once share GM row tiles of x and a few column tiles of w in the L2 cache (column
+    by column over all rows, every column tile read all of x again: 70 MB at a 23k-token trainer step, more
+    than the L2). The order moves only the speed, not a bit; at decode sizes (at most GM row tiles) it is
+    column by column."""
     num_m = tl.cdiv(M, BM)
     band = GM * tl.cdiv(N, BN)
     first = (pid // band) * GM
