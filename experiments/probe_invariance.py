@@ -206,6 +206,19 @@ def scaled_weights():
                               down_tiles=dict(tiles), packed_mode=mode, sort_entries=True, max_entries=None,
                               scale_weights=True)
 
+    # the experts whose bf16 block scales differ between ncode * nested + offset rounded twice (the slot
+    # dequantise, compiled without contraction) and rounded once (a fused multiply-add)
+    suspects = torch.zeros(e, dtype=torch.bool, device=dev)
+    for wt in (gate_up, down):
+        code8, nested = wt.absmax.long(), wt.nested_absmax.float()
+        a = wt.nested_code.float()[code8]
+        b = nested[:, torch.arange(code8.shape[1], device=dev) // wt.NESTED_BLOCK]
+        c = wt.nested_offset.float().reshape(e, 1)
+        once = (a.double() * b.double() + c.double()).float()
+        suspects |= ((a * b + c).bfloat16() != once.bfloat16()).any(1)
+    touched = suspects[idx].any(-1)
+    print(f"experts whose scales a multiply-add moves: {suspects.nonzero().flatten().tolist()}; tokens routed to "
+          f"one: {int(touched.sum())}/{t}", flush=True)
     fused = run(slice(0, t), "fused", BLOCK_M=16)
     alone = torch.cat([run(slice(j, j + 1), "fused", BLOCK_M=16) for j in range(0, t, 37)])
     print(f"fused: tokens alone == in the step: {same(alone, fused[::37])}", flush=True)
@@ -214,7 +227,8 @@ def scaled_weights():
         got = run(slice(0, t), "slots", BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
         rows_equal = (got.view(torch.int16) == fused.view(torch.int16)).all(-1)
         print(f"slots BLOCK_M {bm} BLOCK_K {bk} warps {warps}: {int(rows_equal.sum())}/{t} tokens == fused; "
-              f"first other: {int((~rows_equal).nonzero()[0]) if not rows_equal.all() else '-'}", flush=True)
+              f"first other: {int((~rows_equal).nonzero()[0]) if not rows_equal.all() else '-'}; others routed to "
+              f"a suspect: {int((~rows_equal & touched).sum())}/{int((~rows_equal).sum())}", flush=True)
 
 
 if __name__ == "__main__":
