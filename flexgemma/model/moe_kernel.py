@@ -646,11 +646,11 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     says) and BLOCK_M (default: block_m_for the step's size). kernels.moe_code_lookup: how the fused mode
     turns 4-bit values into weights (triton4bit.nibble_codes). sort_entries: list each expert's entries
     through a sort outside the kernels (default: above kernels.moe_sort_above entries) instead of every
-    program matching the whole routing;
-    the same tiles either way. max_entries: the largest step taken (None: any, with sort_entries; matching
-    reads the whole routing in every program). scale_weights (4-bit experts, kernels.invariant_4bit_scale=
-    weights): fused, each block's scale applied to its codes (_scaled_products); slots, the experts dequantised
-    in that arithmetic in halves order and the rows reordered to match: both give a row the same bits."""
+    program matching the whole routing; the same tiles either way. max_entries: the largest step taken (None:
+    any, with sort_entries; matching reads the whole routing in every program). scale_weights (4-bit experts,
+    kernels.invariant_4bit_scale=weights): fused, each block's scale applied to its codes (_scaled_products);
+    slots, the experts so dequantised in halves order, rows reordered to match; both without multiply-add
+    contraction, as the dequantise (contracted, 67 of 512 tokens differed: probe_invariance scaled_weights)."""
     _check_step(x, top_k_index, gate_up, down, packed_mode, kernels.moe_code_lookup, max_entries, scale_weights)
     t, topk = top_k_index.shape
     e, two_i, h = gate_up.shape
@@ -672,7 +672,7 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     halves = slotted and scale_weights
     operands = functools.partial(_weight_operands, x=x, fused=fused, slotted=slotted, ids=ids,
                                  code_lookup=kernels.moe_code_lookup, halves=halves)
-    weighted = {"SCALE_WEIGHTS": fused and scale_weights, **_LAUNCH_ROUNDING[scale_weights]}
+    weighted = {"SCALE_WEIGHTS": fused and scale_weights, "enable_fp_fusion": not scale_weights}
     ops = operands(gate_up)
     rows = halves_order(x, gate_up.block_size) if halves else x
     inter = torch.empty(n_flat, i, dtype=x.dtype, device=x.device)
@@ -690,12 +690,6 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         **ops, **down_tiles, **weighted)
     summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
     return sum_rows(out, summed)
-
-
-# scale_weights: both paths' block scales (a multiply and an add) and activation rounded op by op, as the slot
-# dequantise rounds its scales (contracted, 67 of 512 tokens got other bits through slots than alone: probe
-# scaled_weights)
-_LAUNCH_ROUNDING = {True: {"enable_fp_fusion": False}, False: {}}
 
 
 def _step_tiles(n_flat: int, experts: int, fused: bool, kernels: Kernels, up_tiles: Optional[dict],

@@ -541,7 +541,7 @@ class _HeadLogprobs(torch.autograd.Function):
     (invariant.logprobs), so the values are the sampler's; the backward recomputes each slice."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, linear, softcap, entropy: bool, columns: int, slice_grad=None):
+    def forward(ctx, x, weight, targets, linear, softcap, entropy: bool, columns: int, slice_grad):
         n, v = x.shape[0], weight.shape[0]
         width = _slice_width(n, v, lanes(x.device), columns)
         stream = LogprobStream(n, x.device, softcap)
@@ -559,7 +559,7 @@ class _HeadLogprobs(torch.autograd.Function):
             logp = stream.logprobs(target_head)
         lse = stream.capped(target_head) - logp
         ctx.save_for_backward(x, weight, targets, lse)
-        ctx.softcap, ctx.width, ctx.slice_grad = softcap, width, slice_grad or head_slice_grad
+        ctx.softcap, ctx.width, ctx.slice_grad = softcap, width, slice_grad
         return logp, ent.entropy() if ent is not None else torch.zeros_like(logp)
 
     @staticmethod
