@@ -79,15 +79,18 @@ def projection_shapes(model: str) -> collections.Counter:
     return shapes
 
 
-def run(x: torch.Tensor, w: torch.Tensor, k_chunk: int, tiles: dict, split: bool) -> torch.Tensor:
+FORMS = ("fold", "flat", "split")  # the fold kernel, with its chunk loop flattened (kernels.invariant_flatten), the split
+
+
+def run(x: torch.Tensor, w: torch.Tensor, k_chunk: int, tiles: dict, form: str) -> torch.Tensor:
     from flexgemma.model.invariant import triton_matmul as tm
 
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     chunks = -(-x.shape[1] // k_chunk)
-    if split and chunks > 1:
+    if form == "split" and chunks > 1:
         tm.split_then_sum(x, w, out, chunks, k_chunk, tiles)
     else:
-        tm.fold(x, w, out, k_chunk, tiles)
+        tm.fold(x, w, out, k_chunk, tiles, flatten=form == "flat")
     return out
 
 
@@ -96,6 +99,7 @@ def main() -> None:
     ap.add_argument("--model", default="e2b")
     ap.add_argument("--rows", default="64,256")
     ap.add_argument("--k-chunks", default="512,1024,2048,4096")
+    ap.add_argument("--forms", default=",".join(FORMS), help="which of " + ", ".join(FORMS))
     ap.add_argument("--device", default="cuda", help="cpu: Triton's interpreter (TRITON_INTERPRET=1), the checks only")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -108,6 +112,9 @@ def main() -> None:
     print(f"# {args.model}: {sum(shapes.values())} dense products a decode step, {len(shapes)} shapes: "
           + ", ".join(f"{n}x{k} x{c}" for (n, k), c in sorted(shapes.items())), flush=True)
     k_chunks = [int(c) for c in args.k_chunks.split(",")]
+    forms = args.forms.split(",")
+    if set(forms) - set(FORMS):
+        sys.exit(f"--forms: unknown {sorted(set(forms) - set(FORMS))}; choose from {', '.join(FORMS)}")
     res: dict = {"model": args.model, "shapes": {f"{n}x{k}": c for (n, k), c in shapes.items()}, "rows": {}}
     for m in [int(r) for r in args.rows.split(",")]:
         # per shape: cuBLAS's time, the default's, and each (k_chunk, split, tiles) option's
@@ -121,17 +128,17 @@ def main() -> None:
                      "default": timer(lambda: M.linear(x, next(cycle)), reps=copies)}
             for kc in k_chunks:
                 first = None
-                for split, tiles in itertools.product((False, True), TILES):
-                    if split and -(-k // kc) == 1:
+                for form, tiles in itertools.product(forms, TILES):
+                    if form == "split" and -(-k // kc) == 1:
                         continue
-                    y = run(x, ws[0], kc, tiles, split)
-                    alone = run(x[:1].contiguous(), ws[0], kc, tiles, split)
+                    y = run(x, ws[0], kc, tiles, form)
+                    alone = run(x[:1].contiguous(), ws[0], kc, tiles, form)
                     first = y if first is None else first
                     if not (torch.equal(y, first) and torch.equal(alone[0], y[0])):
-                        mismatches.append((n, k, kc, split, tiles))
-                    key = f"k{kc}/{'split' if split else 'fold'}/{tiles['BM']}x{tiles['BN']}x{tiles['BK']}" \
+                        mismatches.append((n, k, kc, form, tiles))
+                    key = f"k{kc}/{form}/{tiles['BM']}x{tiles['BN']}x{tiles['BK']}" \
                           f"w{tiles['num_warps']}s{tiles['num_stages']}g{tiles['GM']}"
-                    times[key] = timer(lambda: run(x, next(cycle), kc, tiles, split), reps=copies)
+                    times[key] = timer(lambda: run(x, next(cycle), kc, tiles, form), reps=copies)
             per_shape[f"{n}x{k}"] = {"count": count, "us": times}
             best = min((v, kk) for kk, v in times.items() if kk not in ("cublas", "default"))
             print(f"rows {m:4d} {n:6d}x{k:<6d} x{count:<3d} cuBLAS {times['cublas']:8.1f} us, default "
@@ -142,14 +149,15 @@ def main() -> None:
         summary = {"cublas_us": total(lambda t: t["cublas"]), "default_us": total(lambda t: t["default"])}
         for kc in k_chunks:
             summary[f"k{kc}_best_us"] = total(lambda t: min(v for kk, v in t.items() if kk.startswith(f"k{kc}/")))
-            summary[f"k{kc}_fold_only_us"] = total(
-                lambda t: min(v for kk, v in t.items() if kk.startswith(f"k{kc}/fold")))
+            for form in forms:
+                summary[f"k{kc}_{form}_only_us"] = total(
+                    lambda t: min((v for kk, v in t.items() if kk.startswith(f"k{kc}/{form}/")), default=t["default"]))
         res["rows"][m] = {"shapes": per_shape, "summary": summary, "bit_mismatches": [list(map(str, mm))
                                                                                      for mm in mismatches]}
         print(f"rows {m}: a decode step's dense products: " + ", ".join(f"{k_} {v:9.1f}" for k_, v in summary.items())
               + f"; bits: {'every option equal' if not mismatches else f'{len(mismatches)} MISMATCHES'}", flush=True)
         for mm in mismatches[:8]:
-            print(f"  other bits: {mm[0]}x{mm[1]} k_chunk {mm[2]} {'split' if mm[3] else 'fold'} {mm[4]}", flush=True)
+            print(f"  other bits: {mm[0]}x{mm[1]} k_chunk {mm[2]} {mm[3]} {mm[4]}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 

@@ -110,9 +110,9 @@ run ab_inv_flatten_26b_bnb4 570 bash -c 'sweep ab_inv_flatten_26b_bnb4 experimen
 # the invariant product against cuBLAS on each dense model's decode-step shapes, over kernels.invariant_k_chunk
 # (its float32 partials), the split and the tiles (experiments/bench_invariant_linear.py); then the engine's A/B
 run bench_inv_linear 420 bash -c 'for mr in ${INV_LINEAR:-e2b:64,256 e4b:128 31b:64}; do python3 experiments/bench_invariant_linear.py \
-  --model ${mr%%:*} --rows ${mr#*:} --k-chunks ${K_CHUNKS:-512,1024,2048,4096} --out "$WORK/bench_inv_linear_${mr%%:*}.json"; done'
+  --model ${mr%%:*} --rows ${mr#*:} --k-chunks ${K_CHUNKS:-512,1024,2048,4096} --forms ${INV_FORMS:-fold,flat,split} --out "$WORK/bench_inv_linear_${mr%%:*}.json"; done'
 # the same products at a trainer micro-batch's rows (task.trainer_forward=engine computes through them)
-run bench_inv_linear_trainer 300 python3 experiments/bench_invariant_linear.py --model e2b --rows 8192 --k-chunks 512 \
+run bench_inv_linear_trainer 300 python3 experiments/bench_invariant_linear.py --model e2b --rows 8192 --k-chunks 512 --forms fold,flat \
   --out "$WORK/bench_inv_linear_trainer.json"
 run ab_inv_k_chunk_e2b 570 bash -c 'sweep ab_inv_k_chunk_e2b experiment=rl_batch_e2b engine.batch_invariant=true \
   kernels.invariant_k_chunk=512,2048'

@@ -320,10 +320,10 @@ class KernelsConfig:
     # speed only (the bits are the same either way): an invariant product of fewer output tiles than this
     # runs a program per tile and K chunk, then sums the chunks in order (small row counts' parallelism)
     invariant_split_below_tiles: int = 264
-    # speed only (the same arithmetic): the invariant kernels' loops over K chunks (products) and KV chunks
-    # (prefill attention) as tl.range(flatten=True), which asks Triton to fuse the chunk loop and the tile
-    # loop inside it into one loop that its pipeliner overlaps across chunks (a chunk of 512 is 4-8 steps
-    # of 64-128: each chunk's loads otherwise start cold)
+    # speed only (the same arithmetic): the invariant products' loop over K chunks written as one loop over
+    # all K steps (each chunk's sum added to the total where it ends), and prefill attention's loop over KV
+    # chunks as tl.range(flatten=True): one loop that Triton's pipeliner overlaps across chunks (a chunk of
+    # 512 is 4-8 steps of 64-128: each chunk's loads otherwise start cold)
     invariant_flatten: bool = False
     # the invariant routed experts: triton (model/moe_kernel.py's decode kernels for every step, in tiles
     # whose size does not change a row's bits, 4-bit experts decoded inside them: a decode step costs what

@@ -75,10 +75,11 @@ def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
         tm.fold(x, w, d, 512, cfg, flatten=True)
         print(torch.equal(a, d), torch.equal(g, tm.grouped(x, we, counts, 512, cfg, flatten=True)))
         # chunks shorter than the tiles' K step (kernels.invariant_k_chunk=16): each chunk's K alone
-        e, f = torch.empty(40, 70), torch.empty(40, 70)
+        e, f, j = torch.empty(40, 70), torch.empty(40, 70), torch.empty(40, 70)
         tm.fold(x, w, e, 16, cfg)
         tm.split_then_sum(x, w, f, 69, 16, cfg)
-        print(torch.equal(e, f), (e - x @ w.t()).abs().max().item() < 1e-3,
+        tm.fold(x, w, j, 16, cfg, flatten=True)
+        print(torch.equal(e, f), torch.equal(e, j), (e - x @ w.t()).abs().max().item() < 1e-3,
               (tm.grouped(x, we, counts, 16, cfg)[:3] - x[:3] @ we[0].t()).abs().max().item() < 1e-3)
         # the tile order (bands of GM row tiles; 3 row tiles here: a full band of 2 and one of 1) reaches
         # every tile once and moves no bit; the outputs start as NaN, so a tile missed shows
@@ -88,7 +89,7 @@ def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
             tm.split_then_sum(x, w, i, 3, 512, dict(cfg, GM=gm))
             print(torch.equal(a, h), torch.equal(a, i))
     """))
-    assert out.split() == ["True"] * 13
+    assert out.split() == ["True"] * 14
 
 
 # Triton's interpreter converts a loop bound held in a tensor with int(), which numpy 2 refuses for the
@@ -340,7 +341,7 @@ def test_gpu_alone_slot_chunked_and_scored(model):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["e2b", "26b_a4b"])
 def test_gpu_flattened_chunk_loops_give_the_same_bits(model):
-    """kernels.invariant_flatten=true compiles (Triton fuses the chunk loops) and changes no bit: alone, at a
+    """kernels.invariant_flatten=true compiles (the chunk loops as one) and changes no bit: alone, at a
     slot, scored, and equal to the unflattened engine's tokens and logprobs."""
     ps = prompts(33, seed=19, lo=20, hi=700)
     flat = check_alone_slot_and_score(invariant_gpu_engine(model, "kernels.invariant_flatten=true"), ps)

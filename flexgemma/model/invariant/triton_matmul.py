@@ -37,6 +37,26 @@ def _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_start, K, stride_
 
 
 @triton.jit
+def _chunks_in_one_loop(x_ptr, w_ptr, rows, cols, row_ok, col_ok, K, stride_x, CHUNKS,
+                        KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """The chunk loop's arithmetic (each chunk's tl.dot steps from zero, added to the total in chunk order)
+    as one loop over every K step: Triton pipelines a loop's loads, and a loop nested per chunk drains and
+    refills that pipeline every KC / BK steps (at trainer sizes the products ran at half cuBLAS's speed)."""
+    STEPS: tl.constexpr = KC // BK
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for s in range(0, CHUNKS * STEPS):
+        ks = s * BK + tl.arange(0, BK)
+        k_ok = ks < K
+        b = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _dot_step(acc, x_ptr, rows, row_ok, ks, k_ok, stride_x, b, IEEE)
+        if s % STEPS == STEPS - 1:
+            total = total + acc
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+    return total
+
+
+@triton.jit
 def _tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GM: tl.constexpr):
     """(rows, cols) of output tile `pid`, tiles ordered in bands of GM row tiles, each band column by column:
     the programs running at once share GM row tiles of x and a few column tiles of w in the L2 cache (column
@@ -57,13 +77,17 @@ def _mm_fold(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, CHUNKS,
              KC: tl.constexpr, BM: tl.constexpr,
              BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr, FLATTEN: tl.constexpr):
     """Program (tile): the output tile's K chunks one after another, each added to the total in order
-    (FLATTEN: the chunk loop and its K steps fused into one loop by Triton, the same operations)."""
+    (FLATTEN: the chunk loop and its K steps as one loop, the same operations)."""
     rows, cols = _tile(tl.program_id(0), M, N, BM, BN, GM)
     row_ok, col_ok = rows < M, cols < N
-    total = tl.zeros((BM, BN), dtype=tl.float32)
-    for c in tl.range(0, CHUNKS, flatten=FLATTEN):
-        total = total + _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, c * KC, K, stride_x, KC, BM, BN, BK,
-                                       IEEE)
+    if FLATTEN:
+        total = _chunks_in_one_loop(x_ptr, w_ptr, rows, cols, row_ok, col_ok, K, stride_x, CHUNKS, KC, BM, BN, BK,
+                                    IEEE)
+    else:
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        for c in range(0, CHUNKS):
+            total = total + _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, c * KC, K, stride_x, KC, BM, BN,
+                                           BK, IEEE)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], total.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -132,10 +156,13 @@ def _grouped_fold(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_first_ptr, tile_e
     [N, K] matrix, K chunks added in order as in `_mm_fold` (a row's bits do not depend on its group)."""
     e, rows, cols, row_ok, col_ok = _group_tile(tile_expert_ptr, tile_first_ptr, tile_end_ptr, E, N, BM, BN)
     w_e = w_ptr + e.to(tl.int64) * N * K
-    total = tl.zeros((BM, BN), dtype=tl.float32)
-    for c in tl.range(0, CHUNKS, flatten=FLATTEN):
-        total = total + _chunk_product(x_ptr, w_e, rows, cols, row_ok, col_ok, c * KC, K, stride_x, KC, BM, BN, BK,
-                                       IEEE)
+    if FLATTEN:
+        total = _chunks_in_one_loop(x_ptr, w_e, rows, cols, row_ok, col_ok, K, stride_x, CHUNKS, KC, BM, BN, BK, IEEE)
+    else:
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        for c in range(0, CHUNKS):
+            total = total + _chunk_product(x_ptr, w_e, rows, cols, row_ok, col_ok, c * KC, K, stride_x, KC, BM, BN,
+                                           BK, IEEE)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], total.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
