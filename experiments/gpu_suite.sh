@@ -102,7 +102,7 @@ run inv_26b 570 bash -c 'sweep inv_26b experiment=rl_batch_26b_a4b engine.batch_
 run inv_26b_bnb4 570 bash -c 'sweep inv_26b_bnb4 experiment=rl_batch_26b_a4b quant=bnb4 engine.batch_invariant=false,true'
 run inv_31b 570 bash -c 'sweep inv_31b experiment=rl_batch_31b engine.batch_invariant=false,true'
 run speed_inv 240 bash -c 'job speed_inv experiment=speed_e2b engine.batch_invariant=true'
-# the invariant kernels' chunk loops flattened by Triton (kernels.invariant_flatten; same bits) against not
+# the invariant kernels' chunk loops as one loop (kernels.invariant_flatten, the default; same bits) against nested
 run ab_inv_flatten_e2b 570 bash -c 'sweep ab_inv_flatten_e2b experiment=rl_batch_e2b engine.batch_invariant=true \
   kernels.invariant_flatten=false,true'
 run ab_inv_flatten_26b_bnb4 570 bash -c 'sweep ab_inv_flatten_26b_bnb4 experiment=rl_batch_26b_a4b quant=bnb4 \

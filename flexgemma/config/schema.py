@@ -324,7 +324,7 @@ class KernelsConfig:
     # all K steps (each chunk's sum added to the total where it ends), and prefill attention's loop over KV
     # chunks as tl.range(flatten=True): one loop that Triton's pipeliner overlaps across chunks (a chunk of
     # 512 is 4-8 steps of 64-128: each chunk's loads otherwise start cold)
-    invariant_flatten: bool = False
+    invariant_flatten: bool = True
     # the invariant routed experts: triton (model/moe_kernel.py's decode kernels for every step, in tiles
     # whose size does not change a row's bits, 4-bit experts decoded inside them: a decode step costs what
     # the default mode's does; bf16/fp16 models), grouped (each expert's rows through the invariant

@@ -31,7 +31,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
     """x [..., K] @ w [N, K].T -> [..., N] in x's dtype, each row independent of the others; k_chunk
     (kernels.invariant_k_chunk): the K elements summed before the next chunk is added (GPU);
     split_below_tiles (kernels.invariant_split_below_tiles): which of two kernels, the same bits;
-    flatten (kernels.invariant_flatten): the fold kernel's chunk loop flattened by Triton, the same bits."""
+    flatten (kernels.invariant_flatten): the fold kernel's chunk loop as one loop over K, the same bits."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     out = _linear_gpu(x2, w, k_chunk, split_below_tiles, flatten) if x2.is_cuda else _linear_cpu(x2, w)
