@@ -5,6 +5,7 @@ at another position, or in a larger batch: the facts the batch-invariant mode (e
 is built on. Sections: a Triton matmul over tile shapes, torch.mm (cuBLAS), flex_attention decode-shaped vs
 prefill-shaped, Inductor-compiled and eager row reductions.
 """
+import itertools
 import os
 import sys
 import traceback
@@ -188,7 +189,10 @@ def moe_tiles():
 def scaled_weights():
     """kernels.invariant_4bit_scale=weights on 26B-A4B's expert shapes: which slots tiles (BLOCK_M, BLOCK_K,
     warps) give each token of a 512-token step the bits the fused 16-row kernels give it (the mode's claim),
-    and whether the fused kernels give a token the same bits alone and in the step."""
+    and, per code lookup and prefetch, which tokens the fused kernels give other bits alone than in the step
+    (every token) and through which of their routed experts (each choice alone against the step of every
+    token's same choice)."""
+    from flexgemma.config.kernels import Kernels
     from flexgemma.model.moe_kernel import decode_experts
     from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
 
@@ -201,10 +205,10 @@ def scaled_weights():
     x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
     w, idx = torch.softmax(torch.randn(t, e, device=dev), -1).topk(k, dim=-1)
 
-    def run(rows, mode, **tiles):
-        return decode_experts(x[rows], idx[rows], w[rows], gate_up, down, up_tiles=dict(tiles),
+    def run(rows, mode, choices=slice(None), kernels=Kernels(), **tiles):
+        return decode_experts(x[rows], idx[rows, choices], w[rows, choices], gate_up, down, up_tiles=dict(tiles),
                               down_tiles=dict(tiles), packed_mode=mode, sort_entries=True, max_entries=None,
-                              scale_weights=True)
+                              scale_weights=True, kernels=kernels)
 
     # the experts whose bf16 block scales differ between ncode * nested + offset rounded twice (the slot
     # dequantise, compiled without contraction) and rounded once (a fused multiply-add)
@@ -220,15 +224,27 @@ def scaled_weights():
     print(f"experts whose scales a multiply-add moves: {suspects.nonzero().flatten().tolist()}; tokens routed to "
           f"one: {int(touched.sum())}/{t}", flush=True)
     fused = run(slice(0, t), "fused", BLOCK_M=16)
-    alone = torch.cat([run(slice(j, j + 1), "fused", BLOCK_M=16) for j in range(0, t, 37)])
-    print(f"fused: tokens alone == in the step: {same(alone, fused[::37])}", flush=True)
-    for bm, bk, warps in ((16, 32, 4), (16, 64, 4), (16, 128, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4),
-                          (64, 128, 8), (128, 64, 8)):
+    for bm, bk, warps in ((16, 32, 4), (16, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 8)):
         got = run(slice(0, t), "slots", BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
         rows_equal = (got.view(torch.int16) == fused.view(torch.int16)).all(-1)
         print(f"slots BLOCK_M {bm} BLOCK_K {bk} warps {warps}: {int(rows_equal.sum())}/{t} tokens == fused; "
-              f"first other: {int((~rows_equal).nonzero()[0]) if not rows_equal.all() else '-'}; others routed to "
-              f"a suspect: {int((~rows_equal & touched).sum())}/{int((~rows_equal).sum())}", flush=True)
+              f"others routed to a suspect: {int((~rows_equal & touched).sum())}/{int((~rows_equal).sum())}",
+              flush=True)
+    for lookup, prefetch in itertools.product(("table", "prmt"), (False, True)):
+        kern = Kernels(moe_code_lookup=lookup, moe_4bit_prefetch=prefetch)
+        step = run(slice(0, t), "fused", kernels=kern, BLOCK_M=16, PREFETCH=prefetch)
+        alone = torch.cat([run(slice(j, j + 1), "fused", kernels=kern, BLOCK_M=16, PREFETCH=prefetch) for j in range(t)])
+        other = (~(alone.view(torch.int16) == step.view(torch.int16)).all(-1)).nonzero().flatten().tolist()
+        line = f"fused {lookup} prefetch {prefetch}: {t - len(other)}/{t} tokens alone == in the step"
+        if other:
+            j = other[0]
+            moved = [int(idx[j, c]) for c in range(k)
+                     if not same(run(slice(j, j + 1), "fused", slice(c, c + 1), kern, BLOCK_M=16, PREFETCH=prefetch),
+                                 run(slice(0, t), "fused", slice(c, c + 1), kern, BLOCK_M=16, PREFETCH=prefetch)[j:j + 1])]
+            line += (f"; others {other[:8]}, routed to a suspect {int(touched[other].sum())}/{len(other)}; token {j}'s "
+                     f"choices alone != in the step: experts {moved} (max |diff| "
+                     f"{(alone[j].float() - step[j].float()).abs().max().item():.3g})")
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
