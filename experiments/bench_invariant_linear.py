@@ -79,7 +79,9 @@ def projection_shapes(model: str) -> collections.Counter:
     return shapes
 
 
-FORMS = ("fold", "flat", "split")  # the fold kernel, with its chunk loop flattened (kernels.invariant_flatten), the split
+# the fold kernel, with its chunk loop flattened (kernels.invariant_flatten), the split, the split whose chunks each
+# tile's last program adds (kernels.invariant_split_sum=last_program)
+FORMS = ("fold", "flat", "split", "split_last")
 
 
 def run(x: torch.Tensor, w: torch.Tensor, k_chunk: int, tiles: dict, form: str) -> torch.Tensor:
@@ -87,8 +89,9 @@ def run(x: torch.Tensor, w: torch.Tensor, k_chunk: int, tiles: dict, form: str) 
 
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     chunks = -(-x.shape[1] // k_chunk)
-    if form == "split" and chunks > 1:
-        tm.split_then_sum(x, w, out, chunks, k_chunk, tiles)
+    if form.startswith("split") and chunks > 1:
+        split = tm.split_last_sums if form == "split_last" else tm.split_then_sum
+        split(x, w, out, chunks, k_chunk, tiles)
     else:
         tm.fold(x, w, out, k_chunk, tiles, flatten=form == "flat")
     return out
@@ -129,7 +132,7 @@ def main() -> None:
             for kc in k_chunks:
                 first = None
                 for form, tiles in itertools.product(forms, TILES):
-                    if form == "split" and -(-k // kc) == 1:
+                    if form.startswith("split") and -(-k // kc) == 1:
                         continue
                     y = run(x, ws[0], kc, tiles, form)
                     alone = run(x[:1].contiguous(), ws[0], kc, tiles, form)

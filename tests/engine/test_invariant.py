@@ -71,6 +71,11 @@ def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
         we = torch.randn(4, 70, 1100)
         g = tm.grouped(x, we, counts, 512, cfg)
         print(torch.equal(a, b), torch.equal(a[5], c[0]), (a - x @ w.t()).abs().max().item() < 1e-3, g.shape[0] == 40)
+        # the split's chunks added by each tile's last program, twice (the counters back at 0 after a launch)
+        for _ in range(2):
+            s = torch.full((40, 70), float("nan"))
+            tm.split_last_sums(x, w, s, 3, 512, cfg)
+            print(torch.equal(a, s))
         d = torch.empty(40, 70)
         tm.fold(x, w, d, 512, cfg, flatten=True)
         print(torch.equal(a, d), torch.equal(g, tm.grouped(x, we, counts, 512, cfg, flatten=True)))
@@ -89,7 +94,7 @@ def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
             tm.split_then_sum(x, w, i, 3, 512, dict(cfg, GM=gm))
             print(torch.equal(a, h), torch.equal(a, i))
     """))
-    assert out.split() == ["True"] * 14
+    assert out.split() == ["True"] * 16
 
 
 # Triton's interpreter converts a loop bound held in a tensor with int(), which numpy 2 refuses for the
@@ -340,12 +345,35 @@ def test_gpu_alone_slot_chunked_and_scored(model):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["e2b", "26b_a4b"])
-def test_gpu_flattened_chunk_loops_give_the_same_bits(model):
-    """kernels.invariant_flatten (the default: the chunk loops as one) changes no bit: alone, at a slot,
-    scored, and equal to the nested loops' tokens and logprobs."""
+@pytest.mark.parametrize("other", ["kernels.invariant_flatten=false", "kernels.invariant_split_sum=last_program"])
+def test_gpu_speed_only_keys_give_the_same_bits(model, other):
+    """A speed-only key's other side (the nested chunk loops; a split's chunks added by each tile's last
+    program) changes no bit: alone, at a slot, scored, and equal to the defaults' tokens and logprobs."""
     ps = prompts(33, seed=19, lo=20, hi=700)
-    nested = check_alone_slot_and_score(invariant_gpu_engine(model, "kernels.invariant_flatten=false"), ps)
-    assert same(nested, invariant_gpu_engine(model).generate([ps[7]], [params(7)])[0]), "nested vs flattened"
+    got = check_alone_slot_and_score(invariant_gpu_engine(model, other), ps)
+    assert same(got, invariant_gpu_engine(model).generate([ps[7]], [params(7)])[0]), f"{other} vs the defaults"
+
+
+@pytest.mark.gpu
+def test_gpu_split_sums_by_the_last_program_launch_after_launch_and_in_a_graph():
+    """kernels.invariant_split_sum=last_program on E2B's split shapes: the second kernel's bits at 1-256 rows,
+    launch after launch (each launch sets its counters back to 0) and replayed from a CUDA graph."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    for n, k in ((1536, 12288), (2048, 1536), (256, 1536)):
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5
+        for m in (1, 7, 64, 256):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = inv_matmul.linear(x, w, split_sum="kernel")
+            for _ in range(3):
+                assert torch.equal(inv_matmul.linear(x, w, split_sum="last_program"), ref), (n, k, m)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = inv_matmul.linear(x, w, split_sum="last_program")
+            for _ in range(3):
+                out.zero_()
+                graph.replay()
+                assert torch.equal(out, ref), (n, k, m, "graph")
 
 
 @pytest.mark.gpu

@@ -104,6 +104,27 @@ def _mm_split(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, KC: tl.constexpr, BM: t
 
 
 @triton.jit(do_not_specialize=["M"])
+def _mm_split_last_sums(x_ptr, w_ptr, part_ptr, out_ptr, count_ptr, M, N, K, stride_x, CHUNKS, KC: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr):
+    """`_mm_split`'s program, then the tile's last program to finish (a counter per tile) adds the tile's
+    chunks in order as `_sum_chunks` does and sets the counter back to 0 for the next launch."""
+    c = tl.program_id(1)
+    rows, cols = _tile(tl.program_id(0), M, N, BM, BN, GM)
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    acc = _chunk_product(x_ptr, w_ptr, rows, cols, rows < M, cols < N, c * KC, K, stride_x, KC, BM, BN, BK, IEEE)
+    tl.store(part_ptr + (c * M + rows[:, None]) * N + cols[None, :], acc, mask=ok)
+    tl.debug_barrier()  # every thread's partials stored before the count says so (the release below publishes them)
+    done = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+    if done == CHUNKS - 1:
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        for j in range(0, CHUNKS):  # read past L1 (.cg): other SMs wrote these
+            total = total + tl.load(part_ptr + (j * M + rows[:, None]) * N + cols[None, :], mask=ok, other=0.0,
+                                    cache_modifier=".cg")
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], total.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.atomic_xchg(count_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["M"])
 def _sum_chunks(part_ptr, out_ptr, M, N, CHUNKS, BLOCK: tl.constexpr):
     """out = ((0 + part[0]) + part[1]) + ... in float32, then rounded: `_mm_fold`'s arithmetic."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -131,6 +152,27 @@ def split_then_sum(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: 
     _mm_split[(tiles, chunks)](x, w, part, m, n, k, x.stride(0), KC=kc, **meta)
     block = 1024
     _sum_chunks[(triton.cdiv(m * n, block),)](part, out, m, n, chunks, BLOCK=block, num_warps=4)
+
+
+_COUNTERS: dict = {}  # (device, stream) -> int32 tile counters, all 0 between launches (each launch resets its own)
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed counters for `tiles` tiles, one buffer per stream (launches on one stream never overlap);
+    allocated at the first product (before any CUDA graph is captured) and regrown if a product needs more."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < tiles:
+        counters = _COUNTERS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return counters
+
+
+def split_last_sums(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, kc: int, cfg: dict) -> None:
+    """split_then_sum's result in one launch: each tile's last program sums its chunks."""
+    m, n, k, tiles, meta = _launch_args(x, w, kc, cfg)
+    part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device)
+    counters = _tile_counters(x.device, tiles)
+    _mm_split_last_sums[(tiles, chunks)](x, w, part, out, counters, m, n, k, x.stride(0), chunks, KC=kc, **meta)
 
 
 @triton.jit
