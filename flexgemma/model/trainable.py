@@ -73,14 +73,13 @@ def exact(fn: Callable, ref: Callable, name: str = "") -> Callable:
     return lambda *args: _Exact.apply(name, fn, ref, *args)
 
 
-def same_layout_copy(a: torch.Tensor) -> torch.Tensor:
-    """A copy of `a` with its sizes, strides and storage offset (a view of a fused projection's output
-    stays such a view): torch.compile guards on all three, and the engine passes its glue such views."""
-    if any(st == 0 and n > 1 for n, st in zip(a.shape, a.stride())):
-        return a.clone()  # an expanded view: a copy cannot repeat its elements (the glue takes none today)
-    extent = a.storage_offset() + (1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride())) if a.numel() else 0)
-    out = torch.empty(extent, dtype=a.dtype, device=a.device).as_strided(a.shape, a.stride(), a.storage_offset())
-    return out.copy_(a)
+def storage_alias(a: torch.Tensor) -> torch.Tensor:
+    """A new tensor over `a`'s memory with its sizes, strides and storage offset, nothing copied: made in
+    inference mode it is an inference tensor, outside it an ordinary one, whatever `a` is. torch.compile
+    guards on the layout and on which of the two a tensor is, and the engine passes its glue inference
+    tensors, some views of a fused projection's output (a view would keep its base's kind)."""
+    return torch.empty(0, dtype=a.dtype, device=a.device).set_(a.untyped_storage(), a.storage_offset(), a.shape,
+                                                               a.stride())
 
 
 def glue_references(how: str) -> dict[str, Callable]:
@@ -101,15 +100,16 @@ def glue_references(how: str) -> dict[str, Callable]:
 
 def as_the_engine_calls(fn: Callable, row_args: tuple[int, ...]) -> Callable:
     """The engine's compiled glue function `fn`, called as the engine calls it: in inference mode, its
-    per-row arguments inference tensors laid out as the engine's (copies), on the CPU on one thread.
-    torch.compile guards on each of these, so a call that differs in one compiles the function again,
-    and a new compile may reduce a row with other tiles (on the H200 it did: 1-2 rows in 349 a bit
-    apart); this way the trainer runs the kernels the engine compiled. Outputs are copied back out."""
+    per-row arguments inference tensors laid out as the engine's (aliases of the trainer's), on the CPU on
+    one thread. torch.compile guards on each of these, so a call that differs in one compiles the function
+    again, and a new compile may reduce a row with other tiles (on the H200 it did: 1-2 rows in 349 a bit
+    apart); this way the trainer runs the kernels the engine compiled. The outputs come back as ordinary
+    tensors over the same memory (autograd saves no inference tensor)."""
     def call(*args):
         cpu = not args[row_args[0]].is_cuda
         with torch.inference_mode(), (serial() if cpu else nullcontext()):
-            out = fn(*[same_layout_copy(a) if i in row_args and torch.is_tensor(a) else a for i, a in enumerate(args)])
-        return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+            out = fn(*[storage_alias(a) if i in row_args and torch.is_tensor(a) else a for i, a in enumerate(args)])
+        return tuple(storage_alias(o) for o in out) if isinstance(out, tuple) else storage_alias(out)
 
     return call
 

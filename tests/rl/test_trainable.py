@@ -70,13 +70,13 @@ def test_the_trainer_runs_the_glue_the_engine_compiled(model):
 
 def test_the_trainer_calls_the_glue_with_the_engines_layouts():
     """The engine hands its glue views of fused projections' outputs (a row stride wider than the row,
-    an offset); torch.compile guards on sizes, strides and offsets, so the trainer's copies keep all
-    three and hit the engine's graph (contiguous copies compiled a second graph on the H200, whose
-    norm+RoPE put 2 rows in 349 a bit apart)."""
+    an offset); torch.compile guards on sizes, strides and offsets and on inference tensors, so the trainer's
+    aliases keep all of them and hit the engine's graph (contiguous copies compiled a second graph on the
+    H200, whose norm+RoPE put 2 rows in 349 a bit apart)."""
     from flexgemma.model.compiled import CompileCounter, compile_fn
     from flexgemma.model import glue
     from flexgemma.model.invariant.rows import serial
-    from flexgemma.model.trainable import as_the_engine_calls, same_layout_copy
+    from flexgemma.model.trainable import as_the_engine_calls, storage_alias
 
     counter = CompileCounter()
     fn = compile_fn(glue.gelu_mul, counter)
@@ -88,9 +88,11 @@ def test_the_trainer_calls_the_glue_with_the_engines_layouts():
     graphs = counter.count
     fused = torch.randn(11, 48, requires_grad=True)  # the trainer: an autograd tensor's views
     g, u = fused.split(24, dim=-1)
-    copy = same_layout_copy(u)
-    assert (copy.shape, copy.stride(), copy.storage_offset()) == (u.shape, u.stride(), u.storage_offset())
-    assert torch.equal(copy, u) and copy.untyped_storage().data_ptr() != u.untyped_storage().data_ptr()
+    with torch.inference_mode():
+        alias = storage_alias(u)
+    assert (alias.shape, alias.stride(), alias.storage_offset()) == (u.shape, u.stride(), u.storage_offset())
+    assert torch.equal(alias, u) and alias.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()
+    assert alias.is_inference() and not u.is_inference() and not storage_alias(alias).is_inference()
     call = as_the_engine_calls(fn, glue.ROW_ARGS["gelu_mul"])
     out = call(g.detach(), u.detach())
     assert torch.allclose(out, glue.gelu_mul(g, u).detach(), atol=1e-6) and not out.is_inference()
