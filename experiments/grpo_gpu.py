@@ -85,7 +85,8 @@ SMOKE_JOBS = {**e2b_jobs(["+model=tiny", "lora=r32", *SMOKE], "task.micro_batch=
               **moe_jobs(["+model=tiny_moe", "quant=bnb4", "lora=r16", GEN, *SMOKE], ["model.dtype=bfloat16"],
                          "task.micro_batch=8")}
 COLUMNS = [("job", None), ("steps", "grpo/steps"), ("step s", "grpo/step_s_median"),
-           ("rollout s", "grpo/rollout_s_median"), ("train s", "grpo/train_s_median"),
+           ("rollout s", "grpo/rollout_s_median"), ("generate s", "grpo/generate_s_median"),
+           ("train s", "grpo/train_s_median"),
            ("warm step s", "grpo/step_s_median_warm"), ("warm train s", "grpo/train_s_median_warm"),
            ("compiling steps", "grpo/compiling_steps"),
            ("refresh ms", "grpo/refresh_ms_median"), ("rollout share", "grpo/rollout_share"),

@@ -122,6 +122,7 @@ def reduce_step(parts: list[dict]) -> dict:
     return {
         "rewards": [x for p in parts for x in p.get("rewards", [])],
         "rollout_s": agg("rollout_s", max), "step_s": agg("step_s", max), "refresh_ms": agg("refresh_ms", max),
+        "generate_s": agg("generate_s", max),
         "rollout_tokens": sum(p.get("rollout_tokens", 0.0) for p in parts),
         "logprob_absdiff_mean": agg("logprob_absdiff_mean", mean), "logprob_absdiff_max": agg("logprob_absdiff_max", max),
         "kl_k3": agg("kl_k3", mean), "is_ratio_p99": agg("is_ratio_p99", max), "is_ratio_max": agg("is_ratio_max", max),

@@ -209,6 +209,8 @@ def _step_fields(red: dict) -> dict:
         "grpo/rollout_s": rollout_s, "grpo/train_s": step_s - rollout_s, "grpo/step_s": step_s,
         "grpo/rollout_tok_s": red["rollout_tokens"] / rollout_s if rollout_s > 0 else float("nan"),
         "grpo/refresh_ms": red["refresh_ms"],
+        # the engine's generate() alone: rollout_s beside it also holds TRL's own work and the LoRA refresh
+        "grpo/generate_s": red["generate_s"],
     }
     for k in ("logprob_absdiff_mean", "logprob_absdiff_max", "kl_k3", "is_ratio_p99", "is_ratio_max",
               "router_flip_rate"):
@@ -262,6 +264,7 @@ def make_step_logger(trainer_ref: list, reward: RecordedReward, recorder, rows: 
                          digest[:16])
             mine = {**stats, "rewards": reward.values, "step_s": step_s, "digest": digest,
                     "refresh_ms": rollout.last.get("refresh_ms", float("nan")) if rollout else float("nan"),
+                    "generate_s": rollout.last.get("generate_s", float("nan")) if rollout else float("nan"),
                     "shard": _shard(rollout.last.get("prompts", [])) if rollout else []}
             parts = ranks.gather(mine)
             digests = [p["digest"] for p in parts]
@@ -364,7 +367,7 @@ def summarise(rows: list[dict]) -> dict:
         "grpo/step_s_median": statistics.median(step_s) if step_s else float("nan"),
         "grpo/rollout_share": sum(rollout_s) / sum(step_s) if step_s and rollout_s else float("nan"),
     }
-    for k in ("rollout_s", "train_s", "refresh_ms", "rollout_tok_s"):
+    for k in ("rollout_s", "generate_s", "train_s", "refresh_ms", "rollout_tok_s"):
         v = col(f"grpo/{k}")
         out[f"grpo/{k}_median"] = statistics.median(v) if v else float("nan")
     out["grpo/logprob_absdiff_mean"] = mean("grpo/logprob_absdiff_mean")
