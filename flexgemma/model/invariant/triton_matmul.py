@@ -158,8 +158,9 @@ _COUNTERS: dict = {}  # (device, stream) -> int32 tile counters, all 0 between l
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed counters for `tiles` tiles, one buffer per stream (launches on one stream never overlap);
-    allocated at the first product (before any CUDA graph is captured) and regrown if a product needs more."""
+    """Zeroed counters for `tiles` tiles, one buffer per stream (launches on one stream never overlap, those
+    of two streams may), made at a stream's first product and regrown when a product needs more; a CUDA
+    graph's capture stream gets its own, zeroed as part of the first graph captured on it."""
     key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None)
     counters = _COUNTERS.get(key)
     if counters is None or counters.numel() < tiles:
