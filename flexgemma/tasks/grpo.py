@@ -352,8 +352,8 @@ def _train(trainer, resume: Optional[Path], trainer_dir: Path) -> None:
 
 
 def summarise(rows: list[dict]) -> dict:
-    def col(k):
-        return [r[k] for r in rows if r.get(k) == r.get(k)]  # drops NaN
+    def col(k):  # drops NaN, and rows without k (a run resumed from rows an older version logged)
+        return [r[k] for r in rows if k in r and r[k] == r[k]]
 
     def mean(k, sl=slice(None)):
         v = col(k)[sl]
