@@ -352,7 +352,9 @@ def _train(trainer, resume: Optional[Path], trainer_dir: Path) -> None:
 
 
 def summarise(rows: list[dict]) -> dict:
-    def col(k):  # drops NaN, and rows without k (a run resumed from rows an older version logged)
+    # a key's values, NaN dropped, rows without it skipped: some keys only some jobs log (GPU memory,
+    # task.engine_sleep), and a resumed run's earlier rows may come from a version that logged fewer
+    def col(k):
         return [r[k] for r in rows if k in r and r[k] == r[k]]
 
     def mean(k, sl=slice(None)):
@@ -377,15 +379,11 @@ def summarise(rows: list[dict]) -> dict:
     out["grpo/router_flip_rate"] = mean("grpo/router_flip_rate")
     v = col("grpo/is_ratio_max")
     out["grpo/is_ratio_max"] = max(v) if v else float("nan")
-
-    def logged(k):  # keys only some jobs log (GPU memory, task.engine_sleep)
-        return [r[k] for r in rows if k in r and r[k] == r[k]]
-
     for k in ("memory/rollout_peak_gib", "memory/train_peak_gib"):
-        if logged(k):
-            out[k] = max(logged(k))
-    if logged("grpo/wake_ms"):
-        out["grpo/wake_ms_median"] = statistics.median(logged("grpo/wake_ms"))
+        if col(k):
+            out[k] = max(col(k))
+    if col("grpo/wake_ms"):
+        out["grpo/wake_ms_median"] = statistics.median(col("grpo/wake_ms"))
     # the steady state: steps that compiled nothing (the first steps compile each new shape they meet)
     warm = [r for r in rows if r.get("grpo/compiled_graphs", 1) == 0 and r.get("grpo/compiled_kernels", 0) <= 0]
     out["grpo/compiling_steps"] = len(rows) - len(warm)
