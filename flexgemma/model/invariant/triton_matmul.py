@@ -92,15 +92,24 @@ def _mm_fold(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, CHUNKS,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _stored_chunk(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr):
+    """Program (tile, chunk)'s float32 K-chunk product, stored at part[chunk, rows, cols]; (rows, cols, which
+    of them are in the output)."""
+    c = tl.program_id(1)
+    rows, cols = _tile(tl.program_id(0), M, N, BM, BN, GM)
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    acc = _chunk_product(x_ptr, w_ptr, rows, cols, rows < M, cols < N, c * KC, K, stride_x, KC, BM, BN, BK, IEEE)
+    tl.store(part_ptr + (c * M + rows[:, None]) * N + cols[None, :], acc, mask=ok)
+    return rows, cols, ok
+
+
 @triton.jit(do_not_specialize=["M"])
 def _mm_split(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
               BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr):
     """Program (tile, chunk): one K chunk's float32 product, stored at part[chunk, rows, cols]."""
-    c = tl.program_id(1)
-    rows, cols = _tile(tl.program_id(0), M, N, BM, BN, GM)
-    row_ok, col_ok = rows < M, cols < N
-    acc = _chunk_product(x_ptr, w_ptr, rows, cols, row_ok, col_ok, c * KC, K, stride_x, KC, BM, BN, BK, IEEE)
-    tl.store(part_ptr + (c * M + rows[:, None]) * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+    _stored_chunk(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, KC, BM, BN, BK, GM, IEEE)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -108,11 +117,7 @@ def _mm_split_last_sums(x_ptr, w_ptr, part_ptr, out_ptr, count_ptr, M, N, K, str
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr):
     """`_mm_split`'s program, then the tile's last program to finish (a counter per tile) adds the tile's
     chunks in order as `_sum_chunks` does and sets the counter back to 0 for the next launch."""
-    c = tl.program_id(1)
-    rows, cols = _tile(tl.program_id(0), M, N, BM, BN, GM)
-    ok = (rows < M)[:, None] & (cols < N)[None, :]
-    acc = _chunk_product(x_ptr, w_ptr, rows, cols, rows < M, cols < N, c * KC, K, stride_x, KC, BM, BN, BK, IEEE)
-    tl.store(part_ptr + (c * M + rows[:, None]) * N + cols[None, :], acc, mask=ok)
+    rows, cols, ok = _stored_chunk(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, KC, BM, BN, BK, GM, IEEE)
     tl.debug_barrier()  # every thread's partials stored before the count says so (the release below publishes them)
     done = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
     if done == CHUNKS - 1:
