@@ -143,7 +143,9 @@ def main() -> None:
                           f"w{tiles['num_warps']}s{tiles['num_stages']}g{tiles['GM']}"
                     times[key] = timer(lambda: run(x, next(cycle), kc, tiles, form), reps=copies)
             per_shape[f"{n}x{k}"] = {"count": count, "us": times}
-            best = min((v, kk) for kk, v in times.items() if kk not in ("cublas", "default"))
+            # --forms with splits only: a one-chunk shape has no option (it runs the fold)
+            best = min(((v, kk) for kk, v in times.items() if kk not in ("cublas", "default")),
+                       default=(times["default"], "default"))
             print(f"rows {m:4d} {n:6d}x{k:<6d} x{count:<3d} cuBLAS {times['cublas']:8.1f} us, default "
                   f"{times['default']:8.1f}, best {best[0]:8.1f} ({best[1]})", flush=True)
         # a step's total per choice: per k_chunk (one value for every shape: it is the arithmetic), each
@@ -151,7 +153,8 @@ def main() -> None:
         total = lambda pick: sum(s["count"] * pick(s["us"]) for s in per_shape.values())  # noqa: E731
         summary = {"cublas_us": total(lambda t: t["cublas"]), "default_us": total(lambda t: t["default"])}
         for kc in k_chunks:
-            summary[f"k{kc}_best_us"] = total(lambda t: min(v for kk, v in t.items() if kk.startswith(f"k{kc}/")))
+            summary[f"k{kc}_best_us"] = total(
+                lambda t: min((v for kk, v in t.items() if kk.startswith(f"k{kc}/")), default=t["default"]))
             for form in forms:
                 summary[f"k{kc}_{form}_only_us"] = total(
                     lambda t: min((v for kk, v in t.items() if kk.startswith(f"k{kc}/{form}/")), default=t["default"]))
