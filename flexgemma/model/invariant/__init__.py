@@ -8,10 +8,12 @@ the number of rows, attention kernels splitting the KV by a count chosen from th
 decode and prefill through different kernels, reductions over the vocabulary split across blocks
 when rows are few. Here:
 
-- `matmul.linear`: no split of K, ever. On a GPU a Triton kernel whose K loop runs in order (its tile
-  sizes may change with the row count: a row's bits do not depend on them, measured on the H200 by
-  experiments/probe_invariance.py); on the CPU rows in fixed tiles of 16 (a product of 16 rows gives
-  each row the same bits wherever it sits: tested).
+- `matmul.linear`: K cut into chunks at fixed positions (`kernels.invariant_k_chunk`), each chunk's
+  tl.dot steps run in K order from zero, the chunks added in order. A kernel may run a tile's chunks in
+  one program (fold) or in a program each, summed after (split: small row counts' parallelism); tiles and
+  the kernel may change with the row count, as neither changes a row's bits (GPU tests; the tiles
+  measured on the H200 by experiments/probe_invariance.py). On the CPU rows in fixed tiles of 16 (a
+  product of 16 rows gives each row the same bits wherever it sits: tested).
 - `attention.paged_attention`: one computation for decode and prefill. A query's KV is cut at fixed
   positions into chunks of `split_tokens`, each chunk a softmax pass over fixed tiles in position order,
   the chunks folded left to right; decode runs the chunks in parallel programs and folds them in a

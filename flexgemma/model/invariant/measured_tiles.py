@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 
 import torch
 
@@ -30,6 +31,7 @@ _CANDIDATE_TILES = (dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4),
 _FLUSH_BYTES = 64 << 20  # over the H100's 50 MB and the H200's 60 MB of L2
 _REPS = 3
 _PLANS: dict = {}  # (device, dtype, rows bucket, n, k, k_chunk, flatten, split_sum) -> (form, tiles)
+_SPENT = [0.0]  # seconds this process spent timing plans (compiling tile options included)
 
 
 def rows_bucket(m: int) -> int:
@@ -54,8 +56,18 @@ def measured_plan(x: torch.Tensor, w: torch.Tensor, k_chunk: int, flatten: bool,
     if plan is None:
         if m > MEASURED_MAX_ROWS or torch.cuda.is_current_stream_capturing():
             return table_plan(m, n, k, x.dtype, k_chunk, split_below_tiles)
+        t0 = time.perf_counter()
         plan = _PLANS[key] = _fastest(x, w, k_chunk, flatten, split_sum)
+        _SPENT[0] += time.perf_counter() - t0
     return plan
+
+
+def metrics() -> dict:
+    """What this process measured: how many shapes and buckets, the share that runs split, the seconds spent."""
+    forms = [form for form, _ in _PLANS.values()]
+    return {"kernels/invariant_plans_measured": len(forms),
+            "kernels/invariant_plans_split_share": forms.count("split") / len(forms) if forms else float("nan"),
+            "kernels/invariant_plans_seconds": _SPENT[0]}
 
 
 def _fastest(x: torch.Tensor, w: torch.Tensor, k_chunk: int, flatten: bool, split_sum: str) -> tuple[str, dict]:
