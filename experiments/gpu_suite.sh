@@ -120,8 +120,8 @@ run ab_inv_k_chunk_e2b 570 bash -c 'sweep ab_inv_k_chunk_e2b experiment=rl_batch
 # each tile's last program, and each product's kernel and tiles from the table or measured on the GPU, at a
 # GRPO rollout's 64 rows and at 256
 run ab_inv_plans_e2b 570 bash -c 'for rows in ${AB_ROWS:-64 256}; do sweep ab_inv_plans_e2b_$rows experiment=rl_batch_e2b \
-  workload.num_prompts=$rows engine.batch_invariant=true kernels.invariant_split_sum=kernel,last_program \
-  kernels.invariant_tiles=table,measured; done'
+  workload.num_prompts=$rows engine.batch_invariant=true ${AB_KEYS:-kernels.invariant_split_sum=kernel,last_program \
+  kernels.invariant_tiles=table,measured}; done'
 
 # the invariant routed experts' other form (kernels.invariant_experts=grouped: each expert's rows through the
 # invariant product, the routed 4-bit experts dequantised every step), beside inv_26b_bnb4's invariant job
