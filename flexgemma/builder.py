@@ -173,8 +173,7 @@ def _forward(cfg, r: Resolved, model, spec: ModelSpec, cache: KVCache, max_len: 
         invariant = functools.partial(linear, k_chunk=r.kernels.invariant_k_chunk,
                                       split_below_tiles=r.kernels.invariant_split_below_tiles,
                                       flatten=r.kernels.invariant_flatten,
-                                      split_sum=r.kernels.invariant_split_sum,
-                                      tiles=r.kernels.invariant_tiles)
+                                      split_sum=r.kernels.invariant_split_sum)
         forward = GemmaForward(model, spec, cache.pools, cfg.attn, max_len, attention, ops, lora, r.kernels, invariant)
     if r.quantised:
         groups = forward.linear4bit_groups()

@@ -324,10 +324,6 @@ class KernelsConfig:
     # chunk's float32 partials) or last_program (the last of a tile's programs to finish, told by a counter
     # per tile, adds them: one launch fewer a product, 156 fewer an E2B decode step at 64 rows)
     invariant_split_sum: str = "kernel"
-    # speed only (the same bits): each invariant product's kernel (fold or split) and tiles from the row
-    # count's entry of a fixed table (with invariant_split_below_tiles), or measured: the fastest of a few,
-    # timed on this GPU for each shape and row-count bucket at its first product (model/invariant/measured_tiles.py)
-    invariant_tiles: str = "table"
     # speed only (the same arithmetic): the invariant products' loop over K chunks written as one loop over
     # all K steps (each chunk's sum added to the total where it ends), and prefill attention's loop over KV
     # chunks as tl.range(flatten=True): one loop that Triton's pipeliner overlaps across chunks (a chunk of
@@ -378,7 +374,6 @@ class KernelsConfig:
         _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
         _check_choice("kernels.moe_code_lookup", self.moe_code_lookup, ("auto", "table", "select", "prmt"))
         _check_choice("kernels.invariant_split_sum", self.invariant_split_sum, ("kernel", "last_program"))
-        _check_choice("kernels.invariant_tiles", self.invariant_tiles, ("table", "measured"))
         _check_choice("kernels.invariant_experts", self.invariant_experts, ("auto", "grouped", "triton"))
         _check_choice("kernels.invariant_4bit_subtiles", self.invariant_4bit_subtiles, (1, 4))
         _check_choice("kernels.invariant_4bit_scale", self.invariant_4bit_scale, ("products", "weights"))

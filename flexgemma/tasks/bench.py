@@ -27,10 +27,6 @@ def run(engine, workload, cfg: Config, recorder) -> dict:
     graphs = getattr(engine.runner, "graphs", None)
     if graphs is not None:
         summary.update(graphs.metrics())
-    if cfg.engine.batch_invariant and cfg.kernels.invariant_tiles == "measured":
-        from flexgemma.model.invariant.measured_tiles import metrics as plan_metrics
-
-        summary.update(plan_metrics())
     summary["determinism/run_to_run"] = all([o.token_ids for o in outs] == first for outs in outputs)
     summary.update(memory_metrics(engine))
     summary.update(prefix_metrics(engine.stats))  # the last timed round's

@@ -97,21 +97,6 @@ def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
     assert out.split() == ["True"] * 16
 
 
-def test_measured_tiles_time_the_tables_plan_among_others():
-    """kernels.invariant_tiles=measured picks among candidates that hold the table's own plan at every row
-    count it measures (so it is never slower than the table by more than timing noise), and a bucket's
-    rows share one measurement."""
-    from flexgemma.model.invariant.measured_tiles import MEASURED_MAX_ROWS, candidates, rows_bucket
-
-    for m in range(1, MEASURED_MAX_ROWS + 1):
-        bucket = rows_bucket(m)
-        assert m <= bucket <= max(2 * m, 16) and rows_bucket(bucket) == bucket, m
-        for n, k in ((256, 1536), (1536, 12288), (24576, 1536), (1536, 256)):
-            plans = candidates(bucket, -(-k // inv_matmul.K_CHUNK))
-            assert inv_matmul.table_plan(m, n, k, torch.bfloat16, inv_matmul.K_CHUNK) in plans, (m, n, k)
-            assert len(plans) == len({(f, tuple(t.items())) for f, t in plans}) <= 6
-
-
 # Triton's interpreter converts a loop bound held in a tensor with int(), which numpy 2 refuses for the
 # one-element arrays the interpreter keeps scalars in; the kernels loop over runtime bounds
 INTERPRETER_LOOPS = """
@@ -360,8 +345,7 @@ def test_gpu_alone_slot_chunked_and_scored(model):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["e2b", "26b_a4b"])
-@pytest.mark.parametrize("other", ["kernels.invariant_flatten=false", "kernels.invariant_split_sum=last_program",
-                                   "kernels.invariant_tiles=measured"])
+@pytest.mark.parametrize("other", ["kernels.invariant_flatten=false", "kernels.invariant_split_sum=last_program"])
 def test_gpu_speed_only_keys_give_the_same_bits(model, other):
     """A speed-only key's other side (the nested chunk loops; a split's chunks added by each tile's last
     program) changes no bit: alone, at a slot, scored, and equal to the defaults' tokens and logprobs."""
@@ -390,37 +374,6 @@ def test_gpu_split_sums_by_the_last_program_launch_after_launch_and_in_a_graph()
                 out.zero_()
                 graph.replay()
                 assert torch.equal(out, ref), (n, k, m, "graph")
-
-
-@pytest.mark.gpu
-def test_gpu_every_measured_plan_gives_the_tables_bits_and_a_capture_takes_the_table():
-    """kernels.invariant_tiles=measured on E2B's shapes at 1-512 rows: every plan it may time gives the table's
-    bits, the plan it keeps is one of them, and a product first met inside a CUDA graph capture runs the
-    table's plan (timing cannot run there) and gives the same bits on replay."""
-    from flexgemma.model.invariant import measured_tiles as mt
-
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    for n, k in ((1536, 12288), (12288, 1536), (256, 1536), (1536, 256)):
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5
-        for m in (1, 7, 64, 200, 512):
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = inv_matmul.linear(x, w)
-            plans = mt.candidates(mt.rows_bucket(m), -(-k // inv_matmul.K_CHUNK))
-            for plan in plans:
-                out = torch.full_like(ref, float("nan"))
-                inv_matmul.run_plan(plan, x, w, out, inv_matmul.K_CHUNK, True, "kernel")
-                assert torch.equal(out, ref), (n, k, m, plan)
-            assert torch.equal(inv_matmul.linear(x, w, tiles="measured"), ref), (n, k, m)
-            key = next(key for key in mt._PLANS if key[2:5] == (mt.rows_bucket(m), n, k))
-            assert mt._PLANS[key] in plans
-    x = torch.randn(300, 1536, device=dev, dtype=torch.bfloat16)  # a bucket (512) not measured yet for this N
-    w = torch.randn(4096, 1536, device=dev, dtype=torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = inv_matmul.linear(x, w, tiles="measured")
-    graph.replay()
-    assert torch.equal(out, inv_matmul.linear(x, w)) and not any(key[3] == 4096 for key in mt._PLANS)
 
 
 @pytest.mark.gpu

@@ -27,20 +27,16 @@ SPLIT_BELOW_TILES = 264
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
-           split_below_tiles: int = SPLIT_BELOW_TILES, flatten: bool = False, split_sum: str = "kernel",
-           tiles: str = "table") -> torch.Tensor:
+           split_below_tiles: int = SPLIT_BELOW_TILES, flatten: bool = False, split_sum: str = "kernel") -> torch.Tensor:
     """x [..., K] @ w [N, K].T -> [..., N] in x's dtype, each row independent of the others; k_chunk
     (kernels.invariant_k_chunk): the K elements summed before the next chunk is added (GPU);
     split_below_tiles (kernels.invariant_split_below_tiles): which of two kernels, the same bits;
     flatten (kernels.invariant_flatten): the fold kernel's chunk loop as one loop over K, the same bits;
     split_sum (kernels.invariant_split_sum): the split's chunks summed by a second kernel or by each tile's
-    last program, the same bits; tiles (kernels.invariant_tiles): the kernel and tiles from the row count's
-    entry of the table below (with split_below_tiles) or the fastest of them timed on this GPU and shape
-    (model/invariant/measured_tiles.py), the same bits."""
+    last program, the same bits."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    out = (_linear_gpu(x2, w, k_chunk, split_below_tiles, flatten, split_sum, tiles) if x2.is_cuda
-           else _linear_cpu(x2, w))
+    out = _linear_gpu(x2, w, k_chunk, split_below_tiles, flatten, split_sum) if x2.is_cuda else _linear_cpu(x2, w)
     return out.reshape(*lead, w.shape[0])
 
 
@@ -68,29 +64,10 @@ def _tiles(m: int, dtype: torch.dtype) -> dict:
     return next(t for most, t in table if most is None or m <= most)
 
 
-def table_plan(m: int, n: int, k: int, dtype: torch.dtype, k_chunk: int,
-               split_below_tiles: int = SPLIT_BELOW_TILES) -> tuple[str, dict]:
-    """("split" or "fold", tile options) for an [m, k] @ [n, k].T product from the row count's table entry."""
-    cfg = dict(_tiles(m, dtype))
-    tiles = -(-m // cfg["BM"]) * -(-n // cfg["BN"])
-    return ("split" if -(-k // k_chunk) > 1 and tiles < split_below_tiles else "fold"), cfg
-
-
-def run_plan(plan: tuple[str, dict], x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, k_chunk: int,
-             flatten: bool, split_sum: str) -> None:
-    """out = x @ w.T through a plan's kernel and tiles (x, w contiguous in K; out [m, n])."""
+def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int, split_below_tiles: int, flatten: bool,
+                split_sum: str) -> torch.Tensor:
     from flexgemma.model.invariant import triton_matmul as tm
 
-    form, cfg = plan
-    if form == "split":
-        split = tm.split_last_sums if split_sum == "last_program" else tm.split_then_sum
-        split(x, w, out, -(-x.shape[1] // k_chunk), k_chunk, cfg)
-    else:
-        tm.fold(x, w, out, k_chunk, cfg, flatten)
-
-
-def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int, split_below_tiles: int, flatten: bool,
-                split_sum: str, tiles: str) -> torch.Tensor:
     if w.stride(-1) != 1:
         w = w.contiguous()
     if x.stride(-1) != 1:
@@ -100,11 +77,12 @@ def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int, split_below_tile
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if tiles == "measured" and x.dtype != torch.float32:
-        from flexgemma.model.invariant.measured_tiles import measured_plan
-
-        plan = measured_plan(x, w, k_chunk, flatten, split_sum, split_below_tiles)
+    cfg = dict(_tiles(m, x.dtype))
+    tiles = -(-m // cfg["BM"]) * -(-n // cfg["BN"])
+    chunks = -(-k // k_chunk)
+    if chunks > 1 and tiles < split_below_tiles:
+        split = tm.split_last_sums if split_sum == "last_program" else tm.split_then_sum
+        split(x, w, out, chunks, k_chunk, cfg)
     else:
-        plan = table_plan(m, n, k, x.dtype, k_chunk, split_below_tiles)
-    run_plan(plan, x, w, out, k_chunk, flatten, split_sum)
+        tm.fold(x, w, out, k_chunk, cfg, flatten)
     return out
