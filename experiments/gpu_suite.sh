@@ -117,7 +117,7 @@ run bench_inv_linear_trainer 300 python3 experiments/bench_invariant_linear.py -
 run ab_inv_k_chunk_e2b 570 bash -c 'sweep ab_inv_k_chunk_e2b experiment=rl_batch_e2b engine.batch_invariant=true \
   kernels.invariant_k_chunk=512,2048'
 # a split product's chunks added by a second kernel or by each tile's last program (speed only, the same bits),
-# at a GRPO rollout's 64 rows and at 256; AB_KEYS: other speed-only keys of the invariant products
+# at a GRPO rollout's 64 rows and at 256 (AB_ROWS: other row counts; AB_KEYS: other speed-only keys of the products)
 run ab_inv_split_sum_e2b 570 bash -c 'for rows in ${AB_ROWS:-64 256}; do sweep ab_inv_split_sum_e2b_$rows experiment=rl_batch_e2b \
   workload.num_prompts=$rows engine.batch_invariant=true ${AB_KEYS:-kernels.invariant_split_sum=kernel,last_program}; done'
 
