@@ -80,8 +80,9 @@ def projection_shapes(model: str) -> collections.Counter:
 
 
 # the fold kernel, with its chunk loop flattened (kernels.invariant_flatten), the split, the split whose chunks each
-# tile's last program adds (kernels.invariant_split_sum=last_program)
-FORMS = ("fold", "flat", "split", "split_last")
+# tile's last program adds (kernels.invariant_split_sum=last_program), the flattened fold with its blocks moved by
+# tensor descriptors (TMA) instead of per-element addresses
+FORMS = ("fold", "flat", "split", "split_last", "tma")
 
 
 def run(x: torch.Tensor, w: torch.Tensor, k_chunk: int, tiles: dict, form: str) -> torch.Tensor:
@@ -89,7 +90,9 @@ def run(x: torch.Tensor, w: torch.Tensor, k_chunk: int, tiles: dict, form: str) 
 
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     chunks = -(-x.shape[1] // k_chunk)
-    if form.startswith("split") and chunks > 1:
+    if form == "tma":
+        tm.fold_tma(x, w, out, k_chunk, tiles)
+    elif form.startswith("split") and chunks > 1:
         split = tm.split_last_sums if form == "split_last" else tm.split_then_sum
         split(x, w, out, chunks, k_chunk, tiles)
     else:

@@ -8,7 +8,7 @@
 #   PROBE=moe_tiles PROBE_MOE=bnb4 bash experiments/gpu_suite.sh probe
 #   INV_LINEAR="e2b:64,256" K_CHUNKS=512,2048 bash experiments/gpu_suite.sh bench_inv_linear
 #   FORMS_4BIT=dot_prmt,dot_w_prmt,dot_ws_prmt bash experiments/gpu_suite.sh bench_4bit_forms
-# Stages (in this order): tests tests_kernels invariant_tests invariant_tests_moe trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 bench_inv_linear bench_inv_linear_trainer ab_inv_k_chunk_e2b ab_inv_split_sum_e2b ab_inv_26b_bnb4_experts ab_inv_26b_bnb4_subtiles invariant_tests_scale ab_inv_26b_bnb4_scale ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_prefetch ab_inv_26b_bnb4_prefetch ab_26b_bnb4_lookup ab_inv_26b_bnb4_lookup ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b profile_trainer_26b_mb16 grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_e2b_exact_mb64_torch_recompute grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_26b_exact_sleep grpo_26b_exact_mb32_sleep grpo_26b_exact_mb16_sleep grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode profile_decode_inv profile_prefill_inv probe decode_sweep profile_round bench_kernels bench_4bit_forms ablate_4bit ncu_4bit_up speed_old_new
+# Stages (in this order): tests tests_kernels invariant_tests invariant_tests_moe trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 bench_inv_linear bench_inv_linear_trainer ab_inv_k_chunk_e2b ab_inv_split_sum_e2b ab_inv_loads_e2b ab_inv_26b_bnb4_experts ab_inv_26b_bnb4_subtiles invariant_tests_scale ab_inv_26b_bnb4_scale ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_prefetch ab_inv_26b_bnb4_prefetch ab_26b_bnb4_lookup ab_inv_26b_bnb4_lookup ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b profile_trainer_26b_mb16 grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_e2b_exact_mb64_torch_recompute grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_26b_exact_sleep grpo_26b_exact_mb32_sleep grpo_26b_exact_mb16_sleep grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode profile_decode_inv profile_prefill_inv probe decode_sweep profile_round bench_kernels bench_4bit_forms ablate_4bit ncu_4bit_up speed_old_new
 # Each job's directory (summary.json, metrics.jsonl, config_resolved.yaml) and each sweep's report.md
 # go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into $OUT/results.tgz and a
 # digest is printed. Expects the wheels of
@@ -112,7 +112,7 @@ run ab_inv_flatten_26b_bnb4 570 bash -c 'sweep ab_inv_flatten_26b_bnb4 experimen
 run bench_inv_linear 420 bash -c 'for mr in ${INV_LINEAR:-e2b:64,256 e4b:128 31b:64}; do python3 experiments/bench_invariant_linear.py \
   --model ${mr%%:*} --rows ${mr#*:} --k-chunks ${K_CHUNKS:-512,1024,2048,4096} --forms ${INV_FORMS:-flat,split,split_last} --out "$WORK/bench_inv_linear_${mr%%:*}.json"; done'
 # the same products at a trainer micro-batch's rows (task.trainer_forward=engine computes through them)
-run bench_inv_linear_trainer 300 python3 experiments/bench_invariant_linear.py --model e2b --rows 8192 --k-chunks 512 --forms fold,flat \
+run bench_inv_linear_trainer 300 python3 experiments/bench_invariant_linear.py --model e2b --rows 8192 --k-chunks 512 --forms ${INV_FORMS:-fold,flat} \
   --out "$WORK/bench_inv_linear_trainer.json"
 run ab_inv_k_chunk_e2b 570 bash -c 'sweep ab_inv_k_chunk_e2b experiment=rl_batch_e2b engine.batch_invariant=true \
   kernels.invariant_k_chunk=512,2048'
@@ -120,6 +120,9 @@ run ab_inv_k_chunk_e2b 570 bash -c 'sweep ab_inv_k_chunk_e2b experiment=rl_batch
 # at a GRPO rollout's 64 rows and at 256 (AB_ROWS: other row counts; AB_KEYS: other speed-only keys of the products)
 run ab_inv_split_sum_e2b 570 bash -c 'for rows in ${AB_ROWS:-64 256}; do sweep ab_inv_split_sum_e2b_$rows experiment=rl_batch_e2b \
   workload.num_prompts=$rows engine.batch_invariant=true ${AB_KEYS:-kernels.invariant_split_sum=kernel,last_program}; done'
+# the fold kernel's blocks through per-element pointers or tensor descriptors (speed only, the same bits)
+run ab_inv_loads_e2b 570 bash -c 'for rows in ${AB_ROWS:-64 256}; do sweep ab_inv_loads_e2b_$rows experiment=rl_batch_e2b \
+  workload.num_prompts=$rows engine.batch_invariant=true kernels.invariant_loads=pointers,tma; done'
 
 # the invariant routed experts' other form (kernels.invariant_experts=grouped: each expert's rows through the
 # invariant product, the routed 4-bit experts dequantised every step), beside inv_26b_bnb4's invariant job

@@ -173,7 +173,8 @@ def _forward(cfg, r: Resolved, model, spec: ModelSpec, cache: KVCache, max_len: 
         invariant = functools.partial(linear, k_chunk=r.kernels.invariant_k_chunk,
                                       split_below_tiles=r.kernels.invariant_split_below_tiles,
                                       flatten=r.kernels.invariant_flatten,
-                                      split_sum=r.kernels.invariant_split_sum)
+                                      split_sum=r.kernels.invariant_split_sum,
+                                      loads=r.kernels.invariant_loads)
         forward = GemmaForward(model, spec, cache.pools, cfg.attn, max_len, attention, ops, lora, r.kernels, invariant)
     if r.quantised:
         groups = forward.linear4bit_groups()

@@ -20,7 +20,8 @@ OTHER = {"fuse_projections": False, "fused_kv_write": True, "prefill_full_blocks
          "linear4bit_dequant": "bnb", "moe_sort_above": 0, "moe_fused_max_entries": 16, "moe_dequant": "triton",
          "moe_4bit_prefetch": False, "moe_code_lookup": "select",
          "invariant_k_chunk": 256, "invariant_split_tokens": 512, "invariant_block_n": 32,
-         "invariant_split_below_tiles": 0, "invariant_split_sum": "last_program", "invariant_flatten": False, "invariant_4bit_subtiles": 1,
+         "invariant_split_below_tiles": 0, "invariant_split_sum": "last_program", "invariant_flatten": False, "invariant_loads": "tma",
+         "invariant_4bit_subtiles": 1,
          "invariant_4bit_scale": "weights",
          "trainer_vocab_slice": 4096, "trainer_glue_backward": "compiled",
          "trainer_backward_dtype": "float32", "trainer_recompute": "reference"}
@@ -88,7 +89,7 @@ def test_the_invariant_engine_hands_its_keys_to_each_kernel():
                                    "kernels.invariant_split_tokens=128"]))
     forward = engine.runner.forward
     assert forward.invariant.keywords == {"k_chunk": 256, "split_below_tiles": 264, "flatten": False,
-                                          "split_sum": "kernel"}
+                                          "split_sum": "kernel", "loads": "pointers"}
     assert forward.ops.experts_kernel.flatten is False and forward.ops.experts_kernel.k_chunk == 256
     assert forward.attention.options.flatten is False and forward.attention.options.split_tokens == 128
 

@@ -329,6 +329,11 @@ class KernelsConfig:
     # chunks as tl.range(flatten=True): one loop that Triton's pipeliner overlaps across chunks (a chunk of
     # 512 is 4-8 steps of 64-128: each chunk's loads otherwise start cold)
     invariant_flatten: bool = True
+    # speed only (the same operations): how the fold kernel's blocks reach shared memory: pointers (a
+    # masked load per element) or tma (tensor descriptors: the Hopper tensor memory accelerator moves each
+    # block, out-of-range rows and K read as zeros as the masks give; products whose bases or row strides
+    # are not 16-byte aligned take the pointers)
+    invariant_loads: str = "pointers"
     # the invariant routed experts: triton (model/moe_kernel.py's decode kernels for every step, in tiles
     # whose size does not change a row's bits, 4-bit experts decoded inside them: a decode step costs what
     # the default mode's does; bf16/fp16 models), grouped (each expert's rows through the invariant
@@ -374,6 +379,7 @@ class KernelsConfig:
         _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
         _check_choice("kernels.moe_code_lookup", self.moe_code_lookup, ("auto", "table", "select", "prmt"))
         _check_choice("kernels.invariant_split_sum", self.invariant_split_sum, ("kernel", "last_program"))
+        _check_choice("kernels.invariant_loads", self.invariant_loads, ("pointers", "tma"))
         _check_choice("kernels.invariant_experts", self.invariant_experts, ("auto", "grouped", "triton"))
         _check_choice("kernels.invariant_4bit_subtiles", self.invariant_4bit_subtiles, (1, 4))
         _check_choice("kernels.invariant_4bit_scale", self.invariant_4bit_scale, ("products", "weights"))

@@ -27,16 +27,19 @@ SPLIT_BELOW_TILES = 264
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
-           split_below_tiles: int = SPLIT_BELOW_TILES, flatten: bool = False, split_sum: str = "kernel") -> torch.Tensor:
+           split_below_tiles: int = SPLIT_BELOW_TILES, flatten: bool = False, split_sum: str = "kernel",
+           loads: str = "pointers") -> torch.Tensor:
     """x [..., K] @ w [N, K].T -> [..., N] in x's dtype, each row independent of the others; k_chunk
     (kernels.invariant_k_chunk): the K elements summed before the next chunk is added (GPU);
     split_below_tiles (kernels.invariant_split_below_tiles): which of two kernels, the same bits;
     flatten (kernels.invariant_flatten): the fold kernel's chunk loop as one loop over K, the same bits;
     split_sum (kernels.invariant_split_sum): the split's chunks summed by a second kernel or by each tile's
-    last program, the same bits."""
+    last program, the same bits; loads (kernels.invariant_loads): the fold's blocks through per-element pointers
+    or tensor descriptors (tma), the same bits."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    out = _linear_gpu(x2, w, k_chunk, split_below_tiles, flatten, split_sum) if x2.is_cuda else _linear_cpu(x2, w)
+    out = _linear_gpu(x2, w, k_chunk, split_below_tiles, flatten, split_sum, loads) if x2.is_cuda \
+        else _linear_cpu(x2, w)
     return out.reshape(*lead, w.shape[0])
 
 
@@ -65,7 +68,7 @@ def _tiles(m: int, dtype: torch.dtype) -> dict:
 
 
 def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int, split_below_tiles: int, flatten: bool,
-                split_sum: str) -> torch.Tensor:
+                split_sum: str, loads: str) -> torch.Tensor:
     from flexgemma.model.invariant import triton_matmul as tm
 
     if w.stride(-1) != 1:
@@ -83,6 +86,8 @@ def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int, split_below_tile
     if chunks > 1 and tiles < split_below_tiles:
         split = tm.split_last_sums if split_sum == "last_program" else tm.split_then_sum
         split(x, w, out, chunks, k_chunk, cfg)
+    elif loads == "tma" and tm.tma_ok(x, w, out):
+        tm.fold_tma(x, w, out, k_chunk, cfg)
     else:
         tm.fold(x, w, out, k_chunk, cfg, flatten)
     return out

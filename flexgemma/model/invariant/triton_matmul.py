@@ -63,13 +63,18 @@ def _tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GM: tl.constexpr):
     by column over all rows, every column tile read all of x again: 70 MB at a 23k-token trainer step, more
     than the L2). The order moves only the speed, not a bit; at decode sizes (at most GM row tiles) it is
     column by column."""
+    m0, n0 = _tile_origin(pid, M, N, BM, BN, GM)
+    return m0 + tl.arange(0, BM), n0 + tl.arange(0, BN)
+
+
+@triton.jit
+def _tile_origin(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GM: tl.constexpr):
+    """`_tile`'s first row and column."""
     num_m = tl.cdiv(M, BM)
     band = GM * tl.cdiv(N, BN)
     first = (pid // band) * GM
     height = tl.minimum(num_m - first, GM)
-    rows = (first + (pid % band) % height) * BM + tl.arange(0, BM)
-    cols = ((pid % band) // height) * BN + tl.arange(0, BN)
-    return rows, cols
+    return (first + (pid % band) % height) * BM, ((pid % band) // height) * BN
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -90,6 +95,28 @@ def _mm_fold(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, CHUNKS,
                                            BK, IEEE)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], total.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_fold_tma(x_desc, w_desc, out_desc, M, N, CHUNKS, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr):
+    """`_mm_fold`'s one-loop arithmetic with its blocks moved by the tensor memory accelerator (descriptors:
+    no per-element addresses or masks in the loop; past M, N or K a block reads zeros, as the masks do)."""
+    m0, n0 = _tile_origin(tl.program_id(0), M, N, BM, BN, GM)
+    STEPS: tl.constexpr = KC // BK
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for s in range(0, CHUNKS * STEPS):
+        a = x_desc.load([m0, s * BK])
+        b = w_desc.load([n0, s * BK])
+        if IEEE:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        if s % STEPS == STEPS - 1:
+            total = total + acc
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+    out_desc.store([m0, n0], total.to(out_desc.dtype))
 
 
 @triton.jit
@@ -149,6 +176,24 @@ def _launch_args(x, w, kc, cfg):
 def fold(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kc: int, cfg: dict, flatten: bool = False) -> None:
     m, n, k, tiles, meta = _launch_args(x, w, kc, cfg)
     _mm_fold[(tiles,)](x, w, out, m, n, k, x.stride(0), triton.cdiv(k, kc), KC=kc, FLATTEN=flatten, **meta)
+
+
+def fold_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kc: int, cfg: dict) -> None:
+    """`fold`'s bits through `_mm_fold_tma` (x's row stride and every base 16-byte aligned: `tma_ok`)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, n, k, tiles, meta = _launch_args(x, w, kc, cfg)
+    bm, bn, bk = meta["BM"], meta["BN"], meta["BK"]
+    x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+    w_desc = TensorDescriptor.from_tensor(w, [bn, bk])
+    out_desc = TensorDescriptor.from_tensor(out, [bm, bn])
+    _mm_fold_tma[(tiles,)](x_desc, w_desc, out_desc, m, n, triton.cdiv(k, kc), KC=kc, **meta)
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether descriptors can address these 2-D tensors: 16-byte aligned bases and row strides."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1
+               for t in tensors)
 
 
 def split_then_sum(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, kc: int, cfg: dict) -> None:
