@@ -80,9 +80,9 @@ def projection_shapes(model: str) -> collections.Counter:
 
 
 # the fold kernel, with its chunk loop flattened (kernels.invariant_flatten), the split, the split whose chunks each
-# tile's last program adds (kernels.invariant_split_sum=last_program), the flattened fold with its blocks moved by
-# tensor descriptors (TMA) instead of per-element addresses
-FORMS = ("fold", "flat", "split", "split_last", "tma")
+# tile's last program adds (kernels.invariant_split_sum=last_program); with "_tma" their blocks moved by tensor
+# descriptors instead of per-element addresses (kernels.invariant_loads=tma; the fold's is the flattened one)
+FORMS = ("fold", "flat", "split", "split_last", "flat_tma", "split_tma", "split_last_tma")
 
 
 def run(x: torch.Tensor, w: torch.Tensor, k_chunk: int, tiles: dict, form: str) -> torch.Tensor:
@@ -90,11 +90,12 @@ def run(x: torch.Tensor, w: torch.Tensor, k_chunk: int, tiles: dict, form: str) 
 
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     chunks = -(-x.shape[1] // k_chunk)
-    if form == "tma":
+    tma = form.endswith("_tma")
+    if form.startswith("split") and chunks > 1:
+        split = tm.split_last_sums if form.startswith("split_last") else tm.split_then_sum
+        split(x, w, out, chunks, k_chunk, tiles, tma=tma)
+    elif tma:
         tm.fold_tma(x, w, out, k_chunk, tiles)
-    elif form.startswith("split") and chunks > 1:
-        split = tm.split_last_sums if form == "split_last" else tm.split_then_sum
-        split(x, w, out, chunks, k_chunk, tiles)
     else:
         tm.fold(x, w, out, k_chunk, tiles, flatten=form == "flat")
     return out
@@ -158,6 +159,11 @@ def main() -> None:
         for kc in k_chunks:
             summary[f"k{kc}_best_us"] = total(
                 lambda t: min((v for kk, v in t.items() if kk.startswith(f"k{kc}/")), default=t["default"]))
+            if any(f.endswith("_tma") for f in forms):  # each shape's best form and tile, per way of loading
+                for loads, is_tma in (("pointers", False), ("tma", True)):
+                    summary[f"k{kc}_{loads}_best_us"] = total(lambda t: min(
+                        (v for kk, v in t.items() if kk.startswith(f"k{kc}/") and kk.split("/")[1].endswith("_tma") == is_tma),
+                        default=t["default"]))
             for form in forms:
                 summary[f"k{kc}_{form}_only_us"] = total(
                     lambda t: min((v for kk, v in t.items() if kk.startswith(f"k{kc}/{form}/")), default=t["default"]))

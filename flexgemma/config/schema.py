@@ -329,7 +329,7 @@ class KernelsConfig:
     # chunks as tl.range(flatten=True): one loop that Triton's pipeliner overlaps across chunks (a chunk of
     # 512 is 4-8 steps of 64-128: each chunk's loads otherwise start cold)
     invariant_flatten: bool = True
-    # speed only (the same operations): how the fold kernel's blocks reach shared memory: pointers (a
+    # speed only (the same operations): how the products' blocks reach shared memory: pointers (a
     # masked load per element) or tma (tensor descriptors: the Hopper tensor memory accelerator moves each
     # block, out-of-range rows and K read as zeros as the masks give; products whose bases or row strides
     # are not 16-byte aligned take the pointers)

@@ -90,9 +90,13 @@ def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
         # descriptor's row stride is a multiple of 16 bytes): past the 40 rows, 68 columns and 1,100 K of the
         # tiles the blocks read zeros, as the masks give
         for kc, ref in ((512, a), (16, e)):
-            t = torch.full((40, 68), float("nan"))
-            tm.fold_tma(x, w[:68], t, kc, cfg)
-            print(torch.equal(ref[:, :68], t))
+            chunks = -(-1100 // kc)
+            for run in (lambda o: tm.fold_tma(x, w[:68], o, kc, cfg),
+                        lambda o: tm.split_then_sum(x, w[:68], o, chunks, kc, cfg, tma=True),
+                        lambda o: tm.split_last_sums(x, w[:68], o, chunks, kc, cfg, tma=True)):
+                t = torch.full((40, 68), float("nan"))
+                run(t)
+                print(torch.equal(ref[:, :68], t))
         # the tile order (bands of GM row tiles; 3 row tiles here: a full band of 2 and one of 1) reaches
         # every tile once and moves no bit; the outputs start as NaN, so a tile missed shows
         for gm in (1, 2):
@@ -101,7 +105,7 @@ def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
             tm.split_then_sum(x, w, i, 3, 512, dict(cfg, GM=gm))
             print(torch.equal(a, h), torch.equal(a, i))
     """))
-    assert out.split() == ["True"] * 18
+    assert out.split() == ["True"] * 22
 
 
 # Triton's interpreter converts a loop bound held in a tensor with int(), which numpy 2 refuses for the

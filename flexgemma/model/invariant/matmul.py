@@ -83,10 +83,11 @@ def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int, split_below_tile
     cfg = dict(_tiles(m, x.dtype))
     tiles = -(-m // cfg["BM"]) * -(-n // cfg["BN"])
     chunks = -(-k // k_chunk)
+    tma = loads == "tma" and tm.tma_ok(x, w, out)
     if chunks > 1 and tiles < split_below_tiles:
         split = tm.split_last_sums if split_sum == "last_program" else tm.split_then_sum
-        split(x, w, out, chunks, k_chunk, cfg)
-    elif loads == "tma" and tm.tma_ok(x, w, out):
+        split(x, w, out, chunks, k_chunk, cfg, tma=tma)
+    elif tma:
         tm.fold_tma(x, w, out, k_chunk, cfg)
     else:
         tm.fold(x, w, out, k_chunk, cfg, flatten)

@@ -5,6 +5,8 @@ every projection of every model."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -16,11 +18,27 @@ GROUP_M = 8  # row tiles per band of the dense products' tile order (`_tile`)
 def _dot_step(acc, x_ptr, rows, row_ok, ks, k_ok, stride_x, b, IEEE: tl.constexpr):
     """acc + x[rows, ks] @ b^T (b [BN, BK], the weights at those K): one step of a K loop."""
     a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    return _dot(a, b, acc, IEEE)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b^T (a [BM, BK], b [BN, BK])."""
     if IEEE:
         out = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
     else:
         out = tl.dot(a, tl.trans(b), acc)
     return out
+
+
+@triton.jit
+def _chunk_product_tma(x_desc, w_desc, m0, n0, k_start, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, IEEE: tl.constexpr):
+    """`_chunk_product` of the tile at (m0, n0) with its blocks moved by tensor descriptors (zeros past M, N, K)."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, KC, BK):
+        acc = _dot(x_desc.load([m0, k_start + k0]), w_desc.load([n0, k_start + k0]), acc, IEEE)
+    return acc
 
 
 @triton.jit
@@ -107,12 +125,7 @@ def _mm_fold_tma(x_desc, w_desc, out_desc, M, N, CHUNKS, KC: tl.constexpr, BM: t
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     total = tl.zeros((BM, BN), dtype=tl.float32)
     for s in range(0, CHUNKS * STEPS):
-        a = x_desc.load([m0, s * BK])
-        b = w_desc.load([n0, s * BK])
-        if IEEE:
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
+        acc = _dot(x_desc.load([m0, s * BK]), w_desc.load([n0, s * BK]), acc, IEEE)
         if s % STEPS == STEPS - 1:
             total = total + acc
             acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -120,31 +133,37 @@ def _mm_fold_tma(x_desc, w_desc, out_desc, M, N, CHUNKS, KC: tl.constexpr, BM: t
 
 
 @triton.jit
-def _stored_chunk(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr):
+def _stored_chunk(x_ptr, w_ptr, x_desc, w_desc, part_ptr, M, N, K, stride_x, KC: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
     """Program (tile, chunk)'s float32 K-chunk product, stored at part[chunk, rows, cols]; (rows, cols, which
-    of them are in the output)."""
+    of them are in the output). TMA: the blocks through the descriptors (the pointers unused), else the pointers."""
     c = tl.program_id(1)
-    rows, cols = _tile(tl.program_id(0), M, N, BM, BN, GM)
+    m0, n0 = _tile_origin(tl.program_id(0), M, N, BM, BN, GM)
+    rows, cols = m0 + tl.arange(0, BM), n0 + tl.arange(0, BN)
     ok = (rows < M)[:, None] & (cols < N)[None, :]
-    acc = _chunk_product(x_ptr, w_ptr, rows, cols, rows < M, cols < N, c * KC, K, stride_x, KC, BM, BN, BK, IEEE)
+    if TMA:
+        acc = _chunk_product_tma(x_desc, w_desc, m0, n0, c * KC, KC, BM, BN, BK, IEEE)
+    else:
+        acc = _chunk_product(x_ptr, w_ptr, rows, cols, rows < M, cols < N, c * KC, K, stride_x, KC, BM, BN, BK, IEEE)
     tl.store(part_ptr + (c * M + rows[:, None]) * N + cols[None, :], acc, mask=ok)
     return rows, cols, ok
 
 
 @triton.jit(do_not_specialize=["M"])
-def _mm_split(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr):
+def _mm_split(x_ptr, w_ptr, x_desc, w_desc, part_ptr, M, N, K, stride_x, KC: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
     """Program (tile, chunk): one K chunk's float32 product, stored at part[chunk, rows, cols]."""
-    _stored_chunk(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, KC, BM, BN, BK, GM, IEEE)
+    _stored_chunk(x_ptr, w_ptr, x_desc, w_desc, part_ptr, M, N, K, stride_x, KC, BM, BN, BK, GM, IEEE, TMA)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _mm_split_last_sums(x_ptr, w_ptr, part_ptr, out_ptr, count_ptr, M, N, K, stride_x, CHUNKS, KC: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr):
+def _mm_split_last_sums(x_ptr, w_ptr, x_desc, w_desc, part_ptr, out_ptr, count_ptr, M, N, K, stride_x, CHUNKS,
+                        KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr,
+                        IEEE: tl.constexpr, TMA: tl.constexpr):
     """`_mm_split`'s program, then the tile's last program to finish (a counter per tile) adds the tile's
     chunks in order as `_sum_chunks` does and sets the counter back to 0 for the next launch."""
-    rows, cols, ok = _stored_chunk(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, KC, BM, BN, BK, GM, IEEE)
+    rows, cols, ok = _stored_chunk(x_ptr, w_ptr, x_desc, w_desc, part_ptr, M, N, K, stride_x, KC, BM, BN, BK, GM, IEEE,
+                                   TMA)
     tl.debug_barrier()  # every thread's partials stored before the count says so (the release below publishes them)
     done = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
     if done == CHUNKS - 1:
@@ -178,16 +197,19 @@ def fold(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kc: int, cfg: dict
     _mm_fold[(tiles,)](x, w, out, m, n, k, x.stride(0), triton.cdiv(k, kc), KC=kc, FLATTEN=flatten, **meta)
 
 
-def fold_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kc: int, cfg: dict) -> None:
-    """`fold`'s bits through `_mm_fold_tma` (x's row stride and every base 16-byte aligned: `tma_ok`)."""
+def _descriptors(meta: dict, x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None) -> tuple:
+    """Tensor descriptors of x's [BM, BK], w's [BN, BK] (and out's [BM, BN]) blocks."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    m, n, k, tiles, meta = _launch_args(x, w, kc, cfg)
     bm, bn, bk = meta["BM"], meta["BN"], meta["BK"]
-    x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
-    w_desc = TensorDescriptor.from_tensor(w, [bn, bk])
-    out_desc = TensorDescriptor.from_tensor(out, [bm, bn])
-    _mm_fold_tma[(tiles,)](x_desc, w_desc, out_desc, m, n, triton.cdiv(k, kc), KC=kc, **meta)
+    descs = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]))
+    return descs if out is None else (*descs, TensorDescriptor.from_tensor(out, [bm, bn]))
+
+
+def fold_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kc: int, cfg: dict) -> None:
+    """`fold`'s bits through `_mm_fold_tma` (x's row stride and every base 16-byte aligned: `tma_ok`)."""
+    m, n, k, tiles, meta = _launch_args(x, w, kc, cfg)
+    _mm_fold_tma[(tiles,)](*_descriptors(meta, x, w, out), m, n, triton.cdiv(k, kc), KC=kc, **meta)
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
@@ -196,10 +218,13 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
                for t in tensors)
 
 
-def split_then_sum(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, kc: int, cfg: dict) -> None:
+def split_then_sum(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, kc: int, cfg: dict,
+                   tma: bool = False) -> None:
+    """tma: the chunks' blocks through tensor descriptors (`tma_ok`), the same bits."""
     m, n, k, tiles, meta = _launch_args(x, w, kc, cfg)
     part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device)
-    _mm_split[(tiles, chunks)](x, w, part, m, n, k, x.stride(0), KC=kc, **meta)
+    descs = _descriptors(meta, x, w) if tma else (None, None)
+    _mm_split[(tiles, chunks)](x, w, *descs, part, m, n, k, x.stride(0), KC=kc, TMA=tma, **meta)
     block = 1024
     _sum_chunks[(triton.cdiv(m * n, block),)](part, out, m, n, chunks, BLOCK=block, num_warps=4)
 
@@ -218,12 +243,15 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return counters
 
 
-def split_last_sums(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, kc: int, cfg: dict) -> None:
+def split_last_sums(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, chunks: int, kc: int, cfg: dict,
+                    tma: bool = False) -> None:
     """split_then_sum's result in one launch: each tile's last program sums its chunks."""
     m, n, k, tiles, meta = _launch_args(x, w, kc, cfg)
     part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device)
     counters = _tile_counters(x.device, tiles)
-    _mm_split_last_sums[(tiles, chunks)](x, w, part, out, counters, m, n, k, x.stride(0), chunks, KC=kc, **meta)
+    descs = _descriptors(meta, x, w) if tma else (None, None)
+    _mm_split_last_sums[(tiles, chunks)](x, w, *descs, part, out, counters, m, n, k, x.stride(0), chunks, KC=kc,
+                                         TMA=tma, **meta)
 
 
 @triton.jit
