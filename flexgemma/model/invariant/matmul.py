@@ -60,10 +60,14 @@ _TILES_16BIT = ((16, dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)),
                 (256, dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)),
                 (None, dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)))
 _TILES_32BIT = ((None, dict(BM=32, BN=64, BK=32, num_warps=4, num_stages=2)),)
+# kernels.invariant_loads=tma past 256 rows: 128 x 256 tiles (their pointer loads spill registers)
+_TILE_TMA_MANY_ROWS = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)
 
 
-def _tiles(m: int, dtype: torch.dtype) -> dict:
+def _tiles(m: int, dtype: torch.dtype, tma: bool = False) -> dict:
     table = _TILES_32BIT if dtype == torch.float32 else _TILES_16BIT
+    if tma and dtype != torch.float32 and m > 256:
+        return _TILE_TMA_MANY_ROWS
     return next(t for most, t in table if most is None or m <= most)
 
 
@@ -80,10 +84,10 @@ def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int, split_below_tile
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = dict(_tiles(m, x.dtype))
+    tma = loads == "tma" and tm.tma_ok(x, w, out)
+    cfg = dict(_tiles(m, x.dtype, tma))
     tiles = -(-m // cfg["BM"]) * -(-n // cfg["BN"])
     chunks = -(-k // k_chunk)
-    tma = loads == "tma" and tm.tma_ok(x, w, out)
     if chunks > 1 and tiles < split_below_tiles:
         split = tm.split_last_sums if split_sum == "last_program" else tm.split_then_sum
         split(x, w, out, chunks, k_chunk, cfg, tma=tma)
