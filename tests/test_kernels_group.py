@@ -94,6 +94,17 @@ def test_the_invariant_engine_hands_its_keys_to_each_kernel():
     assert forward.attention.options.flatten is False and forward.attention.options.split_tokens == 128
 
 
+def test_tma_loads_below_hopper_are_refused_when_the_run_resolves(monkeypatch):
+    cuda = torch.device("cuda")
+    tma = dataclasses.replace(KernelsConfig(), invariant_loads="tma")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match="kernels.invariant_loads=tma .* sm_80 GPU: use kernels.invariant_loads=pointers"):
+        resolve_kernels(tma, cuda, "dense", 64, False)
+    assert resolve_kernels(KernelsConfig(), cuda, "dense", 64, False).invariant_loads == "pointers"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_kernels(tma, cuda, "dense", 64, False).invariant_loads == "tma"
+
+
 def test_prmt_off_an_nvidia_gpu_is_refused_when_the_run_resolves():
     cfg = compose(["+model=tiny_moe", "device=cpu", "kernels.moe_code_lookup=prmt"])
     with pytest.raises(ConfigError, match="kernels.moe_code_lookup=prmt runs inline PTX, an NVIDIA GPU's only .*cpu"):

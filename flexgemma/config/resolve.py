@@ -78,6 +78,7 @@ def resolve_kernels(k: KernelsConfig, device: torch.device, backend: str, max_ba
         invariant_experts=kernel_choice("invariant_experts", str(k.invariant_experts), "grouped", device),
         linear4bit=kernel_choice("linear4bit", str(k.linear4bit), "bnb", device) if quantised else "bnb",
         moe_code_lookup=code_lookup_choice(str(k.moe_code_lookup), device),
+        invariant_loads=loads_choice(str(k.invariant_loads), device),
         decode_rows=tuple(attention_row_sizes(max_batch_size)) if backend == "flex" else (),
     )
     if k.trainer_glue_backward == "auto":  # as engine.compile: torch.compile on a GPU, eager ops on the CPU
@@ -103,6 +104,19 @@ def code_lookup_choice(value: str, device: torch.device) -> str:
         raise ConfigError(f"kernels.moe_code_lookup=prmt runs inline PTX, an NVIDIA GPU's only (this run is on "
                           f"{device.type}{' with ROCm' if torch.version.hip else ''}): use kernels.moe_code_lookup="
                           "table or select (the same values)")
+    return value
+
+
+def loads_choice(value: str, device: torch.device) -> str:
+    """kernels.invariant_loads, refused as tma on a GPU without the tensor memory accelerator (NVIDIA sm_90 and
+    newer have it); on the CPU the invariant products are torch's, which the key does not touch."""
+    if value == "tma" and device.type == "cuda":
+        major, minor = (0, 0) if torch.version.hip else torch.cuda.get_device_capability(device)
+        if major < 9:
+            gpu = "a ROCm GPU" if torch.version.hip else f"an sm_{major}{minor} GPU"
+            raise ConfigError(f"kernels.invariant_loads=tma moves blocks with the tensor memory accelerator of "
+                              f"NVIDIA sm_90 and newer GPUs; this run is on {gpu}: use kernels.invariant_loads="
+                              "pointers (the same bits)")
     return value
 
 

@@ -34,8 +34,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
     split_below_tiles (kernels.invariant_split_below_tiles): which of two kernels, the same bits;
     flatten (kernels.invariant_flatten): the fold kernel's chunk loop as one loop over K, the same bits;
     split_sum (kernels.invariant_split_sum): the split's chunks summed by a second kernel or by each tile's
-    last program, the same bits; loads (kernels.invariant_loads): the fold's blocks through per-element pointers
-    or tensor descriptors (tma), the same bits."""
+    last program, the same bits; loads (kernels.invariant_loads): the products' blocks through per-element
+    pointers or tensor descriptors (tma; the fold in its one-loop form, 128 x 256 tiles past 256 rows), the same
+    bits."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     out = _linear_gpu(x2, w, k_chunk, split_below_tiles, flatten, split_sum, loads) if x2.is_cuda \
