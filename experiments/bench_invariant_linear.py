@@ -94,10 +94,8 @@ def run(x: torch.Tensor, w: torch.Tensor, k_chunk: int, tiles: dict, form: str) 
     if form.startswith("split") and chunks > 1:
         split = tm.split_last_sums if form.startswith("split_last") else tm.split_then_sum
         split(x, w, out, chunks, k_chunk, tiles, tma=tma)
-    elif tma:
-        tm.fold_tma(x, w, out, k_chunk, tiles)
     else:
-        tm.fold(x, w, out, k_chunk, tiles, flatten=form == "flat")
+        tm.fold(x, w, out, k_chunk, tiles, flatten=form == "flat", tma=tma)
     return out
 
 

@@ -91,7 +91,7 @@ def test_triton_matmul_folds_and_splits_to_the_same_bits_interpreted():
         # tiles the blocks read zeros, as the masks give
         for kc, ref in ((512, a), (16, e)):
             chunks = -(-1100 // kc)
-            for run in (lambda o: tm.fold_tma(x, w[:68], o, kc, cfg),
+            for run in (lambda o: tm.fold(x, w[:68], o, kc, cfg, tma=True),
                         lambda o: tm.split_then_sum(x, w[:68], o, chunks, kc, cfg, tma=True),
                         lambda o: tm.split_last_sums(x, w[:68], o, chunks, kc, cfg, tma=True)):
                 t = torch.full((40, 68), float("nan"))

@@ -92,8 +92,6 @@ def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int, split_below_tile
     if chunks > 1 and tiles < split_below_tiles:
         split = tm.split_last_sums if split_sum == "last_program" else tm.split_then_sum
         split(x, w, out, chunks, k_chunk, cfg, tma=tma)
-    elif tma:
-        tm.fold_tma(x, w, out, k_chunk, cfg)
     else:
-        tm.fold(x, w, out, k_chunk, cfg, flatten)
+        tm.fold(x, w, out, k_chunk, cfg, flatten, tma=tma)
     return out

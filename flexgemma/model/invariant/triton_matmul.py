@@ -192,9 +192,14 @@ def _launch_args(x, w, kc, cfg):
     return m, n, k, triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]), _dense_meta(x, kc, cfg)
 
 
-def fold(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kc: int, cfg: dict, flatten: bool = False) -> None:
+def fold(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kc: int, cfg: dict, flatten: bool = False,
+         tma: bool = False) -> None:
+    """tma: the blocks through tensor descriptors (`tma_ok`; `_mm_fold_tma`, the one-loop form), the same bits."""
     m, n, k, tiles, meta = _launch_args(x, w, kc, cfg)
-    _mm_fold[(tiles,)](x, w, out, m, n, k, x.stride(0), triton.cdiv(k, kc), KC=kc, FLATTEN=flatten, **meta)
+    if tma:
+        _mm_fold_tma[(tiles,)](*_descriptors(meta, x, w, out), m, n, triton.cdiv(k, kc), KC=kc, **meta)
+    else:
+        _mm_fold[(tiles,)](x, w, out, m, n, k, x.stride(0), triton.cdiv(k, kc), KC=kc, FLATTEN=flatten, **meta)
 
 
 def _descriptors(meta: dict, x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None) -> tuple:
@@ -204,12 +209,6 @@ def _descriptors(meta: dict, x: torch.Tensor, w: torch.Tensor, out: Optional[tor
     bm, bn, bk = meta["BM"], meta["BN"], meta["BK"]
     descs = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]))
     return descs if out is None else (*descs, TensorDescriptor.from_tensor(out, [bm, bn]))
-
-
-def fold_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, kc: int, cfg: dict) -> None:
-    """`fold`'s bits through `_mm_fold_tma` (x's row stride and every base 16-byte aligned: `tma_ok`)."""
-    m, n, k, tiles, meta = _launch_args(x, w, kc, cfg)
-    _mm_fold_tma[(tiles,)](*_descriptors(meta, x, w, out), m, n, triton.cdiv(k, kc), KC=kc, **meta)
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
