@@ -18,6 +18,10 @@ by a sort) in three forms, on the same bytes and routing:
            applied to its codes in the rows' dtype, both halves' products chained into the accumulator), each
            block a step ahead (dot_ws_prmt: with prmt): the decode side of an invariant bnb4 prefill through
            dequantised bf16 kernels with step-sized tiles;
+  dotk{2,4}  KB = 2 or 4 quantisation blocks a step: each block's codes times its scale in float32, rounded
+           to the rows' dtype once (the weights bitsandbytes' dequantisation gives), then one product per
+           nibble half over the whole step (K = KB * QBLOCK / 2): 4-8x fewer, deeper products than dot's
+           two K=32 ones a block (dotk*_w: weights as the first operand; *_prmt: prmt lookup, a GPU only);
   bytes    the same programs reading the same bytes and scales and doing nothing with them but a sum:
            the ceiling a kernel of this grid and access pattern can reach.
 
@@ -48,8 +52,8 @@ from flexgemma.config.kernels import Kernels  # noqa: E402
 from flexgemma.model.ptx_lookup import lookup_asm  # noqa: E402
 from flexgemma.model.triton4bit import code4, nibble_codes  # noqa: E402
 from flexgemma.model.moe_kernel import (  # noqa: E402
-    UP_TILES, _entry_lists, _nibble_block, _routed_up_kernel, _store_up, _weight_operands, decode_experts,
-    invariant_experts)
+    UP_TILES, _block_scales, _entry_lists, _nibble_block, _routed_up_kernel, _store_up, _weight_operands,
+    decode_experts, invariant_experts)
 
 
 @triton.jit
@@ -105,6 +109,61 @@ def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
                 else:
                     acc_u += prod
         if SWAP:  # the production kernel's epilogue on [ENTRIES, BLOCK_N] accumulators
+            acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
+        _store_up(out_ptr, flat, valid, cols, acc_g, acc_u, I, dt)
+        m0 += ENTRIES
+
+
+@triton.jit
+def _up_kstep_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
+                     out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_we, stride_ae, stride_ne,
+                     QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, ENTRIES: tl.constexpr,
+                     BLOCK_N: tl.constexpr, KB: tl.constexpr, SWAP: tl.constexpr, LOOKUP: tl.constexpr):
+    """Program (e, j) as _up_forms_kernel's, KB quantisation blocks a step: the step's codes times their
+    blocks' scales (float32, rounded once to the rows' dtype), then a product per nibble half over the step,
+    chained into the accumulator (SWAP: the weights the first operand, [BLOCK_N, ENTRIES] accumulators)."""
+    expert = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < I
+    start = tl.load(starts_ptr + expert)
+    count = tl.load(starts_ptr + expert + 1) - start
+    HALF: tl.constexpr = KB * QBLOCK // 2
+    kh = tl.arange(0, HALF)
+    dt = x_ptr.dtype.element_ty
+    m0 = 0
+    while m0 < count:
+        flat, valid, row = _sorted_tile(x_ptr, order_ptr, start, m0, count, H, TOPK, ENTRIES)
+        if SWAP:
+            acc_g = tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
+        else:
+            acc_g = tl.zeros((ENTRIES, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((ENTRIES, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, KB * QBLOCK):
+            xe = tl.load(row + k0 + 2 * kh[None, :], mask=valid[:, None], other=0.0)
+            xo = tl.load(row + k0 + 2 * kh[None, :] + 1, mask=valid[:, None], other=0.0)
+            for part in tl.static_range(2):  # gate rows [0, I), then up rows [I, 2I)
+                rows = cols + part * I
+                byte = tl.load(w_ptr + expert * stride_we + rows[:, None] * (H // 2) + k0 // 2 + kh[None, :],
+                               mask=ok[:, None], other=0)
+                blk = rows[:, None] * (H // QBLOCK) + k0 // QBLOCK + tl.arange(0, KB)[None, :]
+                scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, expert, blk, ok[:, None],
+                                      stride_ae, stride_ne, NESTED, DOUBLE_QUANT)[:, :, None]
+                hi, lo = nibble_codes(byte, code_ptr, LOOKUP)
+                hi = tl.reshape(tl.reshape(hi.to(tl.float32), (BLOCK_N, KB, QBLOCK // 2)) * scale, (BLOCK_N, HALF))
+                lo = tl.reshape(tl.reshape(lo.to(tl.float32), (BLOCK_N, KB, QBLOCK // 2)) * scale, (BLOCK_N, HALF))
+                hi, lo = hi.to(dt), lo.to(dt)
+                if part == 0:
+                    if SWAP:
+                        acc_g = tl.dot(lo, tl.trans(xo), tl.dot(hi, tl.trans(xe), acc_g))
+                    else:
+                        acc_g = tl.dot(xo, tl.trans(lo), tl.dot(xe, tl.trans(hi), acc_g))
+                else:
+                    if SWAP:
+                        acc_u = tl.dot(lo, tl.trans(xo), tl.dot(hi, tl.trans(xe), acc_u))
+                    else:
+                        acc_u = tl.dot(xo, tl.trans(lo), tl.dot(xe, tl.trans(hi), acc_u))
+        if SWAP:
             acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
         _store_up(out_ptr, flat, valid, cols, acc_g, acc_u, I, dt)
         m0 += ENTRIES
@@ -222,6 +281,15 @@ def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, w
                       DOT_LOOKUP.get(form, "table"))
     ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup=DOT_LOOKUP.get(form, "table"))
     out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
+    if form.startswith("dotk"):
+        _up_kstep_kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
+            x_ptr=x, order_ptr=order, starts_ptr=starts, w_ptr=ops["w_ptr"], absmax_ptr=ops["absmax_ptr"],
+            code_ptr=ops["code_ptr"], ncode_ptr=ops["ncode_ptr"], nabsmax_ptr=ops["nabsmax_ptr"],
+            noffset_ptr=ops["noffset_ptr"], out_ptr=out, I=i, H=x.shape[1], TOPK=topk, stride_we=ops["stride_we"],
+            stride_ae=ops["stride_ae"], stride_ne=ops["stride_ne"], QBLOCK=ops["QBLOCK"], NESTED=ops["NESTED"],
+            DOUBLE_QUANT=ops["DOUBLE_QUANT"], ENTRIES=entries, BLOCK_N=block_n, KB=int(form[4]),
+            SWAP=FORMS[form], LOOKUP=ops["LOOKUP"], num_warps=warps)
+        return out
     _up_forms_kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
         x_ptr=x, order_ptr=order, starts_ptr=starts, w_ptr=ops["w_ptr"], absmax_ptr=ops["absmax_ptr"],
         code_ptr=ops["code_ptr"], ncode_ptr=ops["ncode_ptr"], nabsmax_ptr=ops["nabsmax_ptr"],
@@ -238,8 +306,9 @@ def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, w
 # looked up by prmt (kernels.moe_code_lookup=prmt, a GPU only: the same bits as dot_pf); dot_ws / dot_ws_prmt
 # prefetching with the scale on the codes; dot_w_prmt: dot_w with prmt
 FORMS = {"dot": None, "dot_sel": None, "dot_pf": None, "dot_prmt": None, "dot_ws": None, "dot_ws_prmt": None,
-         "fma": False, "dot_w": True, "dot_w_prmt": True}
-DOT_LOOKUP = {"dot_sel": "select", "dot_prmt": "prmt", "dot_w_prmt": "prmt", "dot_ws_prmt": "prmt"}
+         "fma": False, "dot_w": True, "dot_w_prmt": True,
+         **{f"dotk{kb}{w}{p}": w == "_w" for kb in (2, 4) for w in ("", "_w") for p in ("", "_prmt")}}
+DOT_LOOKUP = {"dot_sel": "select", **{f: "prmt" for f in FORMS if f.endswith("_prmt")}}
 
 
 def up_bytes(gate_up, starts, i, h, block_n, warps, kblocks=1):
@@ -374,11 +443,11 @@ def main() -> None:
     grid = [(f, 16, *c) for f in dots if f in forms
             for c in itertools.product((32, 64, 128), (4, 8))] + \
         [("fma", *c) for c in itertools.product((1, 2, 4, 8), (32, 64), (4,)) if "fma" in forms] + \
-        [(f, 16, *c) for f in ("dot_w", "dot_w_prmt") if f in forms and (dev.type == "cuda" or f == "dot_w")
-         for c in itertools.product((32, 64, 128), (4, 8))]
+        [(f, 16, *c) for f in FORMS if f in forms and (f in ("dot_w", "dot_w_prmt") or f.startswith("dotk"))
+         and (dev.type == "cuda" or not f.endswith("_prmt")) for c in itertools.product((32, 64, 128), (4, 8))]
     if args.check:
         grid = [("dot_sel", 16, 64, 4), ("dot_pf", 16, 32, 4), ("fma", 1, 16, 4), ("fma", 4, 32, 4),
-                ("dot_w", 16, 32, 4), ("dot_ws", 16, 32, 4)]
+                ("dot_w", 16, 32, 4), ("dot_ws", 16, 32, 4), ("dotk2", 16, 32, 4), ("dotk4_w", 16, 64, 4)]
     rows = []
     for t in (int(b) for b in args.batch_sizes.split(",")):
         x = torch.randn(t, h, device=dev, dtype=dt)
