@@ -415,6 +415,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--check", action="store_true", help="no timing: a tile of each form against dot, a row alone")
     ap.add_argument("--forms", default="dot,dot_pf,dot_prmt", help=f"of {','.join(FORMS)}")
+    ap.add_argument("--block-n", default="32,64,128", help="the grid's BLOCK_N values")
+    ap.add_argument("--warps", default="4,8", help="the grid's num_warps values")
     ap.add_argument("--ablate", action="store_true",
                     help="only the production kernel with one part swapped at a time (ABLATIONS)")
     ap.add_argument("--out", default=None)
@@ -440,11 +442,11 @@ def main() -> None:
     forms = args.forms.split(",")
     # (form, entries a program takes at a time, BLOCK_N, warps)
     dots = ("dot", "dot_sel", "dot_pf", "dot_ws") + (("dot_prmt", "dot_ws_prmt") if dev.type == "cuda" else ())
-    grid = [(f, 16, *c) for f in dots if f in forms
-            for c in itertools.product((32, 64, 128), (4, 8))] + \
+    tiles = list(itertools.product(*(tuple(int(v) for v in a.split(",")) for a in (args.block_n, args.warps))))
+    grid = [(f, 16, *c) for f in dots if f in forms for c in tiles] + \
         [("fma", *c) for c in itertools.product((1, 2, 4, 8), (32, 64), (4,)) if "fma" in forms] + \
         [(f, 16, *c) for f in FORMS if f in forms and (f in ("dot_w", "dot_w_prmt") or f.startswith("dotk"))
-         and (dev.type == "cuda" or not f.endswith("_prmt")) for c in itertools.product((32, 64, 128), (4, 8))]
+         and (dev.type == "cuda" or not f.endswith("_prmt")) for c in tiles]
     if args.check:
         grid = [("dot_sel", 16, 64, 4), ("dot_pf", 16, 32, 4), ("fma", 1, 16, 4), ("fma", 4, 32, 4),
                 ("dot_w", 16, 32, 4), ("dot_ws", 16, 32, 4), ("dotk2", 16, 32, 4), ("dotk4_w", 16, 64, 4)]

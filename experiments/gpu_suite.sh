@@ -7,7 +7,7 @@
 #   MODEL=31b ROWS=64 CONTEXT=416 bash experiments/gpu_suite.sh decode_sweep
 #   PROBE=moe_tiles PROBE_MOE=bnb4 bash experiments/gpu_suite.sh probe
 #   INV_LINEAR="e2b:64,256" K_CHUNKS=512,2048 INV_FORMS=flat,split,flat_tma,split_tma bash experiments/gpu_suite.sh bench_inv_linear
-#   FORMS_4BIT=dot_prmt,dot_w_prmt,dot_ws_prmt bash experiments/gpu_suite.sh bench_4bit_forms
+#   FORMS_4BIT=dot_prmt,dot_w_prmt,dotk4_prmt BATCHES_4BIT=32,128 WARPS_4BIT=4 bash experiments/gpu_suite.sh bench_4bit_forms
 # Stages (in this order): tests tests_kernels invariant_tests invariant_tests_moe trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 bench_inv_linear bench_inv_linear_trainer ab_inv_k_chunk_e2b ab_inv_split_sum_e2b ab_inv_loads_e2b ab_inv_26b_bnb4_experts ab_inv_26b_bnb4_subtiles invariant_tests_scale ab_inv_26b_bnb4_scale ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_prefetch ab_inv_26b_bnb4_prefetch ab_26b_bnb4_lookup ab_inv_26b_bnb4_lookup ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b profile_trainer_26b_mb16 grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_e2b_exact_mb64_torch_recompute grpo_e2b_exact_mb64_tma grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_26b_exact_sleep grpo_26b_exact_mb32_sleep grpo_26b_exact_mb16_sleep grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode profile_decode_inv profile_prefill_inv probe decode_sweep profile_round bench_kernels bench_4bit_forms ablate_4bit ncu_4bit_up speed_old_new
 # Each job's directory (summary.json, metrics.jsonl, config_resolved.yaml) and each sweep's report.md
 # go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into $OUT/results.tgz and a
@@ -271,7 +271,8 @@ run bench_kernels 400 bash -c 'python3 experiments/bench_moe_kernel.py --batch-s
   --out "$WORK/bench_dequant4bit.json"; python3 experiments/bench_sampler.py --rows 64,256 --out "$WORK/bench_sampler.json"'
 # one 26B-A4B bnb4 layer's gate_up projection at decode sizes: the fused 4-bit kernel against the same
 # bytes read alone and against products on the CUDA cores (issue 39: ~0.4 TB/s at 128 rows)
-run bench_4bit_forms 300 python3 experiments/bench_4bit_forms.py --batch-sizes 8,32,128 --forms "${FORMS_4BIT:-dot,dot_pf,dot_prmt}" \
+run bench_4bit_forms 300 python3 experiments/bench_4bit_forms.py --batch-sizes ${BATCHES_4BIT:-8,32,128} \
+  --forms "${FORMS_4BIT:-dot,dot_pf,dot_prmt}" --block-n ${BLOCK_N_4BIT:-32,64,128} --warps ${WARPS_4BIT:-4,8} \
   --out "$WORK/bench_4bit_forms.json"
 # the same projection's production loop with one part swapped at a time (the code lookup: table, pair table, none,
 # or prmt in registers (flexgemma/model/ptx_lookup.py); the products; the row loads): where its time goes
