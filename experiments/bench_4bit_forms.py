@@ -21,7 +21,8 @@ by a sort) in three forms, on the same bytes and routing:
   dotk{2,4}  KB = 2 or 4 quantisation blocks a step: each block's codes times its scale in float32, rounded
            to the rows' dtype once (the weights bitsandbytes' dequantisation gives), then one product per
            nibble half over the whole step (K = KB * QBLOCK / 2): 4-8x fewer, deeper products than dot's
-           two K=32 ones a block (dotk*_w: weights as the first operand; *_prmt: prmt lookup, a GPU only);
+           two K=32 ones a block (dotk*_w: weights as the first operand; *_prmt: prmt lookup, a GPU only;
+           *_t: the bytes stored tile-major, each 32 rows' bytes of a step contiguous, `retile`);
   bytes    the same programs reading the same bytes and scales and doing nothing with them but a sum:
            the ceiling a kernel of this grid and access pattern can reach.
 
@@ -115,13 +116,32 @@ def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
 
 
 @triton.jit
+def _byte_at(rows, c, H: tl.constexpr, STEP: tl.constexpr, TILE_N: tl.constexpr):
+    """Offset of byte c of row `rows` in an expert's packed bytes: bitsandbytes' row-major layout (TILE_N 0),
+    or tile-major (TILE_N > 0, retile()): each TILE_N rows' STEP bytes of a K step stored contiguously."""
+    if TILE_N == 0:
+        return rows * (H // 2) + c
+    else:
+        return ((rows // TILE_N) * (H // 2 // STEP) + c // STEP) * (TILE_N * STEP) + (rows % TILE_N) * STEP + c % STEP
+
+
+def retile(packed: torch.Tensor, rows: int, h: int, step: int, tile_n: int) -> torch.Tensor:
+    """An expert stack's packed bytes [E, rows*h/2] in _byte_at's tile-major layout (a copy)."""
+    e = packed.shape[0]
+    t = packed.reshape(e, rows // tile_n, tile_n, h // 2 // step, step).permute(0, 1, 3, 2, 4)
+    return t.contiguous().reshape(e, -1)
+
+
+@triton.jit
 def _up_kstep_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
                      out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_we, stride_ae, stride_ne,
                      QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, ENTRIES: tl.constexpr,
-                     BLOCK_N: tl.constexpr, KB: tl.constexpr, SWAP: tl.constexpr, LOOKUP: tl.constexpr):
+                     BLOCK_N: tl.constexpr, KB: tl.constexpr, SWAP: tl.constexpr, LOOKUP: tl.constexpr,
+                     TILE_N: tl.constexpr):
     """Program (e, j) as _up_forms_kernel's, KB quantisation blocks a step: the step's codes times their
     blocks' scales (float32, rounded once to the rows' dtype), then a product per nibble half over the step,
-    chained into the accumulator (SWAP: the weights the first operand, [BLOCK_N, ENTRIES] accumulators)."""
+    chained into the accumulator (SWAP: the weights the first operand, [BLOCK_N, ENTRIES] accumulators;
+    TILE_N: the bytes in _byte_at's layout)."""
     expert = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < I
@@ -144,8 +164,8 @@ def _up_kstep_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
             xo = tl.load(row + k0 + 2 * kh[None, :] + 1, mask=valid[:, None], other=0.0)
             for part in tl.static_range(2):  # gate rows [0, I), then up rows [I, 2I)
                 rows = cols + part * I
-                byte = tl.load(w_ptr + expert * stride_we + rows[:, None] * (H // 2) + k0 // 2 + kh[None, :],
-                               mask=ok[:, None], other=0)
+                byte = tl.load(w_ptr + expert * stride_we + _byte_at(rows[:, None], k0 // 2 + kh[None, :], H, HALF,
+                                                                     TILE_N), mask=ok[:, None], other=0)
                 blk = rows[:, None] * (H // QBLOCK) + k0 // QBLOCK + tl.arange(0, KB)[None, :]
                 scale = _block_scales(absmax_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr, expert, blk, ok[:, None],
                                       stride_ae, stride_ne, NESTED, DOUBLE_QUANT)[:, :, None]
@@ -239,10 +259,11 @@ def _up_ablate_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr,
 
 @triton.jit
 def _up_bytes_kernel(starts_ptr, w_ptr, absmax_ptr, out_ptr, I: tl.constexpr, H: tl.constexpr, stride_we,
-                     stride_ae, QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, KBLOCKS: tl.constexpr):
+                     stride_ae, QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, KBLOCKS: tl.constexpr,
+                     TILE_N: tl.constexpr = 0):
     """Program (e, j): the bytes and scales the up kernels read for features [j*BLOCK_N, ...) of expert e
     (if it has entries), summed: the memory traffic alone, KBLOCKS quantisation blocks a step (H must be
-    a multiple of KBLOCKS blocks)."""
+    a multiple of KBLOCKS blocks; TILE_N: the bytes in _byte_at's layout, KBLOCKS blocks a step)."""
     expert = tl.program_id(0)
     count = tl.load(starts_ptr + expert + 1) - tl.load(starts_ptr + expert)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -254,8 +275,9 @@ def _up_bytes_kernel(starts_ptr, w_ptr, absmax_ptr, out_ptr, I: tl.constexpr, H:
             for part in tl.static_range(2):
                 rows = cols + part * I
                 for u in tl.static_range(KBLOCKS):
-                    b = tl.load(w_ptr + expert * stride_we + rows[:, None] * (H // 2) + (k0 + u * QBLOCK) // 2
-                                + kb[None, :], mask=ok[:, None], other=0)
+                    b = tl.load(w_ptr + expert * stride_we + _byte_at(rows[:, None], (k0 + u * QBLOCK) // 2 + kb[None, :],
+                                                                      H, KBLOCKS * QBLOCK // 2, TILE_N),
+                                mask=ok[:, None], other=0)
                     s = tl.load(absmax_ptr + expert * stride_ae + rows * (H // QBLOCK) + (k0 + u * QBLOCK) // QBLOCK,
                                 mask=ok, other=0)
                     acc += b.to(tl.int32) + s.to(tl.int32)[:, None]
@@ -282,13 +304,15 @@ def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, w
     ops = _weight_operands(gate_up, x, fused=True, slotted=False, ids=None, code_lookup=DOT_LOOKUP.get(form, "table"))
     out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
     if form.startswith("dotk"):
+        kb, tiled = int(form[4]), form.endswith("_t")
+        w = tiled_bytes(gate_up, kb * gate_up.block_size // 2) if tiled else ops["w_ptr"]
         _up_kstep_kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
-            x_ptr=x, order_ptr=order, starts_ptr=starts, w_ptr=ops["w_ptr"], absmax_ptr=ops["absmax_ptr"],
+            x_ptr=x, order_ptr=order, starts_ptr=starts, w_ptr=w, absmax_ptr=ops["absmax_ptr"],
             code_ptr=ops["code_ptr"], ncode_ptr=ops["ncode_ptr"], nabsmax_ptr=ops["nabsmax_ptr"],
             noffset_ptr=ops["noffset_ptr"], out_ptr=out, I=i, H=x.shape[1], TOPK=topk, stride_we=ops["stride_we"],
             stride_ae=ops["stride_ae"], stride_ne=ops["stride_ne"], QBLOCK=ops["QBLOCK"], NESTED=ops["NESTED"],
-            DOUBLE_QUANT=ops["DOUBLE_QUANT"], ENTRIES=entries, BLOCK_N=block_n, KB=int(form[4]),
-            SWAP=FORMS[form], LOOKUP=ops["LOOKUP"], num_warps=warps)
+            DOUBLE_QUANT=ops["DOUBLE_QUANT"], ENTRIES=entries, BLOCK_N=block_n, KB=kb,
+            SWAP=FORMS[form], LOOKUP=ops["LOOKUP"], TILE_N=TILE_N if tiled else 0, num_warps=warps)
         return out
     _up_forms_kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
         x_ptr=x, order_ptr=order, starts_ptr=starts, w_ptr=ops["w_ptr"], absmax_ptr=ops["absmax_ptr"],
@@ -307,16 +331,31 @@ def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, w
 # prefetching with the scale on the codes; dot_w_prmt: dot_w with prmt
 FORMS = {"dot": None, "dot_sel": None, "dot_pf": None, "dot_prmt": None, "dot_ws": None, "dot_ws_prmt": None,
          "fma": False, "dot_w": True, "dot_w_prmt": True,
-         **{f"dotk{kb}{w}{p}": w == "_w" for kb in (2, 4) for w in ("", "_w") for p in ("", "_prmt")}}
-DOT_LOOKUP = {"dot_sel": "select", **{f: "prmt" for f in FORMS if f.endswith("_prmt")}}
+         **{f"dotk{kb}{w}{p}{t}": w == "_w" for kb in (1, 2, 4) for w in ("", "_w") for p in ("", "_prmt")
+            for t in ("", "_t")}}
+DOT_LOOKUP = {"dot_sel": "select", **{f: "prmt" for f in FORMS if "_prmt" in f}}
 
 
-def up_bytes(gate_up, starts, i, h, block_n, warps, kblocks=1):
+TILE_N = 32  # rows of a tile-major byte tile (the *_t forms): 26B-A4B's I (704) is a multiple
+_RETILED: dict = {}
+
+
+def tiled_bytes(w, step: int) -> torch.Tensor:
+    """w's packed bytes in _byte_at's tile-major layout, STEP bytes of a row a step (cached)."""
+    key = (w.packed.data_ptr(), step)
+    if key not in _RETILED:
+        _RETILED[key] = retile(w.packed, w.shape[1], w.shape[2], step, TILE_N)
+    return _RETILED[key]
+
+
+def up_bytes(gate_up, starts, i, h, block_n, warps, kblocks=1, tiled=False):
     out = torch.empty(gate_up.shape[0], i, dtype=torch.float32, device=gate_up.packed.device)
+    step = kblocks * gate_up.block_size // 2
+    w = tiled_bytes(gate_up, step) if tiled else gate_up.packed
     _up_bytes_kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
-        starts, gate_up.packed, gate_up.absmax, out, I=i, H=h, stride_we=gate_up.packed.stride(0),
+        starts, w, gate_up.absmax, out, I=i, H=h, stride_we=w.stride(0),
         stride_ae=gate_up.absmax.stride(0), QBLOCK=gate_up.block_size, BLOCK_N=block_n, KBLOCKS=kblocks,
-        num_warps=warps)
+        TILE_N=TILE_N if tiled else 0, num_warps=warps)
     return out
 
 
@@ -446,10 +485,11 @@ def main() -> None:
     grid = [(f, 16, *c) for f in dots if f in forms for c in tiles] + \
         [("fma", *c) for c in itertools.product((1, 2, 4, 8), (32, 64), (4,)) if "fma" in forms] + \
         [(f, 16, *c) for f in FORMS if f in forms and (f in ("dot_w", "dot_w_prmt") or f.startswith("dotk"))
-         and (dev.type == "cuda" or not f.endswith("_prmt")) for c in tiles]
+         and (dev.type == "cuda" or "_prmt" not in f) for c in tiles]
     if args.check:
         grid = [("dot_sel", 16, 64, 4), ("dot_pf", 16, 32, 4), ("fma", 1, 16, 4), ("fma", 4, 32, 4),
-                ("dot_w", 16, 32, 4), ("dot_ws", 16, 32, 4), ("dotk2", 16, 32, 4), ("dotk4_w", 16, 64, 4)]
+                ("dot_w", 16, 32, 4), ("dot_ws", 16, 32, 4), ("dotk2", 16, 32, 4), ("dotk4_w", 16, 64, 4),
+                ("dotk1_t", 16, 32, 4), ("dotk4_w_t", 16, 64, 4)]
     rows = []
     for t in (int(b) for b in args.batch_sizes.split(",")):
         x = torch.randn(t, h, device=dev, dtype=dt)
@@ -480,11 +520,15 @@ def form_results(x, gate_up, index, order, starts, i, k, grid, us, check) -> dic
     e, h = gate_up.shape[0], x.shape[1]
     ref = up_dot(x, gate_up, index, order, starts, i, k, {**UP_TILES, "BLOCK_M": 16})
     res = {"dot_us": us(lambda: up_dot(x, gate_up, index, order, starts, i, k, {**UP_TILES, "BLOCK_M": 16}))}
-    for bn, warps, kb in [(32, 4, 1)] if check else itertools.product((32, 64, 128), (4, 8), (1, 4)):
+    for bn, warps, kb, t in [(32, 4, 1, True)] if check else itertools.product((32, 64, 128), (4, 8), (1, 4),
+                                                                                  (False, True)):
         if h % (kb * gate_up.block_size):  # the bytes kernel takes whole steps of kb blocks
             continue
-        up_bytes(gate_up, starts, i, h, bn, warps, kb)
-        res[f"bytes{kb}_{bn}_{warps}_us"] = us(lambda: up_bytes(gate_up, starts, i, h, bn, warps, kb))
+        got = up_bytes(gate_up, starts, i, h, bn, warps, kb, t)
+        if check:  # the tile-major layout holds the same bytes at the addresses _byte_at gives
+            assert torch.equal(got, up_bytes(gate_up, starts, i, h, bn, warps, kb)), "retile / _byte_at disagree"
+        res[f"bytes{kb}{'t' if t else ''}_{bn}_{warps}_us"] = us(lambda: up_bytes(gate_up, starts, i, h, bn, warps,
+                                                                                  kb, t))
     for form, entries, bn, warps in grid:
         try:
             out = up_form(form, x, gate_up, index, order, starts, i, k, entries, bn, warps)
@@ -508,11 +552,12 @@ def batch_line(res: dict, nbytes: float, check: bool) -> str:
     if check:
         return f"batch {res['batch']}: " + "; ".join(f"{key} max diff {v['max_diff_vs_dot']:.2e} row alone equal "
                                                      f"{v['row_alone_equal']}" for key, v in timed.items())
-    floors = {kb: min(v for key, v in res.items() if key.startswith(f"bytes{kb}_")) for kb in (1, 4)
+    floors = {kb: min(v for key, v in res.items() if key.startswith(f"bytes{kb}_")) for kb in (1, 4, "1t", "4t")
               if any(key.startswith(f"bytes{kb}_") for key in res)}
     line = (f"batch {res['batch']}: {res['experts_used']} experts, {nbytes / 1e6:.0f} MB; dot {res['dot_us']:.0f} us "
             f"({nbytes / res['dot_us'] / 1e6:.2f} TB/s); bytes alone " + ", ".join(
                 f"{f:.0f} us ({nbytes / f / 1e6:.2f} TB/s) {kb} block(s) a step" for kb, f in floors.items()))
+    # (kb "1t" / "4t": the bytes in the tile-major layout of the *_t forms)
     for form in FORMS:
         mine = {key: v for key, v in timed.items() if v["form"] == form}
         if not mine:
