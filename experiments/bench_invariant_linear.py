@@ -2,9 +2,9 @@
 on a model's dense projections at RL row counts, over the keys and tiles that set its speed.
 
 Issue 34's cost on the dense models is mostly these products: at a decode step of 256 rows E2B's o and
-down projections have 48 output tiles of 64 x 128, fewer than `kernels.invariant_split_below_tiles`
-(264), so they run a program per tile and K chunk and write float32 partials, [K / invariant_k_chunk, rows,
-N] of them, which the sum kernel reads back: for E2B's down projection (K 12,288) twice its weights' bytes.
+down projections had 48 output tiles of 64 x 128, fewer than `kernels.invariant_split_below_tiles`
+(then 264), so they ran a program per tile and K chunk and wrote float32 partials, [K / invariant_k_chunk, rows,
+N] of them, which the sum kernel read back: for E2B's down projection (K 12,288) twice its weights' bytes.
 A larger `kernels.invariant_k_chunk` writes fewer partials (other bits: it fixes the order of a row's sums);
 `invariant_split_below_tiles` and the tiles move only the speed. This times each combination on every
 projection shape of one decode step of the model (its fused q/k/v, o, gate/up, down, per-layer-input and
@@ -121,6 +121,13 @@ def main() -> None:
     if set(forms) - set(FORMS):
         sys.exit(f"--forms: unknown {sorted(set(forms) - set(FORMS))}; choose from {', '.join(FORMS)}")
     res: dict = {"model": args.model, "shapes": {f"{n}x{k}": c for (n, k), c in shapes.items()}, "rows": {}}
+    # "default": the product as the engine runs it with the kernels group's defaults, resolved for this device
+    from flexgemma.config.resolve import resolve_kernels
+    from flexgemma.config.schema import KernelsConfig
+
+    kern = resolve_kernels(KernelsConfig(), dev, "dense", 64, False)
+    engine_default = dict(k_chunk=kern.invariant_k_chunk, split_below_tiles=kern.invariant_split_below_tiles,
+                          flatten=kern.invariant_flatten, split_sum=kern.invariant_split_sum, loads=kern.invariant_loads)
     for m in [int(r) for r in args.rows.split(",")]:
         # per shape: cuBLAS's time, the default's, and each (k_chunk, split, tiles) option's
         per_shape, mismatches = {}, []
@@ -130,7 +137,7 @@ def main() -> None:
             x = torch.randn(m, k, device=dev, dtype=dt)
             cycle = itertools.cycle(ws)
             times = {"cublas": timer(lambda: F.linear(x, next(cycle)), reps=copies),
-                     "default": timer(lambda: M.linear(x, next(cycle)), reps=copies)}
+                     "default": timer(lambda: M.linear(x, next(cycle), **engine_default), reps=copies)}
             for kc in k_chunks:
                 first = None
                 for form, tiles in itertools.product(forms, TILES):

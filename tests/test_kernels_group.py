@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 # a value other than the default for each key that has no `auto`
 OTHER = {"fuse_projections": False, "fused_kv_write": True, "prefill_full_blocks": False, "linear4bit_max_rows": 32,
          "linear4bit_dequant": "bnb", "moe_sort_above": 0, "moe_fused_max_entries": 16, "moe_dequant": "triton",
-         "moe_4bit_prefetch": False, "moe_code_lookup": "select",
+         "moe_4bit_prefetch": False, "moe_4bit_weights_first_above": 0, "moe_code_lookup": "select",
          "invariant_k_chunk": 256, "invariant_split_tokens": 512, "invariant_block_n": 32,
          "invariant_split_below_tiles": 0, "invariant_split_sum": "last_program", "invariant_flatten": False, "invariant_loads": "tma",
          "invariant_4bit_subtiles": 1,
@@ -37,7 +37,7 @@ def test_the_resolved_object_has_every_key_of_the_group():
     assert set(OTHER) == config_keys() - {"moe", "linear4bit", "invariant_experts"}
 
 
-def test_resolve_hands_every_key_on():
+def test_resolve_hands_every_key_on(monkeypatch):
     cfg = compose(["+model=tiny", "device=cpu", *(f"kernels.{k}={str(v).lower()}" for k, v in OTHER.items())])
     k = resolve(cfg, CPU).kernels
     assert {key: getattr(k, key) for key in OTHER} == OTHER
@@ -45,8 +45,10 @@ def test_resolve_hands_every_key_on():
     assert (k.moe, k.linear4bit, k.invariant_experts, k.decode_rows) == ("grouped_mm", "bnb", "grouped", ())
     default = resolve(compose(["+model=tiny", "device=cpu"]), CPU).kernels
     assert default.trainer_glue_backward == "eager"  # auto: compiled on a GPU only, as engine.compile
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     gpu = resolve_kernels(KernelsConfig(), torch.device("cuda"), "dense", 64, False)
     assert (gpu.trainer_glue_backward, gpu.invariant_experts) == ("compiled", "triton")
+    assert (default.invariant_loads, gpu.invariant_loads) == ("pointers", "tma")  # auto: tma from sm_90
     assert (default.moe_code_lookup, gpu.moe_code_lookup) == ("table", "prmt")  # auto: PTX on NVIDIA GPUs only
     flex = resolve_kernels(KernelsConfig(), CPU, "flex", 512, quantised=True)
     assert flex.decode_rows == (32, 128, 512) and flex.padded_rows(100) == 128
@@ -60,7 +62,7 @@ def test_a_hand_built_object_runs_what_the_default_config_resolves_to_on_the_cpu
 
     cpu = resolve_kernels(KernelsConfig(), CPU, "dense", 64, quantised=False)
     assert dataclasses.replace(cpu, moe="auto", linear4bit="auto", invariant_experts="auto",
-                               trainer_glue_backward="auto", moe_code_lookup="auto") == Kernels()
+                               trainer_glue_backward="auto", moe_code_lookup="auto", invariant_loads="auto") == Kernels()
     assert make_ops(None, Kernels()).experts_kernel is None and cpu.moe == "grouped_mm"
 
 
@@ -88,7 +90,7 @@ def test_the_invariant_engine_hands_its_keys_to_each_kernel():
                                    "kernels.invariant_flatten=false", "kernels.invariant_k_chunk=256",
                                    "kernels.invariant_split_tokens=128"]))
     forward = engine.runner.forward
-    assert forward.invariant.keywords == {"k_chunk": 256, "split_below_tiles": 264, "flatten": False,
+    assert forward.invariant.keywords == {"k_chunk": 256, "split_below_tiles": 48, "flatten": False,
                                           "split_sum": "kernel", "loads": "pointers"}
     assert forward.ops.experts_kernel.flatten is False and forward.ops.experts_kernel.k_chunk == 256
     assert forward.attention.options.flatten is False and forward.attention.options.split_tokens == 128

@@ -108,10 +108,13 @@ def code_lookup_choice(value: str, device: torch.device) -> str:
 
 
 def loads_choice(value: str, device: torch.device) -> str:
-    """kernels.invariant_loads, refused as tma on a GPU without the tensor memory accelerator (NVIDIA sm_90 and
-    newer have it); on the CPU the invariant products are torch's, which the key does not touch."""
+    """kernels.invariant_loads resolved: auto is tma on a GPU with the tensor memory accelerator (NVIDIA sm_90
+    and newer), pointers elsewhere; tma on a GPU without it is an error naming the key. On the CPU the invariant
+    products are torch's, which the key does not touch."""
+    major, minor = (0, 0) if device.type != "cuda" or torch.version.hip else torch.cuda.get_device_capability(device)
+    if value == "auto":
+        return "tma" if major >= 9 else "pointers"
     if value == "tma" and device.type == "cuda":
-        major, minor = (0, 0) if torch.version.hip else torch.cuda.get_device_capability(device)
         if major < 9:
             gpu = "a ROCm GPU" if torch.version.hip else f"an sm_{major}{minor} GPU"
             raise ConfigError(f"kernels.invariant_loads=tma moves blocks with the tensor memory accelerator of "

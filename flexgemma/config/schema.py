@@ -304,6 +304,12 @@ class KernelsConfig:
     # bits. The invariant experts prefetch only with invariant_4bit_subtiles=1 (their four-tile loop does
     # not, and a row must get the same bits from both loops)
     moe_4bit_prefetch: bool = True
+    # decode steps of more (token, choice) entries than this run the fused 4-bit up kernel (prefetching) with
+    # each decoded block as its products' first operand, 64 features a program, instead of the rows' tile:
+    # the tensor cores' wide side on the weights. H100, one 26B-A4B bnb4 gate_up with prmt: 285-331 against
+    # 348-393 us at 32 rows, 360-378 against 448-451 at 128, but 219 against 180 at 8 (64 entries). Other
+    # rounding (the products' order within a block); the invariant experts keep their form
+    moe_4bit_weights_first_above: int = 64
     # how the fused 4-bit expert kernels turn a nibble into its code value: table (a load from the 16-entry
     # table per nibble, L1), select (a tree of selects over the entries held as scalars) or prmt (PTX prmt over
     # the table held in registers, four bytes at a time, NVIDIA GPUs only: model/ptx_lookup.py). The table's
@@ -318,8 +324,10 @@ class KernelsConfig:
     invariant_split_tokens: int = 256
     invariant_block_n: int = 64
     # speed only (the bits are the same either way): an invariant product of fewer output tiles than this
-    # runs a program per tile and K chunk, then sums the chunks in order (small row counts' parallelism)
-    invariant_split_below_tiles: int = 264
+    # runs a program per tile and K chunk, then sums the chunks in order (small row counts' parallelism; past
+    # a third of an H100's SMs the partials' traffic costs more: E2B's products at 64 / 256 rows, 2,725 /
+    # 3,389 us a decode step with 48 against 2,888 / 4,934 with 264, tma loads)
+    invariant_split_below_tiles: int = 48
     # speed only (the same bits): how a split product adds its chunks: kernel (a second kernel reads every
     # chunk's float32 partials) or last_program (the last of a tile's programs to finish, told by a counter
     # per tile, adds them: one launch fewer a product, 156 fewer an E2B decode step at 64 rows)
@@ -332,8 +340,9 @@ class KernelsConfig:
     # speed only (the same operations): how the products' blocks reach shared memory: pointers (a
     # masked load per element) or tma (tensor descriptors: the Hopper tensor memory accelerator moves each
     # block, out-of-range rows and K read as zeros as the masks give; products whose bases or row strides
-    # are not 16-byte aligned take the pointers)
-    invariant_loads: str = "pointers"
+    # are not 16-byte aligned take the pointers). auto: tma on NVIDIA sm_90 and newer (H100, E2B invariant
+    # rl_batch_e2b: 10,778 -> 10,939 tok/s at 64 rows, 21,041 -> 21,689 at 256), pointers elsewhere
+    invariant_loads: str = "auto"
     # the invariant routed experts: triton (model/moe_kernel.py's decode kernels for every step, in tiles
     # whose size does not change a row's bits, 4-bit experts decoded inside them: a decode step costs what
     # the default mode's does; bf16/fp16 models), grouped (each expert's rows through the invariant
@@ -379,14 +388,14 @@ class KernelsConfig:
         _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
         _check_choice("kernels.moe_code_lookup", self.moe_code_lookup, ("auto", "table", "select", "prmt"))
         _check_choice("kernels.invariant_split_sum", self.invariant_split_sum, ("kernel", "last_program"))
-        _check_choice("kernels.invariant_loads", self.invariant_loads, ("pointers", "tma"))
+        _check_choice("kernels.invariant_loads", self.invariant_loads, ("auto", "pointers", "tma"))
         _check_choice("kernels.invariant_experts", self.invariant_experts, ("auto", "grouped", "triton"))
         _check_choice("kernels.invariant_4bit_subtiles", self.invariant_4bit_subtiles, (1, 4))
         _check_choice("kernels.invariant_4bit_scale", self.invariant_4bit_scale, ("products", "weights"))
         _check_choice("kernels.trainer_glue_backward", self.trainer_glue_backward, ("auto", "eager", "compiled"))
         _check_choice("kernels.trainer_backward_dtype", self.trainer_backward_dtype, ("float32", "model_dtype"))
         _check_choice("kernels.trainer_recompute", self.trainer_recompute, ("engine", "reference"))
-        for key in ("linear4bit_max_rows", "moe_sort_above", "moe_fused_max_entries",
+        for key in ("linear4bit_max_rows", "moe_sort_above", "moe_fused_max_entries", "moe_4bit_weights_first_above",
                     "invariant_split_below_tiles", "trainer_vocab_slice"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"kernels.{key}={getattr(self, key)} is invalid: at least 0")

@@ -308,7 +308,7 @@ def test_4bit_blocks_prefetched_give_the_same_bits_interpreted():
             for dq in (False, True):
                 s = Bnb4Settings(double_quant=dq, compute_dtype=torch.float16)
                 pg, pd = PackedExpertWeight.pack(gate_up, s, cpu), PackedExpertWeight.pack(down, s, cpu)
-                a = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels())
+                a = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels(moe_4bit_prefetch=False))
                 b = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels(moe_4bit_prefetch=True))
                 print("decode", h, dq, torch.equal(a, b))
                 a = invariant_experts(x, idx, w, pg, pd, Kernels(moe_4bit_prefetch=False, invariant_4bit_subtiles=1))
@@ -318,6 +318,53 @@ def test_4bit_blocks_prefetched_give_the_same_bits_interpreted():
     """)
     results = [line.split()[-1] for line in out.splitlines() if line.split()[0] in ("decode", "invariant", "nonzero")]
     assert results == ["True"] * 12, out
+
+
+def test_4bit_up_kernel_weights_first_gives_the_rows_first_products_interpreted():
+    """kernels.moe_4bit_weights_first_above: past it the fused 4-bit up kernel takes each decoded block as its
+    products' first operand ([features, rows] accumulators, transposed for the store). Each output is the same
+    products summed in the same order, so with the interpreter's in-order dot the bits are equal (a GPU's MMAs
+    may round otherwise), one block a row and several, with and without double quantisation."""
+    out = run_interpreted("""
+        import torch
+        from flexgemma.config.kernels import Kernels
+        from flexgemma.model.moe_kernel import decode_experts
+        from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
+        torch.manual_seed(0)
+        cpu = torch.device("cpu")
+        e = 4
+        for h, i in ((320, 192), (64, 64)):
+            gate_up, down = (torch.randn(e, 2 * i, h) * 0.1).half(), (torch.randn(e, h, i) * 0.1).half()
+            x = torch.randn(9, h).half()
+            w, idx = torch.softmax(torch.randn(9, e), -1).topk(2, dim=-1)
+            for dq in (False, True):
+                s = Bnb4Settings(double_quant=dq, compute_dtype=torch.float16)
+                pg, pd = PackedExpertWeight.pack(gate_up, s, cpu), PackedExpertWeight.pack(down, s, cpu)
+                a = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels(moe_4bit_weights_first_above=18))
+                b = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels(moe_4bit_weights_first_above=17))
+                print("first", h, dq, torch.equal(a, b), bool(a.abs().min() > 0))
+    """)
+    results = [line.split()[-2:] for line in out.splitlines() if line.startswith("first")]
+    assert results == [["True", "True"]] * 4, out
+
+
+def test_4bit_up_kernel_weights_first_only_past_its_entries_in_the_default_mode():
+    """The weights-first up kernel runs past kernels.moe_4bit_weights_first_above entries, fused and prefetching,
+    and never where the caller passes the up kernel's tiles (the invariant experts: a row's bits there must not
+    follow the step's size)."""
+    from flexgemma.config.kernels import Kernels
+    from flexgemma.model.moe_kernel import _step_tiles
+
+    def first(n_flat, fused=True, up_tiles=None, **keys):
+        up, down = _step_tiles(n_flat, 128, fused, Kernels(**keys), up_tiles, None)
+        assert "WEIGHTS_FIRST" not in down
+        return up.get("WEIGHTS_FIRST", False), up["BLOCK_N"]
+
+    assert first(64) == (False, 32) and first(65) == (True, 64) and first(1024) == (True, 64)
+    assert first(65, fused=False) == (False, 32)  # bf16 experts, or 4-bit ones through slots
+    assert first(65, moe_4bit_prefetch=False) == (False, 32)
+    assert first(65, up_tiles={"BLOCK_M": 16}) == (False, 32)
+    assert first(9, moe_4bit_weights_first_above=8) == (True, 64)
 
 
 def test_invariant_experts_prefetch_only_where_every_loop_does(monkeypatch):

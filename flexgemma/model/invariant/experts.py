@@ -26,7 +26,7 @@ def grouped_linear(rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, k_
         # few rows an expert (decode): 16-row tiles; many (prefill): 64 (speed only, not a row's bits)
         per_expert = rows.shape[0] / max(1, w.shape[0])
         return triton_matmul.grouped(rows.contiguous(), w, counts, k_chunk, _tiles(16 if per_expert <= 16 else 64,
-                                                                                 rows.dtype), flatten)
+                                                                                 w.shape[1], rows.dtype), flatten)
     out = rows.new_empty(rows.shape[0], w.shape[1])
     start = 0
     for e, n in enumerate(counts.tolist()):

@@ -23,7 +23,7 @@ K_CHUNK = 512  # kernels.invariant_k_chunk's default: fixes a row's summation or
 CPU_ROW_TILE = 16
 # kernels.invariant_split_below_tiles' default: below this many output tiles the split kernel runs (a
 # program per tile and K chunk)
-SPLIT_BELOW_TILES = 264
+SPLIT_BELOW_TILES = 48
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
@@ -36,7 +36,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, k_chunk: int = K_CHUNK,
     split_sum (kernels.invariant_split_sum): the split's chunks summed by a second kernel or by each tile's
     last program, the same bits; loads (kernels.invariant_loads): the products' blocks through per-element
     pointers or tensor descriptors (tma; the fold in its one-loop form, 128 x 256 tiles past 256 rows), the same
-    bits."""
+    bits (a hand-built Kernels' auto takes the pointers: config.resolve decides auto for a device)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     out = _linear_gpu(x2, w, k_chunk, split_below_tiles, flatten, split_sum, loads) if x2.is_cuda \
@@ -60,15 +60,21 @@ _TILES_16BIT = ((16, dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)),
                 (64, dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4)),
                 (256, dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)),
                 (None, dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)))
+# up to 256 rows, products of at most this many columns keep the 64-row entry's 64 x 64 tiles: more
+# programs for narrow products (E2B at 256 rows on an H100: 64 x 64 the fastest tile of every product of
+# N <= 2,048, 64 x 128 past it; bench_inv_linear)
+_NARROW_N = 2048
 _TILES_32BIT = ((None, dict(BM=32, BN=64, BK=32, num_warps=4, num_stages=2)),)
 # kernels.invariant_loads=tma past 256 rows: 128 x 256 tiles (their pointer loads spill registers)
 _TILE_TMA_MANY_ROWS = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)
 
 
-def _tiles(m: int, dtype: torch.dtype, tma: bool = False) -> dict:
+def _tiles(m: int, n: int, dtype: torch.dtype, tma: bool = False) -> dict:
     table = _TILES_32BIT if dtype == torch.float32 else _TILES_16BIT
-    if tma and dtype != torch.float32 and m > 256:
-        return _TILE_TMA_MANY_ROWS
+    if dtype != torch.float32 and m > 256:
+        return _TILE_TMA_MANY_ROWS if tma else table[-1][1]
+    if dtype != torch.float32 and 64 < m <= 256 and n <= _NARROW_N:
+        m = 64
     return next(t for most, t in table if most is None or m <= most)
 
 
@@ -86,7 +92,7 @@ def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int, split_below_tile
     if m == 0:
         return out
     tma = loads == "tma" and tm.tma_ok(x, w, out)
-    cfg = dict(_tiles(m, x.dtype, tma))
+    cfg = dict(_tiles(m, n, x.dtype, tma))
     tiles = -(-m // cfg["BM"]) * -(-n // cfg["BN"])
     chunks = -(-k // k_chunk)
     if chunks > 1 and tiles < split_below_tiles:
