@@ -382,6 +382,7 @@ LAYER_KERNELS = [
     ("decode_prefetch_True", "decode", Kernels()),
     ("decode_prmt", "decode", Kernels(moe_code_lookup="prmt")),
     ("decode_prmt_rows_first", "decode", Kernels(moe_code_lookup="prmt", moe_4bit_weights_first_above=1 << 30)),
+    ("decode_prmt_weights_first", "decode", Kernels(moe_code_lookup="prmt", moe_4bit_weights_first_above=0)),
     ("invariant_subtiles4", "invariant", Kernels()),
     ("invariant_subtiles4_prmt", "invariant", Kernels(moe_code_lookup="prmt")),
     ("invariant_subtiles1_prefetch", "invariant", Kernels(invariant_4bit_subtiles=1)),

@@ -306,10 +306,10 @@ class KernelsConfig:
     moe_4bit_prefetch: bool = True
     # decode steps of more (token, choice) entries than this run the fused 4-bit up kernel (prefetching) with
     # each decoded block as its products' first operand, 64 features a program, instead of the rows' tile:
-    # the tensor cores' wide side on the weights. H100, one 26B-A4B bnb4 gate_up with prmt: 285-331 against
-    # 348-393 us at 32 rows, 360-378 against 448-451 at 128, but 219 against 180 at 8 (64 entries). Other
-    # rounding (the products' order within a block); the invariant experts keep their form
-    moe_4bit_weights_first_above: int = 64
+    # the tensor cores' wide side on the weights. H100, 26B-A4B bnb4 at 128 rows (1,024 entries): 3,998 ->
+    # 4,153 tok/s; one layer alone within noise at 64-128 rows, 4% slower at 32 (256 entries). Other
+    # rounding (the products' order within a block); the invariant experts keep the rows-first form
+    moe_4bit_weights_first_above: int = 512
     # how the fused 4-bit expert kernels turn a nibble into its code value: table (a load from the 16-entry
     # table per nibble, L1), select (a tree of selects over the entries held as scalars) or prmt (PTX prmt over
     # the table held in registers, four bytes at a time, NVIDIA GPUs only: model/ptx_lookup.py). The table's

@@ -704,7 +704,8 @@ def decode_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
 
 
 # the fused 4-bit up kernel with the decoded blocks as the products' first operand: 64 features a program
-# (one 26B-A4B bnb4 gate_up on an H100, prmt: 285-378 us at 32-128 rows against 348-451 in UP_TILES' form)
+# (one 26B-A4B bnb4 gate_up alone on an H100, prmt, no prefetch: 285-378 us at 32-128 rows against 348-451
+# in UP_TILES' form; experiments/bench_4bit_forms.py dot_w_prmt)
 UP_TILES_WEIGHTS_FIRST = dict(BLOCK_N=64, WEIGHTS_FIRST=True)
 
 
