@@ -360,11 +360,12 @@ def test_4bit_up_kernel_weights_first_only_past_its_entries_in_the_default_mode(
         assert "WEIGHTS_FIRST" not in down
         return up.get("WEIGHTS_FIRST", False), up["BLOCK_N"]
 
-    assert first(64) == (False, 32) and first(65) == (True, 64) and first(1024) == (True, 64)
-    assert first(65, fused=False) == (False, 32)  # bf16 experts, or 4-bit ones through slots
-    assert first(65, moe_4bit_prefetch=False) == (False, 32)
-    assert first(65, up_tiles={"BLOCK_M": 16}) == (False, 32)
-    assert first(9, moe_4bit_weights_first_above=8) == (True, 64)
+    above = Kernels().moe_4bit_weights_first_above
+    assert first(above) == (False, 32) and first(above + 1) == (True, 64) and first(4 * above) == (True, 64)
+    assert first(above + 1, fused=False) == (False, 32)  # bf16 experts, or 4-bit ones through slots
+    assert first(above + 1, moe_4bit_prefetch=False) == (False, 32)
+    assert first(above + 1, up_tiles={"BLOCK_M": 16}) == (False, 32)
+    assert first(9, moe_4bit_weights_first_above=8) == (True, 64) and first(8, moe_4bit_weights_first_above=8)[0] is False
 
 
 def test_invariant_experts_prefetch_only_where_every_loop_does(monkeypatch):
