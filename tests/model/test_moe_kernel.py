@@ -286,13 +286,15 @@ def test_packed_4bit_experts_decoded_in_the_kernels_interpreted():
     assert "fits False" in out and "refused packed_mode=fused needs rows of whole quantisation blocks" in out, out
 
 
-def test_4bit_blocks_prefetched_give_the_same_bits_interpreted():
+def test_4bit_blocks_prefetched_or_weights_first_give_the_same_bits_interpreted():
     """kernels.moe_4bit_prefetch (each quantisation block's bytes loaded a step ahead) computes the same
     products of the same blocks in the same order as the loop without it: with no floating-point
     contraction (the interpreter) the bits are equal, for up and down, one block a row and several,
     decode and invariant steps, with and without double quantisation. (A GPU's compiler may contract the
     two loops' multiply-adds differently: there they differ by rounding, and engine and trainer share
-    the key.)"""
+    the key.) So does the up kernel past kernels.moe_4bit_weights_first_above, each decoded block its
+    products' first operand ([features, rows] accumulators transposed for the store): the same products
+    summed in the same order, equal under the interpreter's in-order dot (a GPU's MMAs may round otherwise)."""
     out = run_interpreted("""
         import torch
         from flexgemma.config.kernels import Kernels
@@ -311,41 +313,17 @@ def test_4bit_blocks_prefetched_give_the_same_bits_interpreted():
                 a = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels(moe_4bit_prefetch=False))
                 b = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels(moe_4bit_prefetch=True))
                 print("decode", h, dq, torch.equal(a, b))
+                first = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels(moe_4bit_weights_first_above=11))
+                rows = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels(moe_4bit_weights_first_above=12))
+                print("weights_first", h, dq, torch.equal(first, rows))
                 a = invariant_experts(x, idx, w, pg, pd, Kernels(moe_4bit_prefetch=False, invariant_4bit_subtiles=1))
                 b = invariant_experts(x, idx, w, pg, pd, Kernels(moe_4bit_prefetch=True, invariant_4bit_subtiles=1))
                 print("invariant", h, dq, torch.equal(a, b))
                 print("nonzero", h, dq, bool(a.abs().min() > 0))
     """)
-    results = [line.split()[-1] for line in out.splitlines() if line.split()[0] in ("decode", "invariant", "nonzero")]
-    assert results == ["True"] * 12, out
-
-
-def test_4bit_up_kernel_weights_first_gives_the_rows_first_products_interpreted():
-    """kernels.moe_4bit_weights_first_above: past it the fused 4-bit up kernel takes each decoded block as its
-    products' first operand ([features, rows] accumulators, transposed for the store). Each output is the same
-    products summed in the same order, so with the interpreter's in-order dot the bits are equal (a GPU's MMAs
-    may round otherwise), one block a row and several, with and without double quantisation."""
-    out = run_interpreted("""
-        import torch
-        from flexgemma.config.kernels import Kernels
-        from flexgemma.model.moe_kernel import decode_experts
-        from flexgemma.model.quant import Bnb4Settings, PackedExpertWeight
-        torch.manual_seed(0)
-        cpu = torch.device("cpu")
-        e = 4
-        for h, i in ((320, 192), (64, 64)):
-            gate_up, down = (torch.randn(e, 2 * i, h) * 0.1).half(), (torch.randn(e, h, i) * 0.1).half()
-            x = torch.randn(9, h).half()
-            w, idx = torch.softmax(torch.randn(9, e), -1).topk(2, dim=-1)
-            for dq in (False, True):
-                s = Bnb4Settings(double_quant=dq, compute_dtype=torch.float16)
-                pg, pd = PackedExpertWeight.pack(gate_up, s, cpu), PackedExpertWeight.pack(down, s, cpu)
-                a = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels(moe_4bit_weights_first_above=18))
-                b = decode_experts(x, idx, w, pg, pd, packed_mode="fused", kernels=Kernels(moe_4bit_weights_first_above=17))
-                print("first", h, dq, torch.equal(a, b), bool(a.abs().min() > 0))
-    """)
-    results = [line.split()[-2:] for line in out.splitlines() if line.startswith("first")]
-    assert results == [["True", "True"]] * 4, out
+    results = [line.split()[-1] for line in out.splitlines()
+               if line.split()[0] in ("decode", "weights_first", "invariant", "nonzero")]
+    assert results == ["True"] * 16, out
 
 
 def test_4bit_up_kernel_weights_first_only_past_its_entries_in_the_default_mode():
