@@ -305,6 +305,8 @@ def up_form(form, x, gate_up, index, order, starts, i, topk, entries, block_n, w
     out = torch.empty(index.numel(), i, dtype=x.dtype, device=x.device)
     if form.startswith("dotk"):
         kb, tiled = int(form[4]), form.endswith("_t")
+        if x.shape[1] % (kb * gate_up.block_size):  # whole steps only: a step past H would read past the rows
+            raise ValueError(f"{form} needs the hidden size a multiple of {kb * gate_up.block_size}")
         w = tiled_bytes(gate_up, kb * gate_up.block_size // 2) if tiled else ops["w_ptr"]
         _up_kstep_kernel[(gate_up.shape[0], triton.cdiv(i, block_n))](
             x_ptr=x, order_ptr=order, starts_ptr=starts, w_ptr=w, absmax_ptr=ops["absmax_ptr"],

@@ -8,7 +8,7 @@
 #   PROBE=moe_tiles PROBE_MOE=bnb4 bash experiments/gpu_suite.sh probe
 #   INV_LINEAR="e2b:64,256" K_CHUNKS=512,2048 INV_FORMS=flat,split,flat_tma,split_tma bash experiments/gpu_suite.sh bench_inv_linear
 #   FORMS_4BIT=dot_prmt,dot_w_prmt,dotk4_prmt BATCHES_4BIT=32,128 WARPS_4BIT=4 bash experiments/gpu_suite.sh bench_4bit_forms
-# Stages (in this order): tests tests_kernels invariant_tests invariant_tests_moe trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 bench_inv_linear bench_inv_linear_trainer ab_inv_k_chunk_e2b ab_inv_split_sum_e2b ab_inv_loads_e2b ab_inv_26b_bnb4_experts ab_inv_26b_bnb4_subtiles invariant_tests_scale ab_inv_26b_bnb4_scale ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_prefetch ab_inv_26b_bnb4_prefetch ab_26b_bnb4_lookup ab_inv_26b_bnb4_lookup ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b profile_trainer_26b_mb16 grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_e2b_exact_mb64_torch_recompute grpo_e2b_exact_mb64_tma grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_26b_exact_sleep grpo_26b_exact_mb32_sleep grpo_26b_exact_mb16_sleep grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode profile_decode_inv profile_prefill_inv probe decode_sweep profile_round bench_kernels bench_4bit_forms ablate_4bit ncu_4bit_up speed_old_new
+# Stages (in this order): tests tests_kernels invariant_tests invariant_tests_moe trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 bench_inv_linear bench_inv_linear_trainer ab_inv_k_chunk_e2b ab_inv_split_sum_e2b ab_inv_keys ab_inv_loads_e2b ab_inv_26b_bnb4_experts ab_inv_26b_bnb4_subtiles invariant_tests_scale ab_inv_26b_bnb4_scale ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_prefetch ab_inv_26b_bnb4_prefetch ab_26b_bnb4_lookup ab_inv_26b_bnb4_lookup ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b profile_trainer_26b_mb16 grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_e2b_exact_mb64_torch_recompute grpo_e2b_exact_mb64_pointers grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_26b_exact_sleep grpo_26b_exact_mb32_sleep grpo_26b_exact_mb16_sleep grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode profile_decode_inv profile_prefill_inv probe decode_sweep profile_round bench_kernels bench_4bit_forms ablate_4bit ncu_4bit_up speed_old_new
 # Each job's directory (summary.json, metrics.jsonl, config_resolved.yaml) and each sweep's report.md
 # go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into $OUT/results.tgz and a
 # digest is printed. Expects the wheels of
@@ -120,6 +120,10 @@ run ab_inv_k_chunk_e2b 570 bash -c 'sweep ab_inv_k_chunk_e2b experiment=rl_batch
 # at a GRPO rollout's 64 rows and at 256 (AB_ROWS: other row counts; AB_KEYS: other speed-only keys of the products)
 run ab_inv_split_sum_e2b 570 bash -c 'for rows in ${AB_ROWS:-64 256}; do sweep ab_inv_split_sum_e2b_$rows experiment=rl_batch_e2b \
   workload.num_prompts=$rows engine.batch_invariant=true ${AB_KEYS:-kernels.invariant_split_sum=kernel,last_program}; done'
+# a speed-only key of the invariant products on other presets, default first (AB_PRESETS, AB_KEYS): the split
+# threshold measured on E2B (48 against 264) on E4B at 128 rows and 31B at 64 (31B's 64 rows need an H200)
+run ab_inv_keys 570 bash -c 'for preset in ${AB_PRESETS:-rl_batch_e4b rl_batch_31b}; do sweep ab_inv_keys_$preset \
+  experiment=$preset engine.batch_invariant=true ${AB_KEYS:-kernels.invariant_split_below_tiles=48,264}; done'
 # the fold kernel's blocks through per-element pointers or tensor descriptors (speed only, the same bits)
 run ab_inv_loads_e2b 570 bash -c 'for rows in ${AB_ROWS:-64 256}; do sweep ab_inv_loads_e2b_$rows experiment=rl_batch_e2b \
   workload.num_prompts=$rows engine.batch_invariant=true kernels.invariant_loads=pointers,tma; done'
@@ -204,7 +208,7 @@ run grpo_e2b_exact_reference 300 bash -c 'grpo_job e2b_exact_reference 10'
 run grpo_e2b_exact_mb64 300 bash -c 'grpo_job e2b_exact_mb64 10'
 run grpo_e2b_exact_reference_mb64 300 bash -c 'grpo_job e2b_exact_reference_mb64 10'
 run grpo_e2b_exact_mb64_torch_recompute 300 bash -c 'grpo_job e2b_exact_mb64_torch_recompute 10'
-run grpo_e2b_exact_mb64_tma 300 bash -c 'grpo_job e2b_exact_mb64_tma 10'
+run grpo_e2b_exact_mb64_pointers 300 bash -c 'grpo_job e2b_exact_mb64_pointers 10'
 run grpo_26b_exact 450 bash -c 'grpo_job 26b_bnb4_exact 5'
 run grpo_26b_exact_reference 450 bash -c 'grpo_job 26b_bnb4_exact_reference 5'
 run grpo_26b_exact_mb32 450 bash -c 'grpo_job 26b_bnb4_exact_mb32 5'

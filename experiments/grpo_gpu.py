@@ -53,7 +53,7 @@ def e2b_jobs(base: list[str], half_micro: str) -> dict[str, list[str]]:
         "e2b_exact_mb64": [*base, GEN, *EXACT, ONE_MICRO],
         "e2b_exact_reference_mb64": [*base, GEN, *EXACT, *REFERENCE, ONE_MICRO],
         "e2b_exact_mb64_torch_recompute": [*base, GEN, *EXACT, ONE_MICRO, "kernels.trainer_recompute=reference"],
-        "e2b_exact_mb64_tma": [*base, GEN, *EXACT, ONE_MICRO, "kernels.invariant_loads=tma"],
+        "e2b_exact_mb64_pointers": [*base, GEN, *EXACT, ONE_MICRO, "kernels.invariant_loads=pointers"],
         "e2b_trl": [*base, "task.generator=trl", *INEXACT],
     }
 
