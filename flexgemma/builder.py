@@ -30,7 +30,7 @@ from flexgemma.model.load import build_model, free_memory
 from flexgemma.model.lora import attach_lora
 from flexgemma.model.projections import fuse_projections
 from flexgemma.model.spec import FULL, ModelSpec
-from flexgemma.config.resolve import Resolved, resolve, resolve_device
+from flexgemma.config.resolve import AUTO_KERNEL_KEYS, Resolved, resolve, resolve_device
 
 log = logging.getLogger("flexgemma")
 
@@ -212,6 +212,8 @@ def _engine_facts(runner: ModelRunner, spec: ModelSpec, dtype: torch.dtype, max_
         kv_bytes_per_token=spec.kv_bytes_per_token(dtype.itemsize),
         kv_bytes_per_token_full_layers=spec.kv_bytes_per_token(dtype.itemsize, [FULL]),
         kv_bytes_per_max_len_seq=spec.kv_bytes_per_sequence(max_len, dtype.itemsize),
+        # what each `auto` of the kernels group became on this device (config_resolved.yaml keeps `auto`)
+        **{f"kernels/{name}": getattr(r.kernels, name) for name in AUTO_KERNEL_KEYS},
     )
 
 

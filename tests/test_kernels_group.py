@@ -84,6 +84,16 @@ def test_the_engine_reads_its_choices_from_the_config():
     assert runner.forward.ops.experts_kernel is None and engine.info["moe_kernel"] == "grouped_mm"
 
 
+def test_the_engine_records_what_each_auto_key_became():
+    """config_resolved.yaml keeps `auto`; the engine's build facts (summary.json's engine/...) say what it became
+    on this device, so a run records the kernels it ran."""
+    engine = build_engine(compose(["+model=tiny_moe", "device=cpu", "kernels.moe_code_lookup=select"]))
+    facts = {k: v for k, v in engine.info.items() if k.startswith("kernels/")}
+    assert facts == {"kernels/moe": "grouped_mm", "kernels/linear4bit": "bnb", "kernels/moe_code_lookup": "select",
+                     "kernels/invariant_loads": "pointers", "kernels/invariant_experts": "grouped",
+                     "kernels/trainer_glue_backward": "eager"}
+
+
 def test_the_invariant_engine_hands_its_keys_to_each_kernel():
     """engine.batch_invariant: the products, the routed experts and the attention read the invariant_* keys."""
     engine = build_engine(compose(["+model=tiny_moe", "device=cpu", "engine.batch_invariant=true",

@@ -68,6 +68,10 @@ def resolve(cfg, device: torch.device) -> Resolved:
     )
 
 
+# the kernels keys whose default, `auto`, resolve_kernels decides for the device
+AUTO_KERNEL_KEYS = tuple(f.name for f in fields(KernelsConfig) if f.default == "auto")
+
+
 def resolve_kernels(k: KernelsConfig, device: torch.device, backend: str, max_batch_size: int,
                     quantised: bool) -> Kernels:
     """The kernels group as the constructors read it: each key copied over, `auto` decided for
