@@ -60,6 +60,14 @@ def fmt_pct(v: Any) -> str:
     return MISSING if v is None else f"{v:.1f}"
 
 
+def fmt_bandwidth(job: Job) -> str:
+    """A job's decode GB/s with its share of the GPU's peak where the job knew the peak (the roofline)."""
+    gb, pct = _num(job.get("bandwidth/decode_gb_s_median")), _num(job.get("bandwidth/decode_pct_of_peak_median"))
+    if gb is None:
+        return MISSING
+    return f"{gb:,.0f} ({pct:.0f}%)" if pct is not None else f"{gb:,.0f}"
+
+
 def fmt_check(v: Any) -> str:
     return {True: "pass", False: "fail"}.get(v, MISSING) if isinstance(v, bool) else MISSING
 
@@ -139,10 +147,14 @@ def throughput_table(coll: Collection) -> Table:
         Column("prefill tok/s", lambda j: fmt_rate(j.get("throughput/prefill_tok_s_median"))),
         Column("TTFT p50 ms", lambda j: fmt_ms(j.get("latency/ttft_p50_ms"))),
         Column("TPOT p50 ms", lambda j: fmt_ms(j.get("latency/tpot_p50_ms"))),
+        Column("decode GB/s (% of peak)", fmt_bandwidth),
     ]
     return _build("Throughput and latency", coll, columns,
                   note="Medians over the timed rounds; min – max is the spread over those rounds "
-                       "(from metrics.jsonl). TTFT: time to first token; TPOT: time per output token.")
+                       "(from metrics.jsonl). TTFT: time to first token; TPOT: time per output token. Decode "
+                       "GB/s: the bytes a decode step must read (the weights, for MoE models the experts its "
+                       "rows route to, and every live sequence's K and V) over the step's time, and its share "
+                       "of the GPU's peak bandwidth: how close decode runs to the memory roofline.")
 
 
 def resources_table(coll: Collection) -> Table:

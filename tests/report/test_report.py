@@ -32,7 +32,8 @@ def fake_sweep(root: Path) -> Path:
     n = 0
     for (block_n, ladder), total in speeds.items():
         ov = [*BASE, f"attn.decode.block_n={block_n}", f"cudagraph={ladder}"]
-        write_job(root / f"{n}_{','.join(ov[2:])}", ov, cpu_summary(total, **GPU_FACTS),
+        roofline = {"bandwidth/decode_gb_s_median": total * 1.1, "bandwidth/decode_pct_of_peak_median": total * 1.1 / 48}
+        write_job(root / f"{n}_{','.join(ov[2:])}", ov, cpu_summary(total, **GPU_FACTS, **roofline),
                   rounds=[total * 0.97, total, total * 1.02])
         n += 1
     ov = [*BASE, "attn.decode.block_n=64", "cudagraph=ladder8"]
@@ -64,6 +65,7 @@ def test_report_of_a_sweep(tmp_path):
     md = (sweep / "report.md").read_text()
     assert md.startswith("# ") and "Best: block_n=32, cudagraph=ladder16 (job 3)" in md.splitlines()[2]
     assert "| **1** | **3** | **32** | **ladder16** | **ok** | **1,500** | **1,455 – 1,530 (3)** |" in md
+    assert "| **1,650 (34%)** |" in md and "| 1,210 (25%) |" in md  # decode GB/s and the roofline's share
     assert "OutOfMemoryError: CUDA out of memory" in md and "| 4 | 64 | ladder8 | failed |" in md
     assert "peak RSS GiB" in md  # CPU jobs: no GPU memory keys, and no crash for their absence
 
