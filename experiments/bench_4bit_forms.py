@@ -68,6 +68,26 @@ def _sorted_tile(x_ptr, order_ptr, start, m0, count, H: tl.constexpr, TOPK: tl.c
 
 
 @triton.jit
+def _program_slice(starts_ptr, I: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (e, j)'s expert, its BLOCK_N features (and which exist), and the expert's range of the sorted
+    entries (start, count)."""
+    expert = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.load(starts_ptr + expert)
+    return expert, cols, cols < I, start, tl.load(starts_ptr + expert + 1) - start
+
+
+@triton.jit
+def _zero_tile(ENTRIES: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    """A float32 accumulator of a tile: [ENTRIES, BLOCK_N], or with SWAP (the weights the products' first
+    operand) [BLOCK_N, ENTRIES]."""
+    if SWAP:
+        return tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
+    else:
+        return tl.zeros((ENTRIES, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
 def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr, noffset_ptr,
                      out_ptr, I: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, stride_we, stride_ae, stride_ne,
                      QBLOCK: tl.constexpr, NESTED: tl.constexpr, DOUBLE_QUANT: tl.constexpr, ENTRIES: tl.constexpr,
@@ -76,22 +96,14 @@ def _up_forms_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
     quantisation block decoded once for them. SWAP=False (fma): [ENTRIES, BLOCK_N] products on the CUDA
     cores; SWAP=True (dot_w): tensor-core products (decoded block) x (entries' halves).T into [BLOCK_N,
     ENTRIES] accumulators, transposed for the production epilogue."""
-    expert = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < I
-    start = tl.load(starts_ptr + expert)
-    count = tl.load(starts_ptr + expert + 1) - start
+    expert, cols, ok, start, count = _program_slice(starts_ptr, I, BLOCK_N)
     half = tl.arange(0, QBLOCK // 2)
     dt = x_ptr.dtype.element_ty
     m0 = 0
     while m0 < count:
         flat, valid, row = _sorted_tile(x_ptr, order_ptr, start, m0, count, H, TOPK, ENTRIES)
-        if SWAP:
-            acc_g = tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
-        else:
-            acc_g = tl.zeros((ENTRIES, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((ENTRIES, BLOCK_N), dtype=tl.float32)
+        acc_g = _zero_tile(ENTRIES, BLOCK_N, SWAP)
+        acc_u = _zero_tile(ENTRIES, BLOCK_N, SWAP)
         for k0 in range(0, H, QBLOCK):
             xe = tl.load(row + k0 + 2 * half[None, :], mask=valid[:, None], other=0.0)
             xo = tl.load(row + k0 + 2 * half[None, :] + 1, mask=valid[:, None], other=0.0)
@@ -142,23 +154,15 @@ def _up_kstep_kernel(x_ptr, order_ptr, starts_ptr, w_ptr, absmax_ptr, code_ptr, 
     blocks' scales (float32, rounded once to the rows' dtype), then a product per nibble half over the step,
     chained into the accumulator (SWAP: the weights the first operand, [BLOCK_N, ENTRIES] accumulators;
     TILE_N: the bytes in _byte_at's layout)."""
-    expert = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < I
-    start = tl.load(starts_ptr + expert)
-    count = tl.load(starts_ptr + expert + 1) - start
+    expert, cols, ok, start, count = _program_slice(starts_ptr, I, BLOCK_N)
     HALF: tl.constexpr = KB * QBLOCK // 2
     kh = tl.arange(0, HALF)
     dt = x_ptr.dtype.element_ty
     m0 = 0
     while m0 < count:
         flat, valid, row = _sorted_tile(x_ptr, order_ptr, start, m0, count, H, TOPK, ENTRIES)
-        if SWAP:
-            acc_g = tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_N, ENTRIES), dtype=tl.float32)
-        else:
-            acc_g = tl.zeros((ENTRIES, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((ENTRIES, BLOCK_N), dtype=tl.float32)
+        acc_g = _zero_tile(ENTRIES, BLOCK_N, SWAP)
+        acc_u = _zero_tile(ENTRIES, BLOCK_N, SWAP)
         for k0 in range(0, H, KB * QBLOCK):
             xe = tl.load(row + k0 + 2 * kh[None, :], mask=valid[:, None], other=0.0)
             xo = tl.load(row + k0 + 2 * kh[None, :] + 1, mask=valid[:, None], other=0.0)
