@@ -368,20 +368,22 @@ def test_gpu_speed_only_keys_give_the_same_bits(model, other):
 
 @pytest.mark.gpu
 def test_gpu_split_sums_by_the_last_program_launch_after_launch_and_in_a_graph():
-    """kernels.invariant_split_sum=last_program on E2B's split shapes: the second kernel's bits at 1-256 rows,
-    launch after launch (each launch sets its counters back to 0) and replayed from a CUDA graph."""
+    """kernels.invariant_split_sum=last_program on E2B's shapes, every product split (whatever its tiles):
+    the second kernel's bits at 1-256 rows, launch after launch (each launch sets its counters back to 0) and
+    replayed from a CUDA graph."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
+    split = dict(split_below_tiles=1 << 20)
     for n, k in ((1536, 12288), (2048, 1536), (256, 1536)):
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5
         for m in (1, 7, 64, 256):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = inv_matmul.linear(x, w, split_sum="kernel")
+            ref = inv_matmul.linear(x, w, split_sum="kernel", **split)
             for _ in range(3):
-                assert torch.equal(inv_matmul.linear(x, w, split_sum="last_program"), ref), (n, k, m)
+                assert torch.equal(inv_matmul.linear(x, w, split_sum="last_program", **split), ref), (n, k, m)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = inv_matmul.linear(x, w, split_sum="last_program")
+                out = inv_matmul.linear(x, w, split_sum="last_program", **split)
             for _ in range(3):
                 out.zero_()
                 graph.replay()
