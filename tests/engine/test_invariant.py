@@ -357,10 +357,12 @@ def test_gpu_alone_slot_chunked_and_scored(model):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["e2b", "26b_a4b"])
 @pytest.mark.parametrize("other", ["kernels.invariant_flatten=false", "kernels.invariant_split_sum=last_program",
-                                   "kernels.invariant_loads=tma"])
+                                   "kernels.invariant_loads=pointers", "kernels.invariant_split_below_tiles=264"])
 def test_gpu_speed_only_keys_give_the_same_bits(model, other):
     """A speed-only key's other side (the nested chunk loops; a split's chunks added by each tile's last
-    program; the fold's blocks through tensor descriptors) changes no bit: alone, at a slot, scored, and equal to the defaults' tokens and logprobs."""
+    program; the blocks through per-element pointers, where the default on sm_90 and newer is tensor
+    descriptors; more products split) changes no bit: alone, at a slot, scored, and equal to the defaults'
+    tokens and logprobs."""
     ps = prompts(33, seed=19, lo=20, hi=700)
     got = check_alone_slot_and_score(invariant_gpu_engine(model, other), ps)
     assert same(got, invariant_gpu_engine(model).generate([ps[7]], [params(7)])[0]), f"{other} vs the defaults"
