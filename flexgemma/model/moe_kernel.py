@@ -297,18 +297,16 @@ def _routed_up_kernel(x_ptr, index_ptr, order_ptr, starts_ptr, n_flat, w_ptr, sl
         token = flat // TOPK
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if PACKED and PREFETCH and WEIGHTS_FIRST:  # [BLOCK_N, BLOCK_M] accumulators, transposed for the store
-            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            acc_g, acc_u = _up_prefetched(acc_t, acc_t, x_ptr + token[:, None] * stride_x, valid, w_ptr, widx, cols,
-                                          cols < I, I, H, stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr,
-                                          noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP,
-                                          False, True)
-            acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
-        elif PACKED and PREFETCH:
+        if PACKED and PREFETCH:
+            if WEIGHTS_FIRST:  # [BLOCK_N, BLOCK_M] accumulators, transposed for the store
+                acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             acc_g, acc_u = _up_prefetched(acc_g, acc_u, x_ptr + token[:, None] * stride_x, valid, w_ptr, widx, cols,
                                           cols < I, I, H, stride_we, absmax_ptr, code_ptr, ncode_ptr, nabsmax_ptr,
                                           noffset_ptr, stride_ae, stride_ne, QBLOCK, NESTED, DOUBLE_QUANT, LOOKUP,
-                                          SCALE_WEIGHTS)
+                                          SCALE_WEIGHTS, WEIGHTS_FIRST)
+            if WEIGHTS_FIRST:
+                acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
         elif PACKED:  # one block a step, its row halves shared by gate and up
             ok = cols < I
             for k0 in range(0, H, QBLOCK):

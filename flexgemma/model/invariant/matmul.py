@@ -64,18 +64,19 @@ _TILES_16BIT = ((16, dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)),
 # programs for narrow products (E2B at 256 rows on an H100: 64 x 64 the fastest tile of every product of
 # N <= 2,048, 64 x 128 past it; bench_inv_linear)
 _NARROW_N = 2048
-_TILES_32BIT = ((None, dict(BM=32, BN=64, BK=32, num_warps=4, num_stages=2)),)
+_TILE_32BIT = dict(BM=32, BN=64, BK=32, num_warps=4, num_stages=2)
 # kernels.invariant_loads=tma past 256 rows: 128 x 256 tiles (their pointer loads spill registers)
 _TILE_TMA_MANY_ROWS = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)
 
 
 def _tiles(m: int, n: int, dtype: torch.dtype, tma: bool = False) -> dict:
-    table = _TILES_32BIT if dtype == torch.float32 else _TILES_16BIT
-    if dtype != torch.float32 and m > 256:
-        return _TILE_TMA_MANY_ROWS if tma else table[-1][1]
-    if dtype != torch.float32 and 64 < m <= 256 and n <= _NARROW_N:
+    if dtype == torch.float32:
+        return _TILE_32BIT
+    if m > 256:
+        return _TILE_TMA_MANY_ROWS if tma else _TILES_16BIT[-1][1]
+    if m > 64 and n <= _NARROW_N:
         m = 64
-    return next(t for most, t in table if most is None or m <= most)
+    return next(t for most, t in _TILES_16BIT if most is None or m <= most)
 
 
 def _linear_gpu(x: torch.Tensor, w: torch.Tensor, k_chunk: int, split_below_tiles: int, flatten: bool,
