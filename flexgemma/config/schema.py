@@ -275,6 +275,11 @@ class KernelsConfig:
     # reads without the mask_mod (31B bf16's first 8,192-token prefill step on the H200: flex prefill
     # attention 175.4 -> 154.4 ms; the round at 64, 1,789 -> 1,795 tok/s)
     prefill_full_blocks: bool = True
+    # how a prefill mask tells whether a query's sequence owns a listed page: table (the query's page-table
+    # entry at the page's logical index, a gather per query and slot inside each partial tile) or owner (each
+    # page's one owning row, a gather per slot; a step in which two rows list one page, a shared prompt
+    # prefix, takes the table): the same mask either way
+    prefill_page_check: str = "table"
     # 4-bit steps of more rows than this dequantise the group once and run one GEMM instead of the
     # Triton kernel (whose programs of 64 rows each decode their weights again): on the H200 the kernel
     # won at 64 rows and lost 1.2-4.4x at 128-512 on every group but E2B's small q/k/v (31B bnb4 at 128
@@ -384,6 +389,7 @@ class KernelsConfig:
         _check_pow2("kernels.invariant_block_n", self.invariant_block_n, 16, 256)
         _check_pow2("kernels.invariant_split_tokens", self.invariant_split_tokens, self.invariant_block_n, 1 << 20)
         _check_choice("kernels.linear4bit", self.linear4bit, ("auto", "bnb", "triton"))
+        _check_choice("kernels.prefill_page_check", self.prefill_page_check, ("table", "owner"))
         _check_choice("kernels.linear4bit_dequant", self.linear4bit_dequant, ("bnb", "triton"))
         _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
         _check_choice("kernels.moe_code_lookup", self.moe_code_lookup, ("auto", "table", "select", "prmt"))

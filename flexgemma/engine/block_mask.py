@@ -52,6 +52,38 @@ def make_mask_mod(group: PageGroup, q_seq: torch.Tensor, q_pos: torch.Tensor, q_
     return mask_mod
 
 
+def make_owner_mask_mod(group: PageGroup, q_seq: torch.Tensor, q_pos: torch.Tensor, q_row: torch.Tensor,
+                        owner: torch.Tensor, window: Optional[int]):
+    """make_mask_mod's mask where no page is listed by two rows: owner [pages] is each page's row (-1: none).
+    Every index it reads depends on the query alone or on the slot alone, so a tile loads a row of each
+    instead of make_mask_mod's page-table entry per query and slot (kernels.prefill_page_check=owner)."""
+    page_size = group.page_size
+    base = group.pos
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        page = kv_idx // page_size
+        kv_pos = base[page] + kv_idx % page_size
+        qp, qs = q_pos[b, q_idx], q_seq[b, q_idx]
+        ok = (owner[page] == q_row[b, q_idx]) & (kv_pos <= qp)
+        if window is not None:
+            ok = ok & (kv_pos > qp - window)
+        return ok | ((qs == NO_SEQ) & (kv_idx == 0))
+
+    return mask_mod
+
+
+def page_owners(table: np.ndarray, num_pages: int) -> Optional[np.ndarray]:
+    """[num_pages] int32: the row of `table` that lists each page (-1: none); None when a page is in two
+    rows (a shared prefix), where only the page table says which sequences may read it."""
+    rows, cols = np.nonzero(table >= 0)
+    pages = table[rows, cols]
+    if len(np.unique(pages)) < len(pages):
+        return None
+    owner = np.full(num_pages, -1, dtype=np.int32)
+    owner[pages] = rows
+    return owner
+
+
 def page_table(group: PageGroup, seqs: list[Sequence], rows: int, width: int) -> np.ndarray:
     """[rows, width] int32: row i is seqs[i]'s pages in `group` by logical index, -1 where none
     (rows past len(seqs), pages past its length, sliding pages given back)."""
@@ -103,6 +135,7 @@ class MaskBuilder:
         # prefill masks list the pages a query block passes wholly as full blocks, read without the
         # mask_mod (kernels.prefill_full_blocks; off: every listed page partial)
         self.full_blocks = kernels.prefill_full_blocks
+        self.page_check = kernels.prefill_page_check
         self.page_size = cache.page_size
         self.q_block = q_block_size
         self.windows = {t: next(s.window for s in spec.layers if s.layer_type == t) for t in spec.layer_types}
@@ -219,8 +252,8 @@ class MaskBuilder:
         q_seq_t = torch.from_numpy(q_seq).to(self.device)
         q_pos_t = torch.from_numpy(q_pos).to(self.device)
         q_row_t = torch.from_numpy(q_row).to(self.device)
-        tables = {g.name: torch.from_numpy(page_table(g, seqs, table_rows, self.max_pages_per_seq)).to(self.device)
-                  for g in self.groups.values()}
+        host_tables = {g.name: page_table(g, seqs, table_rows, self.max_pages_per_seq) for g in self.groups.values()}
+        tables = {name: torch.from_numpy(t).to(self.device) for name, t in host_tables.items()}
         if self.invariant:
             # each chunk a run of one sequence's queries; the padding a run that reads no page
             segments = [(int(a), int(n)) for a, n in zip(np.cumsum([0] + list(chunk_lens[:-1])), chunk_lens)]
@@ -228,9 +261,19 @@ class MaskBuilder:
                 segments.append((sum(chunk_lens), padded_len - sum(chunk_lens)))
             return {t: RowTable(tables[self.groups[t].name], q_row_t[0], q_pos_t[0], w, decode=False,
                                 max_len=self.max_model_len, segments=segments) for t, w in self.windows.items()}
+        owners = {}
+        if self.page_check == "owner":
+            for g in self.groups.values():
+                owner = page_owners(host_tables[g.name], g.num_pages)
+                owners[g.name] = None if owner is None else torch.from_numpy(owner).to(self.device)
         masks = {}
         for t, window in self.windows.items():
             group = self.groups[t]
+            owner = owners.get(group.name)
+            if owner is None:
+                mask_mod = make_mask_mod(group, q_seq_t, q_pos_t, q_row_t, tables[group.name], window)
+            else:
+                mask_mod = make_owner_mask_mod(group, q_seq_t, q_pos_t, q_row_t, owner, window)
             partial, full = self._prefill_block_lists(group, segments, window)
             # one width for both lists: torch 2.11's flex kernel addresses the full list with the partial
             # list's strides (an illegal memory access on the H200 when they differed)
@@ -240,7 +283,7 @@ class MaskBuilder:
             masks[t] = BlockMask.from_kv_blocks(
                 nb, idx, full_nb, full_idx,
                 BLOCK_SIZE=(qb, self.page_size),
-                mask_mod=make_mask_mod(group, q_seq_t, q_pos_t, q_row_t, tables[group.name], window),
+                mask_mod=mask_mod,
                 seq_lengths=(padded_len, self.kv_len[t]),
                 compute_q_blocks=False,
             )

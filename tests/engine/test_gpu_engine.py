@@ -45,6 +45,20 @@ def test_prefill_full_blocks_change_nothing_but_speed():
         assert max(abs(a - b) for a, b in zip(plain.logprobs, fast.logprobs)) < 1e-4
 
 
+def test_prefill_page_owners_change_nothing_but_speed():
+    """kernels.prefill_page_check=owner through compiled flex, as the test above: prompts packed into
+    shared query blocks, pages of both layer types; the same greedy tokens and logprobs as the page table."""
+    def build(*extra):
+        return gpu_engine("+model=tiny", "model.dtype=float32", "model.hf_config.sliding_window=512",
+                          "model.hf_config.max_position_embeddings=2048", "cudagraph=off", *extra)
+
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    runs = outputs_per_setting(build, "kernels.prefill_page_check", ("table", "owner"), random_prompts(512), sp)
+    for table, owner in zip(*runs):
+        assert table.token_ids == owner.token_ids
+        assert max(abs(a - b) for a, b in zip(table.logprobs, owner.logprobs)) < 1e-4
+
+
 def test_async_decode_with_graphs_equals_sync():
     engine = gpu_engine("+model=tiny", "cudagraph.buckets=[1,2,4,8]")
     ps = random_prompts(engine.spec.vocab_size, lengths=(3, 20, 45, 70, 9))

@@ -43,11 +43,12 @@ def fill(cache, seq, layer, k, v):
     cache.write(layer, k, v, slots)
 
 
+@pytest.mark.parametrize("page_check", ["table", "owner"])
 @pytest.mark.parametrize("backend", ["dense", "flex_eager"])
-def test_paged_equals_dense(spec, backend):
+def test_paged_equals_dense(spec, backend, page_check):
     torch.manual_seed(0)
     cache = KVCache(spec, num_pages=40, page_size=P, dtype=torch.float32, device=torch.device("cpu"))
-    masks = MaskBuilder(spec, cache, q_block_size=16, max_model_len=128)
+    masks = MaskBuilder(spec, cache, q_block_size=16, max_model_len=128, kernels=Kernels(prefill_page_check=page_check))
     attend = attention_fn(backend)
     # two sequences on deliberately scattered, interleaved pages
     lens = [37, 21]
@@ -155,3 +156,37 @@ def test_prefill_full_blocks_pass_the_mask_everywhere(spec):
                                kernels=Kernels(prefill_full_blocks=False))
     for bm in partial_only.prefill(seqs, chunk, padded_len=padded).values():
         assert bm.full_kv_num_blocks is None
+
+
+def test_prefill_page_owners_give_the_page_tables_mask(spec):
+    """kernels.prefill_page_check=owner: each page's owning row lets through exactly what the page-table
+    entries do, for every query and slot of a packed prefill (pages of three sequences interleaved, one
+    block of queries spanning two sequences); a step in which two rows list one page (a shared prefix)
+    keeps the page-table mask_mod for that group, and still lets through the same."""
+    cache = KVCache(spec, num_pages=40, page_size=P, dtype=torch.float32, device=torch.device("cpu"))
+    table_masks = MaskBuilder(spec, cache, q_block_size=P, max_model_len=128)
+    owner_masks = MaskBuilder(spec, cache, q_block_size=P, max_model_len=128,
+                              kernels=Kernels(prefill_page_check="owner"))
+
+    def place(page_lists, lens, computed):
+        seqs = []
+        for i, (n, pages, c) in enumerate(zip(lens, page_lists, computed)):
+            s = Sequence(seq_id=10 + i, index=i, prompt=list(range(n)), params=SamplingParams(), seed=0)
+            s.pages, s.num_computed = pages, c
+            cache.page_groups[0].assign(pages, 0)
+            seqs.append(s)
+        chunk = [n - c for n, c in zip(lens, computed)]
+        return seqs, chunk, -(-sum(chunk) // P) * P
+
+    def check(seqs, chunk, padded, owner_kind: bool):
+        want = table_masks.prefill(seqs, chunk, padded_len=padded)
+        got = owner_masks.prefill(seqs, chunk, padded_len=padded)
+        for layer_type in want:
+            q, kv = torch.arange(padded)[:, None], torch.arange(table_masks.kv_len[layer_type])[None, :]
+            assert torch.equal(got[layer_type].mask_mod(0, 0, q, kv), want[layer_type].mask_mod(0, 0, q, kv)), layer_type
+            kind = got[layer_type].mask_mod.__qualname__.split(".")[0]
+            assert kind == ("make_owner_mask_mod" if owner_kind else "make_mask_mod"), (layer_type, kind)
+
+    check(*place([[17, 3, 29, 8, 31, 2], [5, 22, 11, 9], [14]], [45, 30, 5], [0, 11, 0]), owner_kind=True)
+    # the second sequence starts from the first one's two prompt pages: shared, so the page table decides
+    check(*place([[17, 3, 29, 8], [17, 3, 11]], [30, 21], [0, 16]), owner_kind=False)

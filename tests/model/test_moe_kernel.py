@@ -514,6 +514,11 @@ def test_gpu_4bit_experts_take_the_triton_kernels():
 
 
 @pytest.mark.gpu
+# strict: the day the mode gives token 255 its step's bits this fails, and the builder's warning
+# (builder.py) and the docs' "not yet shown invariant" go with the mark
+@pytest.mark.xfail(strict=True, reason="kernels.invariant_4bit_scale=weights: token 255 of 512 alone, fused without "
+                   "prefetch, gets other bits than in its step (H100, 2026-12-07 c and g); the option is documented "
+                   "and warned as not yet shown invariant")
 @pytest.mark.parametrize("lookup", ["table", "prmt"])
 def test_gpu_invariant_4bit_scaled_weights_fused_and_slots_agree(lookup):
     """kernels.invariant_4bit_scale=weights at 26B-A4B's expert shapes in bf16: a step of 512 tokens (4,096
