@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--prefill-sweep", action="store_true",
                     help="time flex prefill kernel options per layer type on one packed prefill of the workload's "
                          "prompts (engine.max_prefill_tokens of them), with the masks' full blocks")
+    ap.add_argument("--prefill-page-checks", action="store_true",
+                    help="time compiled flex prefill per layer type on one packed prefill of the workload's prompts "
+                         "with each kernels.prefill_page_check (the engine's tiles), and compare their outputs")
     ap.add_argument("--out", default=None)
     args, overrides = ap.parse_known_args()
     engine = build_engine(compose(overrides))
@@ -101,10 +104,13 @@ def main() -> None:
 
     if args.sweep:
         res["flex_sweep"] = sweep_flex(engine, seqs, rows)
-    if args.prefill_sweep:
+    if args.prefill_sweep or args.prefill_page_checks:
         for s in seqs:
             engine.scheduler._release_all(s)
+    if args.prefill_sweep:
         res["prefill_sweep"] = sweep_prefill(engine, compose(overrides))
+    if args.prefill_page_checks:
+        res["prefill_page_checks"] = time_page_checks(engine, compose(overrides))
     print(json.dumps({k: v for k, v in res.items() if k != "top_kernels"}, indent=1, default=str))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1, default=str))
@@ -213,6 +219,46 @@ def sweep_prefill(engine, cfg) -> list[dict]:
             lambda: fn(q, k, v, block_mask=masks[layer_type], scale=1.0, enable_gqa=True, kernel_options=opts),
             iters=10))
     return out
+
+
+def time_page_checks(engine, cfg) -> list[dict]:
+    """Compiled flex prefill on each layer type's real pool under the masks of each
+    kernels.prefill_page_check (the engine's own tiles), the same queries for both: ms a call, and
+    whether the outputs have the same bits (the two checks describe one mask)."""
+    import copy
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    runner = engine.runner
+    seqs, lens = prefill_batch(engine, cfg)
+    padded = -(-sum(lens) // runner.q_block) * runner.q_block
+    print(f"prefill page checks: {len(seqs)} prompts, {sum(lens)} tokens (padded {padded})")
+    fn = torch.compile(flex_attention, dynamic=False)
+    rows, outs = [], {}
+    for check in ("table", "owner"):
+        builder = copy.copy(runner.masks)
+        builder.page_check = check
+        masks = builder.prefill(seqs, lens, padded)
+        for layer_type in sorted(masks):
+            spec = next(s for s in engine.spec.layers if s.layer_type == layer_type and s.writes_kv)
+            k, v = runner.cache.layer_kv(spec.index)
+            gen = torch.Generator(device=k.device).manual_seed(spec.index)
+            q = torch.randn(1, spec.num_heads, padded, spec.head_dim, device=k.device, dtype=k.dtype, generator=gen)
+            opts = runner.forward.attn[spec.index].options["prefill"]
+            call = lambda: fn(q, k, v, block_mask=masks[layer_type], scale=1.0, enable_gqa=True,  # noqa: E731
+                              kernel_options=opts)
+            outs[check, layer_type] = call()
+            rows.append({"page_check": check, "layer_type": layer_type, "head_dim": spec.head_dim,
+                         "mask_mod": masks[layer_type].mask_mod.__qualname__.split(".")[0],
+                         "ms": cuda_time_ms(call, iters=10)})
+    for layer_type in sorted({r["layer_type"] for r in rows}):
+        same = torch.equal(outs["table", layer_type], outs["owner", layer_type])
+        ms = {r["page_check"]: r["ms"] for r in rows if r["layer_type"] == layer_type}
+        for r in rows:
+            if r["layer_type"] == layer_type:
+                r["bits_equal"] = same
+        print(f"prefill {layer_type}: table {ms['table']:.3f} ms, owner {ms['owner']:.3f} ms, bits equal {same}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -97,6 +97,34 @@ def test_decode_sweep_overrides_give_the_engine_the_options_it_timed():
     assert not any(o.startswith("attn.decode.block_n") for o in decode_overrides(sweep))
 
 
+def test_prefill_page_checks_time_both_masks_and_compare_their_bits(monkeypatch):
+    """profile_decode --prefill-page-checks on the CPU (flex eager, a wall-clock timer): a row per layer type
+    and check, the owner masks' mask_mod where no page is shared, the same bits from both."""
+    import time
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import profile_decode
+
+    from flexgemma import build_engine, compose
+
+    def wall_ms(fn, iters=10):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(profile_decode, "cuda_time_ms", wall_ms)
+    cfg = compose(["+model=tiny", "device=cpu", "workload=rollout64", "workload.num_prompts=6", "kv.page_size=16",
+                   "workload.min_prompt_len=20", "workload.max_prompt_len=90", "engine.max_prefill_tokens=256"])
+    rows = profile_decode.time_page_checks(build_engine(cfg), cfg)
+    assert {(r["page_check"], r["layer_type"]) for r in rows} == \
+        {(c, t) for c in ("table", "owner") for t in ("sliding_attention", "full_attention")}
+    assert {r["mask_mod"] for r in rows if r["page_check"] == "owner"} == {"make_owner_mask_mod"}
+    assert all(r["bits_equal"] for r in rows)
+
+
 def test_float32_error_smoke(tmp_path):
     """experiments/float32_error.py on the tiny model: a table row per prompt, flexgemma's float32 as
     close to float64 as rounding allows on a model this small."""
