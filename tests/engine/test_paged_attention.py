@@ -127,14 +127,8 @@ def kernel_view(bm, q_len: int, kv_len: int) -> torch.Tensor:
     return seen, truth
 
 
-def test_prefill_full_blocks_pass_the_mask_everywhere(spec):
-    """Pages listed as full skip the mask_mod in the kernel: each must pass it at every query of
-    its block, and partial + full together must let through exactly what the mask_mod does."""
-    cache = KVCache(spec, num_pages=40, page_size=P, dtype=torch.float32, device=torch.device("cpu"))
-    masks = MaskBuilder(spec, cache, q_block_size=P, max_model_len=128)
-    # a long prompt (whole query blocks of one sequence), one after a cached prefix, a short one
-    lens, computed = [45, 30, 5], [0, 11, 0]
-    page_lists = [[17, 3, 29, 8, 31, 2], [5, 22, 11, 9], [14]]
+def place_prefill(cache, page_lists, lens, computed):
+    """Sequences on the given pages (group 0) with `computed` tokens done: (seqs, chunk lens, padded length)."""
     seqs = []
     for i, (n, pages, c) in enumerate(zip(lens, page_lists, computed)):
         s = Sequence(seq_id=10 + i, index=i, prompt=list(range(n)), params=SamplingParams(), seed=0)
@@ -142,7 +136,16 @@ def test_prefill_full_blocks_pass_the_mask_everywhere(spec):
         cache.page_groups[0].assign(pages, 0)
         seqs.append(s)
     chunk = [n - c for n, c in zip(lens, computed)]
-    padded = -(-sum(chunk) // P) * P
+    return seqs, chunk, -(-sum(chunk) // P) * P
+
+
+def test_prefill_full_blocks_pass_the_mask_everywhere(spec):
+    """Pages listed as full skip the mask_mod in the kernel: each must pass it at every query of
+    its block, and partial + full together must let through exactly what the mask_mod does."""
+    cache = KVCache(spec, num_pages=40, page_size=P, dtype=torch.float32, device=torch.device("cpu"))
+    masks = MaskBuilder(spec, cache, q_block_size=P, max_model_len=128)
+    # a long prompt (whole query blocks of one sequence), one after a cached prefix, a short one
+    seqs, chunk, padded = place_prefill(cache, [[17, 3, 29, 8, 31, 2], [5, 22, 11, 9], [14]], [45, 30, 5], [0, 11, 0])
     full_pages = {}
     for layer_type, bm in masks.prefill(seqs, chunk, padded_len=padded).items():
         seen, truth = kernel_view(bm, padded, masks.kv_len[layer_type])
@@ -168,25 +171,17 @@ def test_prefill_page_owners_give_the_page_tables_mask(spec):
     owner_masks = MaskBuilder(spec, cache, q_block_size=P, max_model_len=128,
                               kernels=Kernels(prefill_page_check="owner"))
 
-    def place(page_lists, lens, computed):
-        seqs = []
-        for i, (n, pages, c) in enumerate(zip(lens, page_lists, computed)):
-            s = Sequence(seq_id=10 + i, index=i, prompt=list(range(n)), params=SamplingParams(), seed=0)
-            s.pages, s.num_computed = pages, c
-            cache.page_groups[0].assign(pages, 0)
-            seqs.append(s)
-        chunk = [n - c for n, c in zip(lens, computed)]
-        return seqs, chunk, -(-sum(chunk) // P) * P
-
     def check(seqs, chunk, padded, owner_kind: bool):
         want = table_masks.prefill(seqs, chunk, padded_len=padded)
         got = owner_masks.prefill(seqs, chunk, padded_len=padded)
         for layer_type in want:
             q, kv = torch.arange(padded)[:, None], torch.arange(table_masks.kv_len[layer_type])[None, :]
-            assert torch.equal(got[layer_type].mask_mod(0, 0, q, kv), want[layer_type].mask_mod(0, 0, q, kv)), layer_type
+            got_mask, want_mask = got[layer_type].mask_mod(0, 0, q, kv), want[layer_type].mask_mod(0, 0, q, kv)
+            assert torch.equal(got_mask, want_mask), layer_type
             kind = got[layer_type].mask_mod.__qualname__.split(".")[0]
             assert kind == ("make_owner_mask_mod" if owner_kind else "make_mask_mod"), (layer_type, kind)
 
-    check(*place([[17, 3, 29, 8, 31, 2], [5, 22, 11, 9], [14]], [45, 30, 5], [0, 11, 0]), owner_kind=True)
+    interleaved = place_prefill(cache, [[17, 3, 29, 8, 31, 2], [5, 22, 11, 9], [14]], [45, 30, 5], [0, 11, 0])
+    check(*interleaved, owner_kind=True)
     # the second sequence starts from the first one's two prompt pages: shared, so the page table decides
-    check(*place([[17, 3, 29, 8], [17, 3, 11]], [30, 21], [0, 16]), owner_kind=False)
+    check(*place_prefill(cache, [[17, 3, 29, 8], [17, 3, 11]], [30, 21], [0, 16]), owner_kind=False)
