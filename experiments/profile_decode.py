@@ -249,7 +249,7 @@ def time_page_checks(engine, cfg) -> list[dict]:
                               kernel_options=opts)
             outs[check, layer_type] = call()
             rows.append({"page_check": check, "layer_type": layer_type, "head_dim": spec.head_dim,
-                         "mask_mod": masks[layer_type].mask_mod.__qualname__.split(".")[0],
+                         "mask_check": masks[layer_type].mask_mod.page_check,
                          "ms": cuda_time_ms(call, iters=10)})
     for layer_type in sorted({r["layer_type"] for r in rows}):
         same = torch.equal(outs["table", layer_type], outs["owner", layer_type])

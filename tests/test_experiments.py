@@ -121,7 +121,7 @@ def test_prefill_page_checks_time_both_masks_and_compare_their_bits(monkeypatch)
     rows = profile_decode.time_page_checks(build_engine(cfg), cfg)
     assert {(r["page_check"], r["layer_type"]) for r in rows} == \
         {(c, t) for c in ("table", "owner") for t in ("sliding_attention", "full_attention")}
-    assert {r["mask_mod"] for r in rows if r["page_check"] == "owner"} == {"make_owner_mask_mod"}
+    assert {r["mask_check"] for r in rows if r["page_check"] == "owner"} == {"owner"}
     assert all(r["bits_equal"] for r in rows)
 
 

@@ -33,8 +33,11 @@ NO_SEQ = -2  # the document id of padding queries: matches no page owner (free p
 
 
 def make_mask_mod(group: PageGroup, q_seq: torch.Tensor, q_pos: torch.Tensor, q_row: torch.Tensor,
-                  table: torch.Tensor, window: Optional[int]):
-    """q_row: each query's row of `table` (its sequence's page table in `group`, -1 where it has no page)."""
+                  table: torch.Tensor, window: Optional[int], owner: Optional[torch.Tensor] = None):
+    """q_row: each query's row of `table` (its sequence's page table in `group`, -1 where it has no page).
+    owner [pages] (kernels.prefill_page_check=owner, where no page is listed by two rows): each page's row,
+    -1 for none; the check then reads an index of the slot alone, not the table's entry per query and slot
+    (a load per slot of a tile instead of one per query and slot). The function's `page_check` says which."""
     page_size = group.page_size
     base = group.pos
 
@@ -43,32 +46,17 @@ def make_mask_mod(group: PageGroup, q_seq: torch.Tensor, q_pos: torch.Tensor, q_
         start = base[page]
         kv_pos = start + kv_idx % page_size
         qp, qs = q_pos[b, q_idx], q_seq[b, q_idx]
-        ok = (table[q_row[b, q_idx], start // page_size] == page) & (kv_pos <= qp)
+        if owner is None:
+            ok = table[q_row[b, q_idx], start // page_size] == page
+        else:
+            ok = owner[page] == q_row[b, q_idx]
+        ok = ok & (kv_pos <= qp)
         if window is not None:
             ok = ok & (kv_pos > qp - window)
         # a padding query sees the sink slot, so no row is empty (dense softmax would give NaN)
         return ok | ((qs == NO_SEQ) & (kv_idx == 0))
 
-    return mask_mod
-
-
-def make_owner_mask_mod(group: PageGroup, q_seq: torch.Tensor, q_pos: torch.Tensor, q_row: torch.Tensor,
-                        owner: torch.Tensor, window: Optional[int]):
-    """make_mask_mod's mask where no page is listed by two rows: owner [pages] is each page's row (-1: none).
-    Every index it reads depends on the query alone or on the slot alone, so a tile loads a row of each
-    instead of make_mask_mod's page-table entry per query and slot (kernels.prefill_page_check=owner)."""
-    page_size = group.page_size
-    base = group.pos
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        page = kv_idx // page_size
-        kv_pos = base[page] + kv_idx % page_size
-        qp, qs = q_pos[b, q_idx], q_seq[b, q_idx]
-        ok = (owner[page] == q_row[b, q_idx]) & (kv_pos <= qp)
-        if window is not None:
-            ok = ok & (kv_pos > qp - window)
-        return ok | ((qs == NO_SEQ) & (kv_idx == 0))
-
+    mask_mod.page_check = "table" if owner is None else "owner"
     return mask_mod
 
 
@@ -269,11 +257,7 @@ class MaskBuilder:
         masks = {}
         for t, window in self.windows.items():
             group = self.groups[t]
-            owner = owners.get(group.name)
-            if owner is None:
-                mask_mod = make_mask_mod(group, q_seq_t, q_pos_t, q_row_t, tables[group.name], window)
-            else:
-                mask_mod = make_owner_mask_mod(group, q_seq_t, q_pos_t, q_row_t, owner, window)
+            mask_mod = make_mask_mod(group, q_seq_t, q_pos_t, q_row_t, tables[group.name], window, owners.get(group.name))
             partial, full = self._prefill_block_lists(group, segments, window)
             # one width for both lists: torch 2.11's flex kernel addresses the full list with the partial
             # list's strides (an illegal memory access on the H200 when they differed)
