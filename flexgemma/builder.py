@@ -21,7 +21,7 @@ from flexgemma.engine.runner import ModelRunner
 from flexgemma.engine.sampler import InvariantSampler, sample
 from flexgemma.engine.warm import eager_decode_steps, warm_up
 from flexgemma.engine.scheduler import Scheduler
-from flexgemma.model.attention import AttentionKernels, InvariantAttentionKernels
+from flexgemma.model.attention import AttentionKernels, InvariantAttentionKernels, check_varlen
 from flexgemma.model.forward import GemmaForward
 from flexgemma.model.glue import ROW_ARGS, make_ops
 from flexgemma.model.invariant.rows import padded_rows
@@ -136,6 +136,8 @@ def _build_from_config(cfg: Config, demand: PoolDemand) -> Engine:
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     r = resolve(cfg, device)  # every auto decided here, before anything is built
+    if r.kernels.prefill_attention == "varlen":
+        check_varlen(r.device, r.dtype, r.batch_invariant)
     if not cfg.model.allow_large_cpu:
         _refuse_if_too_large(cfg, device)
     # quantisation: quant=bnb4 quantises inside build_model, module by module as weights are made or

@@ -16,7 +16,7 @@ from flexgemma.run.tracking import RunRecorder
 
 CPU = torch.device("cpu")
 # a value other than the default for each key that has no `auto`
-OTHER = {"fuse_projections": False, "fused_kv_write": True, "prefill_full_blocks": False, "prefill_page_check": "table", "linear4bit_max_rows": 32,
+OTHER = {"fuse_projections": False, "fused_kv_write": True, "prefill_full_blocks": False, "prefill_page_check": "table", "prefill_attention": "varlen", "linear4bit_max_rows": 32,
          "linear4bit_dequant": "bnb", "moe_sort_above": 0, "moe_fused_max_entries": 16, "moe_dequant": "triton",
          "moe_4bit_prefetch": False, "moe_4bit_weights_first_above": 0, "moe_code_lookup": "select",
          "invariant_k_chunk": 256, "invariant_split_tokens": 512, "invariant_block_n": 32,

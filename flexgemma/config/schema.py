@@ -280,6 +280,11 @@ class KernelsConfig:
     # page's one owning row, a gather per slot; a step in which two rows list one page, a shared prompt
     # prefix, takes the table): the same mask either way; owner measured E2B's prefill 81.5k -> 84.3k tok/s
     prefill_page_check: str = "owner"
+    # a prefill step whose chunks all start at position 0 (no cached prefix, no earlier chunk): flex over the
+    # pages, or varlen: torch's varlen_attn (FlashAttention) over the step's own K and V, on the layers of
+    # head_dim <= 256 (wider ones, and steps with cached context, keep flex); bf16/fp16 on a GPU, on the CPU
+    # the same mask through SDPA. Not the batch-invariant mode's (its one kernel serves both phases)
+    prefill_attention: str = "flex"
     # 4-bit steps of more rows than this dequantise the group once and run one GEMM instead of the
     # Triton kernel (whose programs of 64 rows each decode their weights again): on the H200 the kernel
     # won at 64 rows and lost 1.2-4.4x at 128-512 on every group but E2B's small q/k/v (31B bnb4 at 128
@@ -390,6 +395,7 @@ class KernelsConfig:
         _check_pow2("kernels.invariant_split_tokens", self.invariant_split_tokens, self.invariant_block_n, 1 << 20)
         _check_choice("kernels.linear4bit", self.linear4bit, ("auto", "bnb", "triton"))
         _check_choice("kernels.prefill_page_check", self.prefill_page_check, ("table", "owner"))
+        _check_choice("kernels.prefill_attention", self.prefill_attention, ("flex", "varlen"))
         _check_choice("kernels.linear4bit_dequant", self.linear4bit_dequant, ("bnb", "triton"))
         _check_choice("kernels.moe_dequant", self.moe_dequant, ("bnb", "triton"))
         _check_choice("kernels.moe_code_lookup", self.moe_code_lookup, ("auto", "table", "select", "prmt"))

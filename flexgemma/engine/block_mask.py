@@ -25,6 +25,7 @@ from flexgemma.engine.kv_cache import KVCache, PageGroup
 from flexgemma.engine.sequence import Sequence
 from flexgemma.engine.staged import Staged
 from flexgemma.config.kernels import Kernels
+from flexgemma.model.attention import FLASH_MAX_HEAD_DIM, VarlenPrefill
 from flexgemma.model.invariant.attention import RowTable
 from flexgemma.model.spec import ModelSpec
 
@@ -124,6 +125,10 @@ class MaskBuilder:
         # mask_mod (kernels.prefill_full_blocks; off: every listed page partial)
         self.full_blocks = kernels.prefill_full_blocks
         self.page_check = kernels.prefill_page_check
+        # kernels.prefill_attention=varlen: the layer types FlashAttention takes (head_dim <= 256), whose masks
+        # in a step with no cached context are VarlenPrefill layouts instead of BlockMasks
+        self.varlen_types = set() if invariant or kernels.prefill_attention != "varlen" else {
+            s.layer_type for s in spec.layers if s.head_dim <= FLASH_MAX_HEAD_DIM}
         self.page_size = cache.page_size
         self.q_block = q_block_size
         self.windows = {t: next(s.window for s in spec.layers if s.layer_type == t) for t in spec.layer_types}
@@ -218,6 +223,11 @@ class MaskBuilder:
     # -- prefill: every chunk packed into one query sequence ------------------------------------
     def prefill(self, seqs: list[Sequence], chunk_lens: list[int], padded_len: int) -> dict[str, BlockMask]:
         self.cache.upload_positions()
+        varlen = {}
+        if self.varlen_types and all(s.num_computed == 0 for s in seqs):
+            varlen = self._varlen(chunk_lens, padded_len)
+            if set(varlen) == set(self.windows):
+                return varlen
         qb = self.q_block
         n_blocks = padded_len // qb
         q_seq = np.full((1, padded_len), NO_SEQ, dtype=np.int32)
@@ -249,13 +259,11 @@ class MaskBuilder:
                 segments.append((sum(chunk_lens), padded_len - sum(chunk_lens)))
             return {t: RowTable(tables[self.groups[t].name], q_row_t[0], q_pos_t[0], w, decode=False,
                                 max_len=self.max_model_len, segments=segments) for t, w in self.windows.items()}
-        owners = {}
-        if self.page_check == "owner":
-            for g in self.groups.values():
-                owner = page_owners(host_tables[g.name], g.num_pages)
-                owners[g.name] = None if owner is None else torch.from_numpy(owner).to(self.device)
-        masks = {}
+        masks = dict(varlen)
+        owners = self._owners(host_tables)
         for t, window in self.windows.items():
+            if t in masks:
+                continue
             group = self.groups[t]
             mask_mod = make_mask_mod(group, q_seq_t, q_pos_t, q_row_t, tables[group.name], window, owners.get(group.name))
             partial, full = self._prefill_block_lists(group, segments, window)
@@ -272,6 +280,25 @@ class MaskBuilder:
                 compute_q_blocks=False,
             )
         return masks
+
+    def _owners(self, host_tables: dict[str, np.ndarray]) -> dict[str, Optional[torch.Tensor]]:
+        """Each page group's page owners on the device (kernels.prefill_page_check=owner; None where two rows
+        list one page), or nothing (table)."""
+        owners = {}
+        if self.page_check == "owner":
+            for g in self.groups.values():
+                owner = page_owners(host_tables[g.name], g.num_pages)
+                owners[g.name] = None if owner is None else torch.from_numpy(owner).to(self.device)
+        return owners
+
+    def _varlen(self, chunk_lens: list[int], padded_len: int) -> dict[str, VarlenPrefill]:
+        """The varlen layouts of a step whose chunks all start at position 0 (kernels.prefill_attention)."""
+        ends = np.cumsum([0] + list(chunk_lens))
+        if padded_len > ends[-1]:
+            ends = np.append(ends, padded_len)
+        cu = torch.from_numpy(ends.astype(np.int32)).to(self.device)
+        longest = int(np.diff(ends).max())
+        return {t: VarlenPrefill(cu, longest, self.windows[t]) for t in self.varlen_types}
 
     def _prefill_block_lists(self, group: PageGroup, segments, window: Optional[int]):
         """Per query block, the pages its queries may read: (partial, full). A full page passes the

@@ -5,6 +5,9 @@ KV write and the flex_attention call. The projections are the transformers modul
 
 from __future__ import annotations
 
+import inspect
+import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -16,6 +19,8 @@ from flexgemma.config.kernels import Kernels
 from flexgemma.model.kv_pools import KVPools
 from flexgemma.model.projections import Projection
 from flexgemma.model.spec import LayerSpec
+
+log = logging.getLogger("flexgemma")
 
 
 def rope_tables(hf_model, max_len: int, dtype: torch.dtype, device: torch.device) -> dict[str, tuple]:
@@ -97,7 +102,9 @@ class PagedAttention:
                 v = ops.rms_norm(raw_v, None, self.eps)  # values: a scale-free norm, no RoPE
                 self.pools.write(s.index, k, v, slots[s.layer_type])  # each layer type's own slots
         kc, vc = self.pools.layer_kv(s.kv_source)
-        if decode:
+        if isinstance(mask, VarlenPrefill):  # each chunk its own tokens only: read back what the step wrote
+            out = self.attention.varlen_prefill(q, kc, vc, slots[s.layer_type], mask)
+        elif decode:
             out = self.attention.decode(q, kc, vc, mask, self.options["decode"])
         else:
             out = self.attention.prefill(q, kc, vc, mask, self.options["prefill"])
@@ -155,6 +162,16 @@ class AttentionKernels:
                 f"flex_attention kernel options {options} ({phase}, head_dim {q.shape[-1]}, {q.dtype}) do not work "
                 f"on this GPU: {reason}. Lower {key}.block_m / block_n / num_stages."
             ) from e
+
+
+    @staticmethod
+    def varlen_prefill(q, k_pool, v_pool, slots, layout: "VarlenPrefill"):
+        """q [T, H, D] packed; the chunks' K and V read back from the pool at the step's `slots` [T]."""
+        k = k_pool[0].index_select(1, slots).transpose(0, 1)
+        v = v_pool[0].index_select(1, slots).transpose(0, 1)
+        if q.is_cuda:
+            return flash_varlen(q, k, v, layout)
+        return varlen_reference(q, k, v, layout)
 
 
 class InvariantAttentionKernels:
@@ -220,3 +237,87 @@ def attention_fn(backend: str) -> Callable:
     if backend == "dense":
         return dense_attention
     raise ValueError(f"attn.backend={backend!r}: choose one of {ATTENTION_BACKENDS} or auto")
+
+
+# FlashAttention's largest head_dim: layers with wider heads (Gemma-4's head_dim-512 full-attention
+# layers) keep flex under kernels.prefill_attention=varlen
+FLASH_MAX_HEAD_DIM = 256
+
+
+@dataclass
+class VarlenPrefill:
+    """A prefill step whose chunks all start at position 0 (no cached context), described for
+    kernels.prefill_attention=varlen: each chunk attends causally to its own tokens only, so the
+    step is packed variable-length attention (FlashAttention) instead of flex over pages, where
+    short packed prompts leave most tiles partial and each partial tile evaluates the mask_mod.
+    cu_seqlens [N + 1] int32: where each chunk starts, then the step's padded end (the padding one
+    more chunk, which reads nothing but itself)."""
+
+    cu_seqlens: torch.Tensor
+    max_len: int
+    window: Optional[int]  # sliding layers: a key sits less than `window` positions behind its query
+
+
+def flash_varlen(q, k, v, layout: VarlenPrefill):
+    """torch's varlen_attn (FlashAttention, bf16/fp16 on a GPU), scale 1 as flex's."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    extra = {}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:  # torch before 2.12: one K/V head per query head
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    # FlashAttention's window (left, right): keys at [i - left, i + right]; left = window - 1 keeps
+    # those less than `window` behind, as the mask_mod does
+    window = (-1, 0) if layout.window is None else (layout.window - 1, 0)
+    cu, n = layout.cu_seqlens, layout.max_len
+    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, scale=1.0, window_size=window,
+                       **extra)
+
+
+def varlen_reference(q, k, v, layout: VarlenPrefill):
+    """The CPU path of varlen_prefill: the same chunk, causal and window mask over the packed step,
+    then SDPA (what flash_varlen computes, in any dtype)."""
+    t = q.shape[0]
+    pos = torch.arange(t, device=q.device)
+    chunk = torch.searchsorted(layout.cu_seqlens.to(q.device, torch.long), pos, right=True)
+    mask = (chunk[:, None] == chunk[None, :]) & (pos[None, :] <= pos[:, None])
+    if layout.window is not None:
+        mask &= pos[None, :] > pos[:, None] - layout.window
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, scale=1.0, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def varlen_supported() -> Optional[str]:
+    """None when torch's varlen_attn takes what flash_varlen passes; else why not."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (added in 2.10)"
+    missing = {"scale", "window_size"} - set(inspect.signature(varlen_attn).parameters)
+    if missing:
+        return f"torch {torch.__version__}'s varlen_attn takes no {', '.join(sorted(missing))}"
+    return None
+
+
+def check_varlen(device: torch.device, dtype: torch.dtype, invariant: bool) -> None:
+    """kernels.prefill_attention=varlen at build: FlashAttention on a GPU takes bf16 or fp16 and needs
+    torch's varlen_attn with a window; the batch-invariant mode has its own prefill kernel."""
+    from flexgemma.config.schema import ConfigError
+
+    if invariant:
+        log.warning("kernels.prefill_attention=varlen does nothing under engine.batch_invariant=true: the invariant "
+                    "attention kernel computes both phases")
+        return
+    if device.type != "cuda":
+        return  # the CPU computes the same mask through SDPA
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ConfigError(f"kernels.prefill_attention=varlen runs FlashAttention, which takes bf16 or fp16, and this "
+                          f"model computes in {dtype}: use kernels.prefill_attention=flex or model.dtype=bfloat16")
+    why = varlen_supported()
+    if why:
+        raise ConfigError(f"kernels.prefill_attention=varlen: {why}; use kernels.prefill_attention=flex")

@@ -1,5 +1,6 @@
 """GPU checks of the engine (skipped without CUDA): CUDA graphs against no graphs, prefill masks'
-full blocks, the async decode loop, and a step in flight that the host does not wait for."""
+full blocks and page owners, the varlen prefill's FlashAttention call, the async decode loop, and a
+step in flight that the host does not wait for."""
 
 import pytest
 import torch
@@ -57,6 +58,27 @@ def test_prefill_page_owners_change_nothing_but_speed():
     for table, owner in zip(*runs):
         assert table.token_ids == owner.token_ids
         assert max(abs(a - b) for a, b in zip(table.logprobs, owner.logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads,window", [(256, 8, 1, 512), (256, 8, 1, 5), (128, 4, 2, None)])
+def test_flash_varlen_computes_the_masks_attention(head_dim, heads, kv_heads, window):
+    """kernels.prefill_attention=varlen's FlashAttention call in bf16 against the same mask in float32
+    (varlen_reference): no further from it than SDPA in bf16 is. E2B's sliding geometry (8 query heads
+    on one K/V head, window 512, a chunk past it), a window of 5 (one key too many would show), GQA 2:1."""
+    from flexgemma.model.attention import VarlenPrefill, flash_varlen, varlen_reference
+
+    torch.manual_seed(0)
+    lens, t = (7, 130, 600), 768
+    cu = torch.tensor([0, 7, 137, 737, t], dtype=torch.int32, device="cuda")
+    layout = VarlenPrefill(cu, max(lens), window)
+    q = torch.randn(t, heads, head_dim, device="cuda", dtype=torch.bfloat16) / head_dim ** 0.25
+    # K and V as the engine reads them back from a pool: [T, H, D] views of [H, T, D]
+    k = (torch.randn(kv_heads, t, head_dim, device="cuda") / head_dim ** 0.25).bfloat16().transpose(0, 1)
+    v = torch.randn(kv_heads, t, head_dim, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    want = varlen_reference(q.float(), k.float(), v.float(), layout)
+    sdpa_gap = (varlen_reference(q, k, v, layout).float() - want).abs().max().item()
+    gap = (flash_varlen(q, k, v, layout).float() - want).abs().max().item()
+    assert gap <= 2 * sdpa_gap + 1e-3, (gap, sdpa_gap)
 
 
 def test_async_decode_with_graphs_equals_sync():
