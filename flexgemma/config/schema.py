@@ -280,10 +280,10 @@ class KernelsConfig:
     # page's one owning row, a gather per slot; a step in which two rows list one page, a shared prompt
     # prefix, takes the table): the same mask either way; owner measured E2B's prefill 81.5k -> 84.3k tok/s
     prefill_page_check: str = "owner"
-    # a prefill step whose chunks all start at position 0 (no cached prefix, no earlier chunk): flex over the
-    # pages, or varlen: torch's varlen_attn (FlashAttention) over the step's own K and V, on the layers of
-    # head_dim <= 256 (wider ones, and steps with cached context, keep flex); bf16/fp16 on a GPU, on the CPU
-    # the same mask through SDPA. Not the batch-invariant mode's (its one kernel serves both phases)
+    # prefill attention: flex over the pool's pages, or varlen: torch's varlen_attn (FlashAttention) over each
+    # chunk's keys gathered by slot (cached prefix and earlier chunks included), on the layers of head_dim <= 256
+    # (wider ones keep flex); bf16/fp16 on a GPU, on the CPU the same mask through SDPA. Not the batch-invariant
+    # mode's (its one kernel serves both phases)
     prefill_attention: str = "flex"
     # 4-bit steps of more rows than this dequantise the group once and run one GEMM instead of the
     # Triton kernel (whose programs of 64 rows each decode their weights again): on the H200 the kernel

@@ -125,8 +125,8 @@ class MaskBuilder:
         # mask_mod (kernels.prefill_full_blocks; off: every listed page partial)
         self.full_blocks = kernels.prefill_full_blocks
         self.page_check = kernels.prefill_page_check
-        # kernels.prefill_attention=varlen: the layer types FlashAttention takes (head_dim <= 256), whose masks
-        # in a step with no cached context are VarlenPrefill layouts instead of BlockMasks
+        # kernels.prefill_attention=varlen: the layer types FlashAttention takes (head_dim <= 256), whose prefill
+        # masks are VarlenPrefill layouts instead of BlockMasks
         self.varlen_types = set() if invariant or kernels.prefill_attention != "varlen" else {
             s.layer_type for s in spec.layers if s.head_dim <= FLASH_MAX_HEAD_DIM}
         self.page_size = cache.page_size
@@ -223,11 +223,9 @@ class MaskBuilder:
     # -- prefill: every chunk packed into one query sequence ------------------------------------
     def prefill(self, seqs: list[Sequence], chunk_lens: list[int], padded_len: int) -> dict[str, BlockMask]:
         self.cache.upload_positions()
-        varlen = {}
-        if self.varlen_types and all(s.num_computed == 0 for s in seqs):
-            varlen = self._varlen(chunk_lens, padded_len)
-            if set(varlen) == set(self.windows):
-                return varlen
+        varlen = self._varlen(seqs, chunk_lens, padded_len) if self.varlen_types else {}
+        if set(varlen) == set(self.windows):
+            return varlen
         qb = self.q_block
         n_blocks = padded_len // qb
         q_seq = np.full((1, padded_len), NO_SEQ, dtype=np.int32)
@@ -291,14 +289,29 @@ class MaskBuilder:
                 owners[g.name] = None if owner is None else torch.from_numpy(owner).to(self.device)
         return owners
 
-    def _varlen(self, chunk_lens: list[int], padded_len: int) -> dict[str, VarlenPrefill]:
-        """The varlen layouts of a step whose chunks all start at position 0 (kernels.prefill_attention)."""
-        ends = np.cumsum([0] + list(chunk_lens))
-        if padded_len > ends[-1]:
-            ends = np.append(ends, padded_len)
-        cu = torch.from_numpy(ends.astype(np.int32)).to(self.device)
-        longest = int(np.diff(ends).max())
-        return {t: VarlenPrefill(cu, longest, self.windows[t]) for t in self.varlen_types}
+    def _varlen(self, seqs: list[Sequence], chunk_lens: list[int], padded_len: int) -> dict[str, VarlenPrefill]:
+        """kernels.prefill_attention=varlen: each chunk's keys are the slots of the positions its queries may
+        read (from 0, or from the window's start before its first query, to its last query)."""
+        ps, pad = self.page_size, padded_len - sum(chunk_lens)
+        q_lens = list(chunk_lens) + ([pad] if pad else [])
+        cu_q = torch.from_numpy(np.cumsum([0] + q_lens).astype(np.int32)).to(self.device)
+        out = {}
+        for t in self.varlen_types:
+            group, window = self.groups[t], self.windows[t]
+            slots = []
+            for s, n in zip(seqs, chunk_lens):
+                first = 0 if window is None else max(0, s.num_computed - window + 1)
+                pos = np.arange(first, s.num_computed + n)
+                pages = np.asarray([-1 if p is None else p for p in group.pages_of(s)], dtype=np.int64)[pos // ps]
+                if (pages < 0).any():
+                    raise RuntimeError(f"sequence {s.seq_id}: a page its prefill reads ({t}) was given back")
+                slots.append(pages * ps + pos % ps)
+            slots += [np.zeros(pad, dtype=np.int64)] if pad else []  # the padding reads the sink slot
+            k_lens = [len(x) for x in slots]
+            cu_k = torch.from_numpy(np.cumsum([0] + k_lens).astype(np.int32)).to(self.device)
+            out[t] = VarlenPrefill(cu_q, cu_k, max(q_lens), max(k_lens),
+                                   torch.from_numpy(np.concatenate(slots)).to(self.device), window)
+        return out
 
     def _prefill_block_lists(self, group: PageGroup, segments, window: Optional[int]):
         """Per query block, the pages its queries may read: (partial, full). A full page passes the

@@ -102,8 +102,8 @@ class PagedAttention:
                 v = ops.rms_norm(raw_v, None, self.eps)  # values: a scale-free norm, no RoPE
                 self.pools.write(s.index, k, v, slots[s.layer_type])  # each layer type's own slots
         kc, vc = self.pools.layer_kv(s.kv_source)
-        if isinstance(mask, VarlenPrefill):  # each chunk its own tokens only: read back what the step wrote
-            out = self.attention.varlen_prefill(q, kc, vc, slots[s.layer_type], mask)
+        if isinstance(mask, VarlenPrefill):  # each chunk's keys read from the pool by slot
+            out = self.attention.varlen_prefill(q, kc, vc, mask)
         elif decode:
             out = self.attention.decode(q, kc, vc, mask, self.options["decode"])
         else:
@@ -165,10 +165,10 @@ class AttentionKernels:
 
 
     @staticmethod
-    def varlen_prefill(q, k_pool, v_pool, slots, layout: "VarlenPrefill"):
-        """q [T, H, D] packed; the chunks' K and V read back from the pool at the step's `slots` [T]."""
-        k = k_pool[0].index_select(1, slots).transpose(0, 1)
-        v = v_pool[0].index_select(1, slots).transpose(0, 1)
+    def varlen_prefill(q, k_pool, v_pool, layout: "VarlenPrefill"):
+        """q [T, H, D] packed; each chunk's keys and values read from the pool at `layout.k_slots`."""
+        k = k_pool[0].index_select(1, layout.k_slots).transpose(0, 1)
+        v = v_pool[0].index_select(1, layout.k_slots).transpose(0, 1)
         if q.is_cuda:
             return flash_varlen(q, k, v, layout)
         return varlen_reference(q, k, v, layout)
@@ -246,15 +246,19 @@ FLASH_MAX_HEAD_DIM = 256
 
 @dataclass
 class VarlenPrefill:
-    """A prefill step whose chunks all start at position 0 (no cached context), described for
-    kernels.prefill_attention=varlen: each chunk attends causally to its own tokens only, so the
-    step is packed variable-length attention (FlashAttention) instead of flex over pages, where
-    short packed prompts leave most tiles partial and each partial tile evaluates the mask_mod.
-    cu_seqlens [N + 1] int32: where each chunk starts, then the step's padded end (the padding one
-    more chunk, which reads nothing but itself)."""
+    """A prefill step described for kernels.prefill_attention=varlen: packed variable-length
+    attention (FlashAttention) over keys gathered by slot, instead of flex over the whole pool,
+    where short packed prompts leave most tiles partial and each partial tile evaluates the
+    mask_mod. Chunk i's queries are rows cu_seqlens_q[i]:cu_seqlens_q[i+1] of the step, its keys
+    k_slots[cu_seqlens_k[i]:cu_seqlens_k[i+1]]: the positions its queries may read, ending at its
+    last query (the causal mask aligned bottom-right). The padding is one chunk more, its keys the
+    sink slot."""
 
-    cu_seqlens: torch.Tensor
-    max_len: int
+    cu_seqlens_q: torch.Tensor  # [N + 1] int32
+    cu_seqlens_k: torch.Tensor  # [N + 1] int32
+    max_q: int
+    max_k: int
+    k_slots: torch.Tensor  # [cu_seqlens_k[-1]] int64 flat pool slots
     window: Optional[int]  # sliding layers: a key sits less than `window` positions behind its query
 
 
@@ -273,23 +277,26 @@ def flash_varlen(q, k, v, layout: VarlenPrefill):
     # FlashAttention's window (left, right): keys at [i - left, i + right]; left = window - 1 keeps
     # those less than `window` behind, as the mask_mod does
     window = (-1, 0) if layout.window is None else (layout.window - 1, 0)
-    cu, n = layout.cu_seqlens, layout.max_len
-    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, scale=1.0, window_size=window,
-                       **extra)
+    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), layout.cu_seqlens_q, layout.cu_seqlens_k,
+                       layout.max_q, layout.max_k, scale=1.0, window_size=window, **extra)
 
 
 def varlen_reference(q, k, v, layout: VarlenPrefill):
-    """The CPU path of varlen_prefill: the same chunk, causal and window mask over the packed step,
-    then SDPA (what flash_varlen computes, in any dtype)."""
-    t = q.shape[0]
-    pos = torch.arange(t, device=q.device)
-    chunk = torch.searchsorted(layout.cu_seqlens.to(q.device, torch.long), pos, right=True)
-    mask = (chunk[:, None] == chunk[None, :]) & (pos[None, :] <= pos[:, None])
-    if layout.window is not None:
-        mask &= pos[None, :] > pos[:, None] - layout.window
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, scale=1.0, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    """The CPU path of varlen_prefill, what flash_varlen computes in any dtype: chunk by chunk, its
+    queries against its keys, causal aligned bottom-right, within the window, through SDPA."""
+    out = torch.empty_like(q)
+    cq, ck = layout.cu_seqlens_q.tolist(), layout.cu_seqlens_k.tolist()
+    for qa, qb, ka, kb in zip(cq, cq[1:], ck, ck[1:]):
+        nq, nk = qb - qa, kb - ka
+        qpos = torch.arange(nk - nq, nk, device=q.device)[:, None]
+        kpos = torch.arange(nk, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if layout.window is not None:
+            mask &= kpos > qpos - layout.window
+        o = F.scaled_dot_product_attention(q[qa:qb].transpose(0, 1), k[ka:kb].transpose(0, 1),
+                                           v[ka:kb].transpose(0, 1), attn_mask=mask, scale=1.0, enable_gqa=True)
+        out[qa:qb] = o.transpose(0, 1)
+    return out
 
 
 def varlen_supported() -> Optional[str]:

@@ -64,17 +64,18 @@ def test_prefill_page_owners_change_nothing_but_speed():
 def test_flash_varlen_computes_the_masks_attention(head_dim, heads, kv_heads, window):
     """kernels.prefill_attention=varlen's FlashAttention call in bf16 against the same mask in float32
     (varlen_reference): no further from it than SDPA in bf16 is. E2B's sliding geometry (8 query heads
-    on one K/V head, window 512, a chunk past it), a window of 5 (one key too many would show), GQA 2:1."""
+    on one K/V head, window 512, a chunk past it), a window of 5 (one key too many would show), GQA 2:1;
+    the second chunk after 70 cached keys (the causal mask aligned bottom-right), the padding a chunk."""
     from flexgemma.model.attention import VarlenPrefill, flash_varlen, varlen_reference
 
     torch.manual_seed(0)
-    lens, t = (7, 130, 600), 768
-    cu = torch.tensor([0, 7, 137, 737, t], dtype=torch.int32, device="cuda")
-    layout = VarlenPrefill(cu, max(lens), window)
-    q = torch.randn(t, heads, head_dim, device="cuda", dtype=torch.bfloat16) / head_dim ** 0.25
-    # K and V as the engine reads them back from a pool: [T, H, D] views of [H, T, D]
-    k = (torch.randn(kv_heads, t, head_dim, device="cuda") / head_dim ** 0.25).bfloat16().transpose(0, 1)
-    v = torch.randn(kv_heads, t, head_dim, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    q_lens, k_lens = (7, 130, 600, 31), (7, 200, 600, 31)
+    cu = lambda n: torch.tensor((0,) + n, device="cuda").cumsum(0).to(torch.int32)  # noqa: E731
+    layout = VarlenPrefill(cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), None, window)
+    q = torch.randn(sum(q_lens), heads, head_dim, device="cuda", dtype=torch.bfloat16) / head_dim ** 0.25
+    # K and V as the engine reads them from a pool: [T, H, D] views of [H, T, D]
+    k = (torch.randn(kv_heads, sum(k_lens), head_dim, device="cuda") / head_dim ** 0.25).bfloat16().transpose(0, 1)
+    v = torch.randn(kv_heads, sum(k_lens), head_dim, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
     want = varlen_reference(q.float(), k.float(), v.float(), layout)
     sdpa_gap = (varlen_reference(q, k, v, layout).float() - want).abs().max().item()
     gap = (flash_varlen(q, k, v, layout).float() - want).abs().max().item()

@@ -1,6 +1,6 @@
-"""kernels.prefill_attention=varlen: a prefill step whose chunks all start at position 0 runs packed
-variable-length attention over the step's own K and V (FlashAttention on a GPU, the same mask through
-SDPA on the CPU); wider heads and steps with cached context keep flex. Same tokens as flex."""
+"""kernels.prefill_attention=varlen: prefill steps as packed variable-length attention over keys read
+by slot (FlashAttention on a GPU, the same mask through SDPA on the CPU) on the layers of head_dim <= 256;
+wider heads keep flex. The same tokens as flex."""
 
 import math
 
@@ -23,11 +23,12 @@ P = 8
 
 
 def chunk_reference(q, k, v, window):
-    """One chunk in float64: q, k, v [n, H or Hkv, D] at positions 0..n-1."""
-    n, h, _ = q.shape
+    """One chunk in float64: q [nq, H, D] at positions nk-nq..nk-1, k/v [nk, Hkv, D] at 0..nk-1."""
+    nq, h, _ = q.shape
+    nk = k.shape[0]
     rep = h // k.shape[1]
     k, v = k.repeat_interleave(rep, 1).double(), v.repeat_interleave(rep, 1).double()
-    qpos, kpos = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    qpos, kpos = torch.arange(nk - nq, nk)[:, None], torch.arange(nk)[None, :]
     allowed = kpos <= qpos
     if window:
         allowed &= kpos > qpos - window
@@ -35,18 +36,24 @@ def chunk_reference(q, k, v, window):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
+def layout(q_lens, k_lens, window, device="cpu"):
+    cu = lambda n: torch.tensor([0] + list(n), dtype=torch.int32, device=device).cumsum(0).to(torch.int32)  # noqa: E731
+    return VarlenPrefill(cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), None, window)
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_varlen_reference_attends_within_each_chunk(window):
+    """Chunks of fresh prompts (as many keys as queries) and chunks after cached tokens (more keys):
+    each query reads its own chunk's keys up to its position, within the window."""
     torch.manual_seed(0)
-    lens, pad = [5, 23, 9], 3
-    t = sum(lens) + pad
-    q, k, v = torch.randn(t, 4, 16) * 0.3, torch.randn(t, 1, 16), torch.randn(t, 1, 16)
-    cu = torch.tensor([0, 5, 28, 37, 40], dtype=torch.int32)
-    out = varlen_reference(q, k, v, VarlenPrefill(cu, max(lens), window))
-    for a, b in zip(cu[:-2].tolist(), cu[1:-1].tolist()):
-        want = chunk_reference(q[a:b], k[a:b], v[a:b], window)
-        torch.testing.assert_close(out[a:b].double(), want, rtol=1e-5, atol=1e-5)
-    assert torch.isfinite(out[sum(lens):]).all()  # the padding a chunk of its own
+    q_lens, k_lens = [5, 23, 9, 3], [5, 30, 9, 3]
+    q, k, v = torch.randn(sum(q_lens), 4, 16) * 0.3, torch.randn(sum(k_lens), 1, 16), torch.randn(sum(k_lens), 1, 16)
+    lay = layout(q_lens, k_lens, window)
+    out = varlen_reference(q, k, v, lay)
+    cq, ck = lay.cu_seqlens_q.tolist(), lay.cu_seqlens_k.tolist()
+    for qa, qb, ka, kb in zip(cq, cq[1:], ck, ck[1:]):
+        torch.testing.assert_close(out[qa:qb].double(), chunk_reference(q[qa:qb], k[ka:kb], v[ka:kb], window),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def spec_with(**hf):
@@ -55,37 +62,39 @@ def spec_with(**hf):
     return ModelSpec.from_hf_config(text_config_from_dict(cfg))
 
 
-def place(cache, lens, computed, first_page=1):
-    seqs, page = [], first_page
+def place(cache, lens, computed):
+    """Sequences on pages of their own in each page group (the window group's numbered from 20 on)."""
+    seqs, page = [], 1
     for i, (n, c) in enumerate(zip(lens, computed)):
         s = Sequence(seq_id=10 + i, index=i, prompt=list(range(n)), params=SamplingParams(), seed=0)
         pages = list(range(page, page + -(-n // P)))
         page += len(pages)
-        s.pages, s.num_computed = pages, c
-        cache.page_groups[0].assign(pages, 0)
+        s.pages, s.window_pages, s.num_computed = pages, [p + 20 for p in pages], c
+        for g in cache.page_groups:
+            g.assign(g.pages_of(s), 0)
         seqs.append(s)
     return seqs, [n - c for n, c in zip(lens, computed)]
 
 
-def test_mask_builder_gives_varlen_layouts_to_fresh_steps_on_narrow_heads():
-    """A step of fresh chunks: a VarlenPrefill for the layer types of head_dim <= 256 (the padding one
-    chunk more), a BlockMask for the head_dim-512 type; a chunk after cached tokens: BlockMasks only;
-    kernels.prefill_attention=flex: BlockMasks only."""
-    spec = spec_with(global_head_dim=512)
+def test_mask_builder_gives_varlen_layouts_on_narrow_heads():
+    """kernels.prefill_attention=varlen: a VarlenPrefill for the layer types of head_dim <= 256 whose keys
+    are the slots each chunk may read (after cached tokens: from 0 on full layers, from the window's
+    start on sliding ones; the padding the sink), a BlockMask for the head_dim-512 type; flex: BlockMasks."""
+    spec = spec_with(global_head_dim=512, sliding_window=6)
     cache = KVCache(spec, num_pages=40, page_size=P, dtype=torch.float32, device=torch.device("cpu"))
     varlen = MaskBuilder(spec, cache, q_block_size=P, max_model_len=128, kernels=Kernels(prefill_attention="varlen"))
-    seqs, chunks = place(cache, [13, 30], [0, 0])
-    masks = varlen.prefill(seqs, chunks, padded_len=48)
+    seqs, chunks = place(cache, [13, 30], [0, 20])  # the second: 20 tokens cached, 10 to compute
+    masks = varlen.prefill(seqs, chunks, padded_len=32)
     sliding = masks["sliding_attention"]
     assert isinstance(sliding, VarlenPrefill) and isinstance(masks["full_attention"], BlockMask)
-    assert sliding.cu_seqlens.tolist() == [0, 13, 43, 48] and sliding.max_len == 30
-    assert sliding.window == spec.layers[0].window
-    seqs[1].num_computed = 8  # its first 8 tokens cached: a chunk that must read them
-    masks = varlen.prefill(seqs, [13, 22], padded_len=40)
-    assert all(isinstance(m, BlockMask) for m in masks.values())
-    seqs[1].num_computed = 0
+    assert sliding.cu_seqlens_q.tolist() == [0, 13, 23, 32] and sliding.max_q == 13
+    # keys: 13 of the first; positions 15..29 of the second (the window of its first query, 20); 9 padding
+    assert sliding.cu_seqlens_k.tolist() == [0, 13, 28, 37] and sliding.window == 6 and sliding.max_k == 15
+    pages = varlen.groups["sliding_attention"].pages_of(seqs[1])  # its own pages, or the window group's
+    want = [pages[p // P] * P + p % P for p in range(15, 30)]
+    assert sliding.k_slots[13:28].tolist() == want and sliding.k_slots[28:].tolist() == [0] * 9
     flex = MaskBuilder(spec, cache, q_block_size=P, max_model_len=128)
-    assert all(isinstance(m, BlockMask) for m in flex.prefill(seqs, chunks, padded_len=48).values())
+    assert all(isinstance(m, BlockMask) for m in flex.prefill(seqs, chunks, padded_len=32).values())
 
 
 def count_varlen_calls(monkeypatch) -> list:
@@ -93,7 +102,8 @@ def count_varlen_calls(monkeypatch) -> list:
     real = AttentionKernels.varlen_prefill
 
     def counted(*args):
-        calls.append(args[-1].cu_seqlens.numel())
+        lay = args[-1]
+        calls.append(int(lay.cu_seqlens_k[-1] - lay.cu_seqlens_q[-1]))  # keys read before the chunks' queries
         return real(*args)
 
     monkeypatch.setattr(AttentionKernels, "varlen_prefill", staticmethod(counted))
@@ -101,9 +111,9 @@ def count_varlen_calls(monkeypatch) -> list:
 
 
 def test_varlen_prefill_gives_flex_tokens(monkeypatch):
-    """The tiny model (window 16), float32 on the CPU: prompts past the window, a prompt split over
-    two steps (the second reads the first's pages: flex), and GRPO groups whose followers read a
-    shared prefix (flex): the same tokens, and logprobs to float32 rounding, as every step through flex."""
+    """The tiny model (window 16), float32 on the CPU: prompts past the window, prompts split over
+    steps (a chunk reads the earlier chunks' keys) and repeated prompts whose followers read a cached
+    prefix: the same tokens, and logprobs to float32 rounding, as flex over the pages."""
     calls = count_varlen_calls(monkeypatch)
     g = torch.Generator().manual_seed(0)
     prompts = [[2] + torch.randint(3, 512, (n,), generator=g).tolist() for n in (6, 40, 75, 21)] * 2
@@ -112,7 +122,7 @@ def test_varlen_prefill_gives_flex_tokens(monkeypatch):
     want = make_engine(*common).generate(prompts, params)
     assert not calls
     got = make_engine(*common, "kernels.prefill_attention=varlen").generate(prompts, params)
-    assert calls, "no step went through varlen_prefill"
+    assert calls and max(calls) > 0, "no chunk read cached keys through varlen_prefill"
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     torch.testing.assert_close([o.logprobs for o in got], [o.logprobs for o in want], rtol=1e-4, atol=1e-4)
 
