@@ -221,7 +221,9 @@ class MaskBuilder:
         self.cache.upload_positions()  # positions of the pages handed out since the last step
 
     # -- prefill: every chunk packed into one query sequence ------------------------------------
-    def prefill(self, seqs: list[Sequence], chunk_lens: list[int], padded_len: int) -> dict[str, BlockMask]:
+    def prefill(self, seqs: list[Sequence], chunk_lens: list[int], padded_len: int) -> dict:
+        """Layer type -> the step's BlockMask (VarlenPrefill under kernels.prefill_attention=varlen, RowTable
+        when invariant)."""
         self.cache.upload_positions()
         varlen = self._varlen(seqs, chunk_lens, padded_len) if self.varlen_types else {}
         if set(varlen) == set(self.windows):

@@ -163,7 +163,6 @@ class AttentionKernels:
                 f"on this GPU: {reason}. Lower {key}.block_m / block_n / num_stages."
             ) from e
 
-
     @staticmethod
     def varlen_prefill(q, k_pool, v_pool, layout: "VarlenPrefill"):
         """q [T, H, D] packed; each chunk's keys and values read from the pool at `layout.k_slots`."""
