@@ -294,20 +294,15 @@ class MaskBuilder:
     def _varlen(self, seqs: list[Sequence], chunk_lens: list[int], padded_len: int) -> dict[str, VarlenPrefill]:
         """kernels.prefill_attention=varlen: each chunk's keys are the slots of the positions its queries may
         read (from 0, or from the window's start before its first query, to its last query)."""
-        ps, pad = self.page_size, padded_len - sum(chunk_lens)
+        pad = padded_len - sum(chunk_lens)
         q_lens = list(chunk_lens) + ([pad] if pad else [])
         cu_q = torch.from_numpy(np.cumsum([0] + q_lens).astype(np.int32)).to(self.device)
         out = {}
         for t in self.varlen_types:
             group, window = self.groups[t], self.windows[t]
-            slots = []
-            for s, n in zip(seqs, chunk_lens):
-                first = 0 if window is None else max(0, s.num_computed - window + 1)
-                pos = np.arange(first, s.num_computed + n)
-                pages = np.asarray([-1 if p is None else p for p in group.pages_of(s)], dtype=np.int64)[pos // ps]
-                if (pages < 0).any():
-                    raise RuntimeError(f"sequence {s.seq_id}: a page its prefill reads ({t}) was given back")
-                slots.append(pages * ps + pos % ps)
+            slots = [self.cache.slots(group, s, np.arange(0 if window is None else max(0, s.num_computed - window + 1),
+                                                          s.num_computed + n))
+                     for s, n in zip(seqs, chunk_lens)]
             slots += [np.zeros(pad, dtype=np.int64)] if pad else []  # the padding reads the sink slot
             k_lens = [len(x) for x in slots]
             cu_k = torch.from_numpy(np.cumsum([0] + k_lens).astype(np.int32)).to(self.device)

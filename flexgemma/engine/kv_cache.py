@@ -275,3 +275,11 @@ class KVCache:
 
     def slot(self, group: PageGroup, seq, pos: int) -> int:
         return group.pages_of(seq)[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def slots(self, group: PageGroup, seq, positions: np.ndarray) -> np.ndarray:
+        """int64 flat slots of seq's tokens at `positions` in `group` (their pages must be held)."""
+        pages = np.asarray([-1 if p is None else p for p in group.pages_of(seq)], dtype=np.int64)[positions // self.page_size]
+        if (pages < 0).any():
+            raise RuntimeError(f"sequence {seq.seq_id}: a page of positions {positions[0]}..{positions[-1]} in page "
+                               f"group {group.name} was given back")
+        return pages * self.page_size + positions % self.page_size

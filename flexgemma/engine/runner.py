@@ -131,7 +131,7 @@ class ModelRunner:
         sink = SINK_PAGE * self.page_size
         slots = np.full(padded, sink, dtype=np.int64)
         window_slots = np.full(padded, sink, dtype=np.int64)
-        wg, page = self.cache.window_group, self.page_size
+        full, wg = self.cache.page_groups[0], self.cache.window_group
         last, sampled, draw_pos = [], [], []
         t = 0
         for s, n in zip(plan.seqs, plan.chunk_lens):
@@ -139,10 +139,9 @@ class ModelRunner:
             ids[t: t + n] = s.tokens[p0: p0 + n]
             p = np.arange(p0, p0 + n)
             pos[t: t + n] = p
-            slots[t: t + n] = np.asarray(s.pages, dtype=np.int64)[p // page] * page + p % page
+            slots[t: t + n] = self.cache.slots(full, s, p)
             if wg is not None:  # the chunk's window pages all exist: none is reclaimed before its queries
-                window_slots[t: t + n] = np.asarray(s.window_pages[p0 // page:], dtype=np.int64)[
-                    p // page - p0 // page] * page + p % page
+                window_slots[t: t + n] = self.cache.slots(wg, s, p)
             smp = p0 + n == s.num_tokens
             sampled.append(smp)
             if smp:

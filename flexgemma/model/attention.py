@@ -5,6 +5,7 @@ KV write and the flex_attention call. The projections are the transformers modul
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -261,11 +262,19 @@ class VarlenPrefill:
     window: Optional[int]  # sliding layers: a key sits less than `window` positions behind its query
 
 
+@functools.cache
+def _varlen_attn() -> tuple[Optional[Callable], frozenset]:
+    """torch's varlen_attn and its parameters' names, looked up once (None before torch 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def flash_varlen(q, k, v, layout: VarlenPrefill):
     """torch's varlen_attn (FlashAttention, bf16/fp16 on a GPU), scale 1 as flex's."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
+    varlen_attn, params = _varlen_attn()
     extra = {}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
@@ -300,11 +309,10 @@ def varlen_reference(q, k, v, layout: VarlenPrefill):
 
 def varlen_supported() -> Optional[str]:
     """None when torch's varlen_attn takes what flash_varlen passes; else why not."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+    varlen_attn, params = _varlen_attn()
+    if varlen_attn is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen (added in 2.10)"
-    missing = {"scale", "window_size"} - set(inspect.signature(varlen_attn).parameters)
+    missing = {"scale", "window_size"} - params
     if missing:
         return f"torch {torch.__version__}'s varlen_attn takes no {', '.join(sorted(missing))}"
     return None
