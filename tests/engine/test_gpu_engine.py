@@ -82,6 +82,23 @@ def test_flash_varlen_computes_the_masks_attention(head_dim, heads, kv_heads, wi
     assert gap <= 2 * sdpa_gap + 1e-3, (gap, sdpa_gap)
 
 
+def test_varlen_prefill_scores_as_flex_does():
+    """kernels.prefill_attention=varlen through the engine (both of the tiny model's layer types, head_dim
+    32 and 64): teacher-forced logprobs of prompts split over 96-token prefill steps (chunks after
+    earlier chunks, the 16-token window crossed) no further from float32 flex than bf16 flex is."""
+    def scores(dtype, attention):
+        engine = gpu_engine("+model=tiny", f"model.dtype={dtype}", "cudagraph=off", "engine.max_prefill_tokens=96",
+                            f"kernels.prefill_attention={attention}")
+        prompts = random_prompts(engine.spec.vocab_size, lengths=(7, 130, 300, 41))
+        return torch.tensor([x for s in engine.score(prompts, [1] * len(prompts)) for x in s.logprobs])
+
+    want = scores("float32", "flex")
+    flex_gap = (scores("bfloat16", "flex") - want).abs()
+    varlen_gap = (scores("bfloat16", "varlen") - want).abs()
+    assert varlen_gap.mean() <= 2 * flex_gap.mean() + 1e-3, (varlen_gap.mean(), flex_gap.mean())
+    assert varlen_gap.max() <= 2 * flex_gap.max() + 1e-2, (varlen_gap.max(), flex_gap.max())
+
+
 def test_async_decode_with_graphs_equals_sync():
     engine = gpu_engine("+model=tiny", "cudagraph.buckets=[1,2,4,8]")
     ps = random_prompts(engine.spec.vocab_size, lengths=(3, 20, 45, 70, 9))
