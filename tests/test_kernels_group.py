@@ -62,7 +62,8 @@ def test_a_hand_built_object_runs_what_the_default_config_resolves_to_on_the_cpu
 
     cpu = resolve_kernels(KernelsConfig(), CPU, "dense", 64, quantised=False)
     assert dataclasses.replace(cpu, moe="auto", linear4bit="auto", invariant_experts="auto",
-                               trainer_glue_backward="auto", moe_code_lookup="auto", invariant_loads="auto") == Kernels()
+                               trainer_glue_backward="auto", moe_code_lookup="auto", invariant_loads="auto",
+                               prefill_attention="auto") == Kernels()
     assert make_ops(None, Kernels()).experts_kernel is None and cpu.moe == "grouped_mm"
 
 
@@ -91,7 +92,7 @@ def test_the_engine_records_what_each_auto_key_became():
     facts = {k: v for k, v in engine.info.items() if k.startswith("kernels/")}
     assert facts == {"kernels/moe": "grouped_mm", "kernels/linear4bit": "bnb", "kernels/moe_code_lookup": "select",
                      "kernels/invariant_loads": "pointers", "kernels/invariant_experts": "grouped",
-                     "kernels/trainer_glue_backward": "eager"}
+                     "kernels/trainer_glue_backward": "eager", "kernels/prefill_attention": "flex"}
 
 
 def test_the_invariant_engine_hands_its_keys_to_each_kernel():
@@ -115,6 +116,26 @@ def test_tma_loads_below_hopper_are_refused_when_the_run_resolves(monkeypatch):
     assert resolve_kernels(KernelsConfig(), cuda, "dense", 64, False).invariant_loads == "pointers"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert resolve_kernels(tma, cuda, "dense", 64, False).invariant_loads == "tma"
+
+
+def test_prefill_attention_auto_is_flash_attention_only_where_it_runs(monkeypatch):
+    """auto: varlen with the flex backend on an NVIDIA GPU of sm_80+ and a bf16/fp16 model; flex on the CPU,
+    in float32, under the other backends (the batch-invariant one included) and on older GPUs. A value set by
+    hand is kept (check_varlen judges it at build)."""
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    auto = KernelsConfig()
+    assert resolve_kernels(auto, cuda, "flex", 64, False, bf16).prefill_attention == "varlen"
+    assert resolve_kernels(auto, cuda, "flex", 64, False, torch.float16).prefill_attention == "varlen"
+    for device, backend, dtype in ((CPU, "flex", bf16), (cuda, "flex", torch.float32), (cuda, "invariant", bf16),
+                                   (cuda, "flex_eager", bf16), (cuda, "dense", bf16)):
+        assert resolve_kernels(auto, device, backend, 64, False, dtype).prefill_attention == "flex", (device, backend, dtype)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert resolve_kernels(auto, cuda, "flex", 64, False, bf16).prefill_attention == "flex"
+    by_hand = dataclasses.replace(auto, prefill_attention="varlen")
+    assert resolve_kernels(by_hand, CPU, "dense", 64, False).prefill_attention == "varlen"
+    # the whole resolve on the CPU: auto is flex, and the run records it
+    assert resolve(compose(["+model=tiny", "device=cpu"]), CPU).kernels.prefill_attention == "flex"
 
 
 def test_prmt_off_an_nvidia_gpu_is_refused_when_the_run_resolves():

@@ -56,12 +56,13 @@ def resolve(cfg, device: torch.device) -> Resolved:
     if invariant and device.type == "cuda" and not compile_glue:
         raise ConfigError("engine.batch_invariant=true on a GPU needs engine.compile=true (or null): torch's eager "
                           "norms reduce a row in an order that depends on the row count; the compiled glue does not")
+    dtype = model_dtype(cfg.model, cfg.quant, device)
     return Resolved(
         device=device,
-        dtype=model_dtype(cfg.model, cfg.quant, device),
+        dtype=dtype,
         attention_backend=backend,
         compile=compile_glue,
-        kernels=resolve_kernels(cfg.kernels, device, backend, int(cfg.engine.max_batch_size), quantised),
+        kernels=resolve_kernels(cfg.kernels, device, backend, int(cfg.engine.max_batch_size), quantised, dtype),
         quantised=quantised,
         lora_merge=(not quantised) if cfg.lora.merge is None else bool(cfg.lora.merge),
         batch_invariant=invariant,
@@ -73,9 +74,10 @@ AUTO_KERNEL_KEYS = tuple(f.name for f in fields(KernelsConfig) if f.default == "
 
 
 def resolve_kernels(k: KernelsConfig, device: torch.device, backend: str, max_batch_size: int,
-                    quantised: bool) -> Kernels:
+                    quantised: bool, dtype: torch.dtype = torch.float32) -> Kernels:
     """The kernels group as the constructors read it: each key copied over, `auto` decided for
-    `device`, and the row counts flex decode attention is compiled at (flex only)."""
+    `device`, the attention backend and the model's compute dtype, and the row counts flex decode
+    attention is compiled at (flex only)."""
     values = {f.name: getattr(k, f.name) for f in fields(KernelsConfig)}
     values.update(
         moe=kernel_choice("moe", str(k.moe), "grouped_mm", device),
@@ -83,6 +85,7 @@ def resolve_kernels(k: KernelsConfig, device: torch.device, backend: str, max_ba
         linear4bit=kernel_choice("linear4bit", str(k.linear4bit), "bnb", device) if quantised else "bnb",
         moe_code_lookup=code_lookup_choice(str(k.moe_code_lookup), device),
         invariant_loads=loads_choice(str(k.invariant_loads), device),
+        prefill_attention=prefill_attention_choice(str(k.prefill_attention), device, backend, dtype),
         decode_rows=tuple(attention_row_sizes(max_batch_size)) if backend == "flex" else (),
     )
     if k.trainer_glue_backward == "auto":  # as engine.compile: torch.compile on a GPU, eager ops on the CPU
@@ -96,6 +99,18 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def prefill_attention_choice(value: str, device: torch.device, backend: str, dtype: torch.dtype) -> str:
+    """kernels.prefill_attention resolved: auto is varlen (FlashAttention) where it runs and was measured
+    (E2B's prefill 97k -> 101k tok/s): the flex backend on an NVIDIA GPU of sm_80 or newer with a bf16 or
+    fp16 model; flex elsewhere (the CPU, float32, the eager, dense and batch-invariant backends). An
+    explicit varlen is checked at build (model.attention.check_varlen)."""
+    if value != "auto":
+        return value
+    if backend != "flex" or dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda" or torch.version.hip:
+        return "flex"
+    return "varlen" if torch.cuda.get_device_capability(device)[0] >= 8 else "flex"
 
 
 def code_lookup_choice(value: str, device: torch.device) -> str:
