@@ -66,12 +66,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return best * c.shape[-1] + index.gather(-1, best[:, None])[:, 0]
 
 
-def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
-    """torch.logsumexp(x, -1) of a [B, V] tensor, per chunk first."""
+def logsumexp_rows(x: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
+    """torch.logsumexp(final_logits(x, softcap), -1) of a [B, V] tensor, per chunk first. With `softcap`,
+    x is the head's output: the cap is monotonic, so a chunk's peak is its raw maximum capped, and the
+    tanh runs once an element, in the sum (a compiled pass over the capped values for the peaks spent a
+    second tanh an element)."""
     c = _chunks(x)
-    peak = c.amax(dim=-1)  # [B, C]
+    peak = final_logits(c.amax(dim=-1), softcap)  # [B, C]
     total = peak.amax(dim=-1)  # [B]
-    mass = torch.exp(c - peak[..., None]).sum(dim=-1) * torch.exp(peak - total[:, None])
+    mass = torch.exp(final_logits(c, softcap) - peak[..., None]).sum(dim=-1) * torch.exp(peak - total[:, None])
     return total + torch.log(mass.sum(dim=-1))
 
 
@@ -80,13 +83,15 @@ def sample(logits: torch.Tensor, p: SamplingBatch, softcap: Optional[float] = No
     """logits [B, V] -> (tokens [B] int64, logprobs [B] float32, or None without `logprobs`). With
     `softcap`, `logits` is the model head's output and is soft-capped here (cap * tanh(x / cap), in
     float32, as the model's own logits), inside the compiled graph that reads it."""
-    logits = final_logits(logits, softcap)
+    capped = final_logits(logits, softcap)
+    # the cap is monotonic: the greedy token is the raw output's first maximum (no tanh), the capped
+    # logits' own except where float32 tanh saturates two raw values to one (|x| > ~7 caps)
     greedy = argmax_rows(logits)
     if p.greedy_only:
         tokens = greedy
     else:
         temp = p.temperature.clamp_min(1e-5)[:, None]
-        scaled = logits / temp
+        scaled = capped / temp
         if p.needs_filter:
             scaled = _filter_top_k_top_p(scaled, p.top_k, p.top_p)
         u = hash_uniform(p.seed, p.position, logits.shape[-1])
@@ -95,7 +100,7 @@ def sample(logits: torch.Tensor, p: SamplingBatch, softcap: Optional[float] = No
         tokens = torch.where(p.temperature > 0, drawn, greedy)
     if not logprobs:
         return tokens, None
-    return tokens, logits.gather(-1, tokens[:, None])[:, 0] - logsumexp_rows(logits)
+    return tokens, capped.gather(-1, tokens[:, None])[:, 0] - logsumexp_rows(logits, softcap)
 
 
 class InvariantSampler:

@@ -88,6 +88,27 @@ def test_chunked_row_reductions_equal_torch():
     torch.testing.assert_close(logsumexp_rows(odd), torch.logsumexp(odd, -1))
 
 
+def test_soft_capped_reductions_read_the_raw_head_for_their_maxima():
+    """With a soft-cap the chunks' peaks and the greedy token come from the head's raw output (the cap is
+    monotonic; one tanh an element instead of two): the same bits as the reductions over the capped
+    logits, the same greedy tokens, and logprobs that match torch's log_softmax of the capped logits."""
+    from flexgemma.engine.sampler import SamplingBatch, argmax_rows, logsumexp_rows, sample
+    from flexgemma.model.glue import final_logits
+
+    torch.manual_seed(0)
+    head = (torch.randn(6, 64 * 37) * 40).bfloat16()  # raw values past the cap of 30
+    head[1, 100] = head[1, 2000] = 180.0  # a tie across chunks, above every other value
+    capped = final_logits(head, 30.0)
+    assert torch.equal(logsumexp_rows(head, 30.0), logsumexp_rows(capped))
+    b = head.shape[0]
+    greedy = SamplingBatch(torch.zeros(b), torch.zeros(b, dtype=torch.long), torch.ones(b),
+                           torch.arange(b), torch.full((b,), 5), needs_filter=False, greedy_only=True)
+    tokens, lp = sample(head, greedy, softcap=30.0)
+    assert torch.equal(tokens, capped.argmax(-1)) and tokens[1] == 100
+    torch.testing.assert_close(lp, torch.log_softmax(capped, -1).gather(-1, tokens[:, None])[:, 0])
+    assert torch.equal(argmax_rows(head), tokens)
+
+
 @pytest.mark.gpu
 def test_compiled_top_k_top_p_sampler_on_the_gpu():
     """The sorted filter path through torch.compile (dynamic shapes) on a 262k vocabulary: torch
