@@ -8,7 +8,7 @@
 #   PROBE=moe_tiles PROBE_MOE=bnb4 bash experiments/gpu_suite.sh probe
 #   INV_LINEAR="e2b:64,256" K_CHUNKS=512,2048 INV_FORMS=flat,split,flat_tma,split_tma bash experiments/gpu_suite.sh bench_inv_linear
 #   FORMS_4BIT=dot_prmt,dot_w_prmt,dotk4_prmt BATCHES_4BIT=32,128 WARPS_4BIT=4 bash experiments/gpu_suite.sh bench_4bit_forms
-# Stages (in this order): tests tests_kernels invariant_tests invariant_tests_moe trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 bench_inv_linear bench_inv_linear_trainer ab_inv_k_chunk_e2b ab_inv_split_sum_e2b ab_inv_keys ab_inv_loads_e2b ab_inv_26b_bnb4_experts ab_inv_26b_bnb4_subtiles invariant_tests_scale ab_inv_26b_bnb4_scale ab_prefill_page_check ab_prefill_attention ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_prefetch ab_inv_26b_bnb4_prefetch ab_26b_bnb4_lookup ab_inv_26b_bnb4_lookup ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b profile_trainer_26b_mb16 grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_e2b_exact_mb64_torch_recompute grpo_e2b_exact_mb64_pointers grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_26b_exact_sleep grpo_26b_exact_mb32_sleep grpo_26b_exact_mb16_sleep grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode profile_decode_inv profile_prefill_inv profile_prefill_masks probe decode_sweep profile_round bench_kernels bench_4bit_forms ablate_4bit ncu_4bit_up speed_old_new
+# Stages (in this order): tests tests_kernels invariant_tests invariant_tests_moe trainable_tests speed_e2b vs_hf_e2b vs_hf_26b rl_e2b rl_e4b rl_26b rl_26b_bnb4 rl_31b rl_31b_bnb4 inv_e2b inv_e2b_64 inv_e4b inv_26b inv_26b_bnb4 inv_31b speed_inv ab_inv_flatten_e2b ab_inv_flatten_26b_bnb4 bench_inv_linear bench_inv_linear_trainer ab_inv_k_chunk_e2b ab_inv_split_sum_e2b ab_inv_keys ab_inv_loads_e2b ab_inv_26b_bnb4_experts ab_inv_26b_bnb4_subtiles invariant_tests_scale ab_inv_26b_bnb4_scale ab_prefill_page_check ab_prefill_attention ab_temperature ab_31b_full_blocks ab_31b_fused_kv ab_31b_bnb4_dequant ab_26b_sort ab_26b_bnb4_slots ab_26b_bnb4_prefetch ab_inv_26b_bnb4_prefetch ab_26b_bnb4_lookup ab_inv_26b_bnb4_lookup ab_26b_bnb4_dequant sweep prefix_e2b prefix_26b exact_gap_e2b exact_gap_26b profile_trainer_e2b profile_trainer_e2b_mb64 profile_trainer_26b profile_trainer_26b_mb16 grpo_e2b grpo_e2b_exact grpo_e2b_exact_separate grpo_e2b_exact_keep grpo_e2b_exact_keep8 grpo_e2b_exact_reference grpo_e2b_exact_mb64 grpo_e2b_exact_reference_mb64 grpo_e2b_exact_mb64_torch_recompute grpo_e2b_exact_mb64_pointers grpo_26b_exact grpo_26b_exact_reference grpo_26b_exact_mb32 grpo_26b_exact_sleep grpo_26b_exact_mb32_sleep grpo_26b_exact_mb16_sleep grpo_e2b_trl grpo_26b grpo_tests grpo_2gpu profile_decode profile_decode_inv profile_prefill_inv profile_prefill_masks probe decode_sweep profile_round bench_kernels bench_4bit_forms ablate_4bit ncu_4bit_up speed_old_new
 # Each job's directory (summary.json, metrics.jsonl, config_resolved.yaml) and each sweep's report.md
 # go to $WORK (default /tmp/flexgemma_gpu); at the end they are packed into $OUT/results.tgz and a
 # digest is printed. Expects the wheels of
@@ -153,6 +153,9 @@ run ab_prefill_page_check 570 bash -c 'for preset in ${PAGE_CHECK_PRESETS:-rl_ba
 # prefill steps of fresh chunks through FlashAttention (varlen) on the head_dim-256 layers against flex over pages
 run ab_prefill_attention 570 bash -c 'for preset in ${PREFILL_PRESETS:-rl_batch_e2b}; do sweep ab_prefill_attention_$preset \
   experiment=$preset kernels.prefill_attention=flex,varlen; done'
+# what sampling costs against greedy (the rl_batch presets are greedy; a GRPO rollout samples at temperature 1)
+run ab_temperature 570 bash -c 'for preset in ${TEMP_PRESETS:-rl_batch_e2b}; do sweep ab_temperature_$preset \
+  experiment=$preset workload.temperature=0.0,1.0; done'
 run ab_31b_full_blocks 570 bash -c 'sweep ab_31b_full_blocks experiment=rl_batch_31b kernels.prefill_full_blocks=true,false'
 run ab_31b_fused_kv 570 bash -c 'sweep ab_31b_fused_kv experiment=rl_batch_31b kernels.fused_kv_write=true,false'
 run ab_31b_bnb4_dequant 570 bash -c 'sweep ab_31b_bnb4_dequant experiment=rl_batch_31b quant=bnb4 \
@@ -256,8 +259,10 @@ run grpo_2gpu 570 bash -c grpo_2gpu
 # profilers: a decode step by kernel (graph replay at ROWS rows, CONTEXT tokens); the flex decode
 # options per layer type timed alone (it prints the best as overrides: try them with the `sweep`
 # stage); a whole round with the host's and the GPU's time per step, and a prefill step's kernels
+# TEMPERATURE=1: the sampling graph (a GRPO rollout's noise over the vocabulary) instead of the all-greedy one
 run profile_decode 240 python3 experiments/profile_decode.py +model=$MODEL +experiment=rl_batch_$MODEL \
-  ${QUANT:+quant=$QUANT} ${LORA:+lora=$LORA} engine.max_batch_size=$ROWS cudagraph.buckets=[$ROWS] --batch $ROWS --context $CONTEXT --out "$WORK/profile_decode.json"
+  ${QUANT:+quant=$QUANT} ${LORA:+lora=$LORA} engine.max_batch_size=$ROWS cudagraph.buckets=[$ROWS] --batch $ROWS --context $CONTEXT \
+  ${TEMPERATURE:+--temperature $TEMPERATURE} --out "$WORK/profile_decode.json"
 # the same decode step with engine.batch_invariant=false, then true (issue 34: which kernels the invariant mode
 # pays for), e.g. MODEL=26b_a4b ROWS=128 QUANT=bnb4 (LORA=r16 ROWS=32: a GRPO rollout's decode step)
 run profile_decode_inv 420 bash -c "for inv in false true; do python3 experiments/profile_decode.py +model=$MODEL \

@@ -27,14 +27,14 @@ from flexgemma.model.attention import _KERNEL_KEYS  # noqa: E402
 from flexgemma.tasks.common import cuda_time_ms, graph_time_ms  # noqa: E402
 
 
-def place_batch(engine, batch: int, context: int) -> list[Sequence]:
+def place_batch(engine, batch: int, context: int, temperature: float = 0.0) -> list[Sequence]:
     # distinct random tokens per row: one token id for every row would route every row of an MoE
     # layer to the same 8 experts (a profile of 8 experts read instead of ~52 at batch 8)
     gen = torch.Generator().manual_seed(0)
     seqs = []
     for i in range(batch):
         tokens = torch.randint(3, engine.spec.vocab_size, (context,), generator=gen).tolist()
-        s = Sequence(10_000 + i, i, tokens, SamplingParams(max_new_tokens=8, temperature=0.0), seed=i)
+        s = Sequence(10_000 + i, i, tokens, SamplingParams(max_new_tokens=8, temperature=temperature), seed=i)
         if not engine.scheduler.grow(s, context + 1):
             free = {g.name: g.allocator.num_free for g in engine.scheduler.cache.page_groups}
             raise SystemExit(f"row {i}: no pages for {context + 1} tokens (free: {free}); lower --batch/--context")
@@ -49,6 +49,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=544)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the rows' sampling temperature: 0 replays the all-greedy graph, > 0 the sampling one (the "
+                         "noise over the vocabulary, as a GRPO rollout at temperature 1)")
     ap.add_argument("--sweep", action="store_true", help="time flex decode kernel options per layer type")
     ap.add_argument("--prefill-sweep", action="store_true",
                     help="time flex prefill kernel options per layer type on one packed prefill of the workload's "
@@ -60,9 +63,10 @@ def main() -> None:
     args, overrides = ap.parse_known_args()
     engine = build_engine(compose(overrides))
     runner = engine.runner
-    seqs = place_batch(engine, args.batch, args.context)
+    seqs = place_batch(engine, args.batch, args.context, args.temperature)
     rows = runner.graphs.bucket_for(len(seqs)) if runner.graphs else len(seqs)
-    res: dict = {"batch": args.batch, "context": args.context, "overrides": overrides}
+    greedy = args.temperature == 0
+    res: dict = {"batch": args.batch, "context": args.context, "temperature": args.temperature, "overrides": overrides}
 
     t0 = time.perf_counter()
     for _ in range(50):
@@ -75,8 +79,8 @@ def main() -> None:
     res["host_schedule_ms"] = (time.perf_counter() - t0) / 50 * 1e3
 
     if runner.graphs:
-        res["replay_ms"] = cuda_time_ms(lambda: runner.graphs.graphs[rows, True].replay())
-    res["step_fn_ms"] = cuda_time_ms(lambda: runner.decode_step(rows), iters=20)
+        res["replay_ms"] = cuda_time_ms(lambda: runner.graphs.graphs[rows, greedy].replay())
+    res["step_fn_ms"] = cuda_time_ms(lambda: runner.decode_step(rows, greedy), iters=20)
     # a whole engine step as generate() runs it: schedule + fill + replay + sync
     plan = engine.scheduler.schedule()
     t0 = time.perf_counter()
@@ -90,9 +94,9 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             if runner.graphs:
-                runner.graphs.graphs[rows, True].replay()
+                runner.graphs.graphs[rows, greedy].replay()
             else:
-                runner.decode_step(rows)
+                runner.decode_step(rows, greedy)
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
     print(table)
