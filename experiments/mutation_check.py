@@ -38,7 +38,7 @@ class Mutation:
 MUTATIONS = [
     # the six of issue 23
     Mutation("temperature as logits * temp", "flexgemma/engine/sampler.py",
-             "scaled = logits / temp", "scaled = logits * temp", ("tests/engine/test_sampling_exact.py",)),
+             "scaled = capped / temp", "scaled = capped * temp", ("tests/engine/test_sampling_exact.py",)),
     Mutation("prefill draw position without the chunk offset", "flexgemma/engine/runner.py",
              "draw_pos.append(p0 + n)", "draw_pos.append(n)", ("tests/engine/test_seeds.py",)),
     Mutation("unseeded requests ignore the request number", "flexgemma/engine/engine.py",
@@ -51,6 +51,9 @@ MUTATIONS = [
     Mutation("noise-overlap comparison inverted", "flexgemma/report/tables.py",
              "if b and r and r[2] >= b[0]:", "if b and r and r[2] < b[0]:", ("tests/report/test_report_verdicts.py",)),
     # a few more of the same kind
+    Mutation("uniforms from all 31 bits (1.0 for the top hashes: an infinite Gumbel noise)", "flexgemma/engine/sampler.py",
+             "return (((h & _MASK31) >> 8).float() + 0.5) * (1.0 / 8388608.0)",
+             "return ((h & _MASK31).float() + 0.5) * (1.0 / 2147483648.0)", ("tests/engine/test_sampling.py",)),
     Mutation("top-k keeps k+1 candidates", "flexgemma/engine/sampler.py",
              "drop = (rank >= k) |", "drop = (rank > k) |", ("tests/engine/test_sampling_exact.py",)),
     Mutation("top-p drops the candidate that crosses p", "flexgemma/engine/sampler.py",
@@ -58,7 +61,7 @@ MUTATIONS = [
              ("tests/engine/test_sampling_exact.py",)),
     Mutation("top-k/top-p on the untempered logits", "flexgemma/engine/sampler.py",
              "scaled = _filter_top_k_top_p(scaled, p.top_k, p.top_p)",
-             "scaled = _filter_top_k_top_p(logits, p.top_k, p.top_p)", ("tests/engine/test_sampling_exact.py",)),
+             "scaled = _filter_top_k_top_p(capped, p.top_k, p.top_p)", ("tests/engine/test_sampling_exact.py",)),
     Mutation("decode draw position off by one", "flexgemma/engine/runner.py",
              "batch = SamplingBatch(temperature, top_k, top_p, seed, positions + 1,",
              "batch = SamplingBatch(temperature, top_k, top_p, seed, positions,", ("tests/engine/test_seeds.py",)),

@@ -32,7 +32,14 @@ def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
     tok = torch.arange(vocab, device=seeds.device, dtype=torch.long)
     h = _mix(key[:, None] ^ ((tok[None, :] * 0x165667B1) & _MASK31))
     h = _mix(h ^ key[:, None])
-    return ((h & _MASK31).float() + 0.5) * (1.0 / 2147483648.0)
+    return unit_interval(h)
+
+
+def unit_interval(h: torch.Tensor) -> torch.Tensor:
+    """31-bit hashes -> float32 strictly inside (0, 1): the top 23 bits, centred, (m + 0.5) / 2**23, exact in
+    float32. All 31 bits rounded to float32 gave exactly 1.0 for the top 64 values: an infinite Gumbel noise,
+    a token drawn whatever its logit, in about 0.8% of the draws over a 262k vocabulary."""
+    return (((h & _MASK31) >> 8).float() + 0.5) * (1.0 / 8388608.0)
 
 
 @dataclass
