@@ -51,8 +51,8 @@ MUTATIONS = [
     Mutation("noise-overlap comparison inverted", "flexgemma/report/tables.py",
              "if b and r and r[2] >= b[0]:", "if b and r and r[2] < b[0]:", ("tests/report/test_report_verdicts.py",)),
     # a few more of the same kind
-    Mutation("uniforms from all 31 bits (1.0 for the top hashes: an infinite Gumbel noise)", "flexgemma/engine/sampler.py",
-             "return (((h & _MASK31) >> 8).float() + 0.5) * (1.0 / 8388608.0)",
+    Mutation("uniforms unclamped (1.0 for the top hashes: an infinite Gumbel noise)", "flexgemma/engine/sampler.py",
+             "return torch.clamp_max(((h & _MASK31).float() + 0.5) * (1.0 / 2147483648.0), 1.0 - 2.0 ** -24)",
              "return ((h & _MASK31).float() + 0.5) * (1.0 / 2147483648.0)", ("tests/engine/test_sampling.py",)),
     Mutation("top-k keeps k+1 candidates", "flexgemma/engine/sampler.py",
              "drop = (rank >= k) |", "drop = (rank > k) |", ("tests/engine/test_sampling_exact.py",)),

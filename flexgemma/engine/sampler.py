@@ -36,10 +36,17 @@ def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
 
 
 def unit_interval(h: torch.Tensor) -> torch.Tensor:
-    """31-bit hashes -> float32 strictly inside (0, 1): the top 23 bits, centred, (m + 0.5) / 2**23, exact in
-    float32. All 31 bits rounded to float32 gave exactly 1.0 for the top 64 values: an infinite Gumbel noise,
-    a token drawn whatever its logit, in about 0.8% of the draws over a 262k vocabulary."""
-    return (((h & _MASK31) >> 8).float() + 0.5) * (1.0 / 8388608.0)
+    """31-bit hashes -> float32 uniforms strictly inside (0, 1): (h + 0.5) / 2**31, finest near 0 (exact there),
+    the top 64 hashes (which round to 1.0 in float32) held at the largest float32 below 1."""
+    return torch.clamp_max(((h & _MASK31).float() + 0.5) * (1.0 / 2147483648.0), 1.0 - 2.0 ** -24)
+
+
+def gumbel_noise(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise -log(E) from uniforms u, E = -log(1 - u) ~ Exp(1): a large noise (the likely winner's
+    over a flat row) comes from a small u, where float32 is finest, so the tail keeps its resolution; from
+    -log(-log(u)) it would come from u near 1, a grid of 2**-24 steps (noise about 0.016 nats apart there). Finite
+    for every u of unit_interval: rounded to 1.0, one hash in 3e7 drew its token whatever the logits."""
+    return -torch.log(-torch.log1p(-u))
 
 
 @dataclass
@@ -102,7 +109,7 @@ def sample(logits: torch.Tensor, p: SamplingBatch, softcap: Optional[float] = No
         if p.needs_filter:
             scaled = _filter_top_k_top_p(scaled, p.top_k, p.top_p)
         u = hash_uniform(p.seed, p.position, logits.shape[-1])
-        gumbel = -torch.log(-torch.log(u))
+        gumbel = gumbel_noise(u)
         drawn = argmax_rows(scaled + gumbel)
         tokens = torch.where(p.temperature > 0, drawn, greedy)
     if not logprobs:

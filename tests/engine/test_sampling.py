@@ -71,17 +71,23 @@ def test_hash_uniform_is_uniform_and_pure():
     assert not torch.equal(hash_uniform(torch.tensor([3]), torch.tensor([6]), 4096)[0], u[3])
 
 
-def test_the_uniforms_never_reach_0_or_1():
-    """The hashes' float32 uniforms stay inside (0, 1) at both ends, so every Gumbel noise is finite: the top
-    31-bit hashes once rounded to 1.0, an infinite noise that drew its token whatever the logits, in about
-    0.8% of the draws over Gemma's 262k vocabulary."""
-    from flexgemma.engine.sampler import unit_interval
+def test_the_uniforms_never_reach_0_or_1_and_the_noise_tail_keeps_its_resolution():
+    """The hashes' float32 uniforms stay inside (0, 1) at both ends and every Gumbel noise is finite: the top
+    31-bit hashes once rounded to 1.0, an infinite noise that drew its token whatever the logits. The large
+    noise (the likely winner's) comes from small uniforms, exact in float32: neighbouring hashes give distinct
+    noise there, where -log(-log(u)) from u near 1 gave one value to 128 neighbouring hashes."""
+    from flexgemma.engine.sampler import gumbel_noise, unit_interval
 
-    h = torch.tensor([0, 1, 255, 256, 2**31 - 257, 2**31 - 65, 2**31 - 64, 2**31 - 1])
+    h = torch.tensor([0, 1, 2, 3, 2**31 - 129, 2**31 - 65, 2**31 - 64, 2**31 - 1])
     u = unit_interval(h)
     assert (u > 0).all() and (u < 1).all(), u
-    assert torch.isfinite(-torch.log(-torch.log(u))).all()
-    assert u[0] == u[2] < u[3] and u[-1] == 1 - 2.0 ** -24  # 23 bits, centred
+    noise = gumbel_noise(u)
+    assert torch.isfinite(noise).all(), noise
+    assert noise[0] > noise[1] > noise[2] > noise[3] > 20  # the tail: one noise per hash
+    assert noise[-1] == noise[-2] < -2.5  # held below 1: the noise that never wins
+    # Gumbel(0, 1): mean 0.5772, variance pi^2 / 6
+    many = gumbel_noise(hash_uniform(torch.arange(8), torch.full((8,), 3), 1 << 16))
+    assert abs(many.mean().item() - 0.5772) < 0.01 and abs(many.var().item() - 1.6449) < 0.03
 
 
 def test_chunked_row_reductions_equal_torch():
