@@ -117,13 +117,14 @@ class ModelRunner:
         return tokens.tolist(), logprobs.tolist(), host_rows(routing)
 
     @torch.inference_mode()
-    def prefill_head(self, plan: StepPlan, rows: list[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Runs a prefill step (KV written as usual) and returns the head's output (before the soft-cap)
-        of the step's token rows `rows` (indices into the packed chunks, in plan order), and their routed
-        experts (MoE models, else None): engine.score's teacher-forced forward."""
-        return self._prefill(plan, rows)[0], self.forward.routing
+    def prefill_hidden(self, plan: StepPlan, rows: list[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Runs a prefill step (KV written as usual) and returns the final hidden states of the step's
+        token rows `rows` (indices into the packed chunks, in plan order; forward.head() makes them the
+        head's output) and their routed experts (MoE models, else None): engine.score's teacher-forced
+        forward, which takes the head in parts of rows."""
+        return self._prefill(plan, rows, head=False)[0], self.forward.routing
 
-    def _prefill(self, plan: StepPlan, rows: Optional[list[int]] = None):
+    def _prefill(self, plan: StepPlan, rows: Optional[list[int]] = None, head: bool = True):
         total = plan.num_tokens
         padded = -(-total // self.q_block) * self.q_block
         ids = np.zeros(padded, dtype=np.int64)
@@ -151,8 +152,8 @@ class ModelRunner:
         masks = self.masks.prefill(plan.seqs, plan.chunk_lens, padded)
         index = self._to_dev(np.asarray(last if rows is None else rows, dtype=np.int64))
         slot_map = self._slots_by_type(self._to_dev(slots), self._to_dev(window_slots))
-        logits = self.forward(self._to_dev(ids), self._to_dev(pos), slot_map, masks, index, decode=False)
-        return logits, sampled, draw_pos
+        out = self.forward(self._to_dev(ids), self._to_dev(pos), slot_map, masks, index, decode=False, head=head)
+        return out, sampled, draw_pos
 
     # -- decode -----------------------------------------------------------------------------------
     def fill_decode(self, seqs: list[Sequence], rows: int) -> tuple[bool, bool]:

@@ -6,8 +6,9 @@ prompt_len-1 .. len-2), and the sequence's pages are freed as soon as its last n
 computed. The log-probabilities use the sampler's own formula (logit minus the row's logsumexp,
 at temperature 1, unfiltered), so they equal what generate() reported for the same tokens.
 
-Memory: one step's logits are [rows, vocab] float32; for long batches on a large vocabulary, lower
-engine.max_prefill_tokens (rows per step) if that is too much.
+Memory: a step's scored rows go through the LM head and the log-probabilities in parts of at most
+HEAD_PART_BYTES of float32 logits (1,024 rows of a 262k vocabulary), not all of a step's rows at once
+(8,192 rows of float32 logits are 8.6 GB, and their logsumexp as much again).
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ from flexgemma.engine.sequence import SamplingParams, Sequence, is_int, prompt_t
 
 # seq ids of scoring sequences (they own KV pages like requests): far above any request id
 SCORE_ID_BASE = 1 << 30
+# float32 logits a part of the scored rows may take (the head's bf16 output and the logsumexp's
+# temporaries come beside them)
+HEAD_PART_BYTES = 1 << 30
+
+
+def head_part_rows(vocab: int) -> int:
+    """How many scored rows go through the head and the log-probabilities at once."""
+    return max(1, HEAD_PART_BYTES // (4 * vocab))
 
 
 @dataclass
@@ -90,11 +99,12 @@ def run_score(engine, token_lists: list[list[int]], prompt_lens: list[int], top_
                     rows.append(t + p - start)
                     where.append((s.index, p))
                 t += n
-            head, routing = engine.runner.prefill_head(plan, rows or [0])
-            if rows:
-                _fill(outs, token_lists, prompt_lens, where, head, top_k, engine.runner)
-                if routed and routing is not None:
-                    _fill_routing(outs, prompt_lens, where, routing)
+            hidden, routing = engine.runner.prefill_hidden(plan, rows or [0])
+            part = head_part_rows(engine.spec.vocab_size)
+            for a in range(0, len(rows), part):
+                _fill(outs, token_lists, prompt_lens, where[a: a + part], hidden[a: a + part], top_k, engine.runner)
+            if rows and routed and routing is not None:
+                _fill_routing(outs, prompt_lens, where, routing)
             for s, n in zip(list(plan.seqs), plan.chunk_lens):
                 s.num_computed += n
                 sch.reclaim(s)
@@ -115,9 +125,11 @@ def _fill_routing(outs, prompt_lens, where, routing: torch.Tensor) -> None:
 
 
 @torch.inference_mode()
-def _fill(outs, token_lists, prompt_lens, where, head: torch.Tensor, top_k: int, runner) -> None:
-    """Writes the log-probability of each row's next given token (and the row's top_k). Under
-    engine.batch_invariant through the function the sampler used when it drew the token."""
+def _fill(outs, token_lists, prompt_lens, where, hidden: torch.Tensor, top_k: int, runner) -> None:
+    """Writes the log-probability of each row's next given token (and the row's top_k), from the rows'
+    final hidden states. Under engine.batch_invariant through the function the sampler used when it drew
+    the token."""
+    head = runner.forward.head(hidden)
     logits = runner.forward.logits(head)
     target = torch.tensor([token_lists[i][p + 1] for i, p in where], device=logits.device)
     if runner.invariant:

@@ -97,26 +97,36 @@ class GemmaForward(torch.nn.Module):
         masks: dict[str, BlockMask],
         logits_index: Optional[torch.Tensor],  # rows whose logits are needed (None: all)
         decode: bool,
+        head: bool = True,  # False: those rows' final hidden states, for head() to take in parts
     ) -> torch.Tensor:
         if self.invariant is not None and not input_ids.is_cuda:
             from flexgemma.model.invariant.rows import serial
 
             with serial():  # one thread: the CPU's loops never split a row's work (model/invariant/rows.py)
-                return self._forward(input_ids, positions, slots, masks, logits_index, decode)
-        return self._forward(input_ids, positions, slots, masks, logits_index, decode)
+                return self._forward(input_ids, positions, slots, masks, logits_index, decode, head)
+        return self._forward(input_ids, positions, slots, masks, logits_index, decode, head)
 
-    def _forward(self, input_ids, positions, slots, masks, logits_index, decode) -> torch.Tensor:
+    def _forward(self, input_ids, positions, slots, masks, logits_index, decode, head) -> torch.Tensor:
         x = self.hidden(input_ids, positions, slots, masks, decode)
         if logits_index is not None:
             x = x[logits_index]
         self.routing = self.routed_experts(logits_index)
-        # the head's output, before the soft-cap: the sampler caps it inside its own compiled graph,
-        # so the cap can fuse into its reductions over the vocabulary (capping here wrote float32
-        # logits, 108 us a step at E2B 256 rows x 262k, which the sampler then read at twice the
-        # bytes of bf16); `logits` caps it for the callers that need logits
-        if self.invariant is not None:
+        return self.head(x) if head else x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head's output of final hidden states, before the soft-cap: the sampler caps it inside its
+        own compiled graph, so the cap can fuse into its reductions over the vocabulary (capping here wrote
+        float32 logits, 108 us a step at E2B 256 rows x 262k, which the sampler then read at twice the bytes
+        of bf16); `logits` caps it for the callers that need logits. Under engine.batch_invariant a row's
+        output does not depend on the rows beside it, so rows may go through in parts."""
+        if self.invariant is None:
+            return self.model.lm_head(x)
+        if x.is_cuda:
             return self.run_module(self.model.lm_head, x)
-        return self.model.lm_head(x)
+        from flexgemma.model.invariant.rows import serial
+
+        with serial():  # as forward(): the CPU's loops never split a row's work
+            return self.run_module(self.model.lm_head, x)
 
     def routed_experts(self, rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """uint8 [T or len(rows), MoE layers, top-k]: the last hidden()'s routed experts (None: no MoE)."""

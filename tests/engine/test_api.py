@@ -218,6 +218,30 @@ def test_score_batches_larger_than_the_pool(engine):
     assert all(g.in_use == 0 for g in engine.scheduler.cache.page_groups)
 
 
+@pytest.mark.parametrize("invariant", [False, True])
+def test_score_takes_the_head_in_parts_of_rows(monkeypatch, invariant):
+    """A step's scored rows go through the LM head and the log-probabilities in parts (bounded memory on a
+    262k vocabulary): parts of 3 rows give what one part gives, bit for bit under engine.batch_invariant,
+    top-k and routed experts included."""
+    from flexgemma.engine import score as score_mod
+
+    engine = make_engine(f"engine.batch_invariant={str(invariant).lower()}", model="tiny_moe")
+    g = torch.Generator().manual_seed(1)
+    seqs = [[2] + torch.randint(4, 512, (n,), generator=g).tolist() for n in (40, 13, 70)]
+    plens = [5, 1, 30]
+    whole = engine.score(seqs, plens, top_k=3, return_routed_experts=True)
+    monkeypatch.setattr(score_mod, "HEAD_PART_BYTES", 3 * 4 * engine.spec.vocab_size)
+    assert score_mod.head_part_rows(engine.spec.vocab_size) == 3
+    parts = engine.score(seqs, plens, top_k=3, return_routed_experts=True)
+    for a, b in zip(whole, parts):
+        assert len(a.logprobs) == len(b.logprobs) > 3 and (a.routed_experts == b.routed_experts).all()
+        if invariant:
+            assert a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
+        else:
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+            assert [[t for t, _ in r] for r in a.top_logprobs] == [[t for t, _ in r] for r in b.top_logprobs]
+
+
 # -- sleep / wake -------------------------------------------------------------------------------
 def test_sleep_wake_round_trip(engine):
     """On the CPU the pool's storage is resized to nothing and back (engine.sleep_mode, CUDA virtual
