@@ -263,12 +263,11 @@ class VarlenPrefill:
 
 
 @functools.cache
-def _varlen_attn() -> tuple[Optional[Callable], frozenset]:
-    """torch's varlen_attn and its parameters' names, looked up once (None before torch 2.10)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None, frozenset()
+def _varlen_attn() -> tuple[Callable, frozenset]:
+    """torch's varlen_attn (2.11, the oldest torch flexgemma takes, has its scale and window) and its
+    parameters' names, looked up once."""
+    from torch.nn.attention.varlen import varlen_attn
+
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
@@ -307,20 +306,9 @@ def varlen_reference(q, k, v, layout: VarlenPrefill):
     return out
 
 
-def varlen_supported() -> Optional[str]:
-    """None when torch's varlen_attn takes what flash_varlen passes; else why not."""
-    varlen_attn, params = _varlen_attn()
-    if varlen_attn is None:
-        return f"torch {torch.__version__} has no torch.nn.attention.varlen (added in 2.10)"
-    missing = {"scale", "window_size"} - params
-    if missing:
-        return f"torch {torch.__version__}'s varlen_attn takes no {', '.join(sorted(missing))}"
-    return None
-
-
 def check_varlen(device: torch.device, dtype: torch.dtype, invariant: bool) -> None:
-    """kernels.prefill_attention=varlen at build: FlashAttention on a GPU takes bf16 or fp16 and needs
-    torch's varlen_attn with a window; the batch-invariant mode has its own prefill kernel."""
+    """kernels.prefill_attention=varlen at build: FlashAttention on a GPU takes bf16 or fp16; the
+    batch-invariant mode has its own prefill kernel."""
     from flexgemma.config.schema import ConfigError
 
     if invariant:
@@ -332,6 +320,3 @@ def check_varlen(device: torch.device, dtype: torch.dtype, invariant: bool) -> N
     if dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(f"kernels.prefill_attention=varlen runs FlashAttention, which takes bf16 or fp16, and this "
                           f"model computes in {dtype}: use kernels.prefill_attention=flex or model.dtype=bfloat16")
-    why = varlen_supported()
-    if why:
-        raise ConfigError(f"kernels.prefill_attention=varlen: {why}; use kernels.prefill_attention=flex")
